@@ -1,0 +1,201 @@
+"""The one typed OAR configuration, validated on load.
+
+Every bad value raises :class:`OARConfigError` naming the full key (``algorithm.oar.<key>``) and the allowed range, so
+that a typo fails at start-up rather than at the first advantage step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MODES = ("gradient", "perturbation")
+PROBES = ("auto", "lt_logits", "as_mean", "as_joint")
+TARGETS = ("response", "reference")
+APPLY_TO = ("all", "negative", "positive")
+BUILTIN_PATTERNS = ("boxed", "gsm8k", "answer_is")
+
+# Presets only fill the keys the user did not set.  `paper`: the values the paper's summaries report; `official_code`:
+# the values of the official OAR-main.py (τ = 0.25, β = 1.0).
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {"tau": 0.4, "beta": 2.0},
+    "official_code": {"tau": 0.25, "beta": 1.0},
+}
+
+DEFAULT_PREFIX = "algorithm.oar"
+
+
+class OARConfigError(ValueError):
+    """An invalid OAR configuration value; the message names the key and the allowed range."""
+
+
+@dataclass(frozen=True)
+class OARConfig:
+    """OAR settings (``algorithm.oar.*`` in the trainer config).
+
+    Attributes:
+        mode: ``gradient`` (OAR-G, gradient x input) or ``perturbation`` (OAR-P, one-token masking).
+        preset: ``paper`` (τ=0.4, β=2.0) or ``official_code`` (τ=0.25, β=1.0); explicit tau/beta win.
+        tau: gating quantile level in [0, 1): about this fraction of each sequence's tokens is suppressed.
+        beta: boost strength, >= 0: boosted raw weights lie in [1, 1 + beta].
+        floor: lowest raw weight of a suppressed token, in (0, 1].
+        probe: outcome probe, ``auto`` | ``lt_logits`` | ``as_mean`` | ``as_joint``.
+        probe_warmup_steps: with ``probe=auto``, LT-Logits for the first this-many global steps, AS-Mean after.
+        target: ``response`` (the response's own answer span) or ``reference`` (teacher-force conclude_text plus the
+            ground-truth answer after the reasoning).
+        conclude_text: text placed between the reasoning and the ground-truth answer with ``target=reference``.
+        answer_patterns: answer-span patterns tried in order: built-in names (boxed, gsm8k, answer_is) or regexes
+            with a named group ``answer``.
+        noise_std: OAR-G Gaussian noise std (absolute) on reasoning-token embeddings, > 0.
+        seed: base seed of the OAR-G noise; per-sequence generators derive from (seed, step, sequence id).
+        mask_token_id: OAR-P replacement token; None = the tokenizer's pad token.
+        chunk_size: OAR-P masked copies per forward pass, >= 1 (peak memory is flat in the reasoning length).
+        micro_batch_size: sequences per OAR-G forward/backward and per clean probe pass, >= 1.
+        apply_to: reshape ``all`` sequences, or only those with ``negative`` / ``positive`` advantage.
+        base_estimator: registered verl outcome estimator giving the sequence advantage (default ``grpo``).
+        skip_zero_advantage: attribute only sequences with non-zero base advantage (others keep w = 1).
+    """
+
+    mode: str = "gradient"
+    preset: str = "paper"
+    tau: float | None = None
+    beta: float | None = None
+    floor: float = 0.1
+    probe: str = "auto"
+    probe_warmup_steps: int = 10
+    target: str = "response"
+    conclude_text: str = "Therefore, the final answer is \\boxed{"
+    answer_patterns: tuple[str, ...] = BUILTIN_PATTERNS
+    noise_std: float = 1e-3
+    seed: int = 0
+    mask_token_id: int | None = None
+    chunk_size: int = 64
+    micro_batch_size: int = 8
+    apply_to: str = "all"
+    base_estimator: str = "grpo"
+    skip_zero_advantage: bool = True
+    prefix: str = field(default=DEFAULT_PREFIX, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        p = self.prefix
+        _choice(p, "mode", self.mode, MODES)
+        _choice(p, "preset", self.preset, tuple(PRESETS))
+        preset = PRESETS[self.preset]
+        # resolve the preset into concrete values (frozen dataclass: object.__setattr__ is the documented escape hatch)
+        for k in ("tau", "beta"):
+            if getattr(self, k) is None:
+                object.__setattr__(self, k, preset[k])
+        _number(p, "tau", self.tau, lo=0.0, hi=1.0, hi_open=True)
+        _number(p, "beta", self.beta, lo=0.0)
+        _number(p, "floor", self.floor, lo=0.0, hi=1.0, lo_open=True)
+        _choice(p, "probe", self.probe, PROBES)
+        _integer(p, "probe_warmup_steps", self.probe_warmup_steps, lo=0)
+        _choice(p, "target", self.target, TARGETS)
+        if not isinstance(self.conclude_text, str):
+            raise OARConfigError(f"{p}.conclude_text must be a string, got {self.conclude_text!r}")
+        object.__setattr__(self, "answer_patterns", _patterns(p, self.answer_patterns))
+        _number(p, "noise_std", self.noise_std, lo=0.0, lo_open=True)
+        _integer(p, "seed", self.seed, lo=0)
+        if self.mask_token_id is not None:
+            _integer(p, "mask_token_id", self.mask_token_id, lo=0)
+        _integer(p, "chunk_size", self.chunk_size, lo=1)
+        _integer(p, "micro_batch_size", self.micro_batch_size, lo=1)
+        _choice(p, "apply_to", self.apply_to, APPLY_TO)
+        if not isinstance(self.base_estimator, str) or not self.base_estimator:
+            raise OARConfigError(f"{p}.base_estimator must be a registered estimator name, got {self.base_estimator!r}")
+        if self.base_estimator == "oar":
+            raise OARConfigError(f"{p}.base_estimator cannot be 'oar' itself; use an outcome estimator such as 'grpo'")
+        if not isinstance(self.skip_zero_advantage, bool):
+            raise OARConfigError(f"{p}.skip_zero_advantage must be true or false, got {self.skip_zero_advantage!r}")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None, prefix: str = DEFAULT_PREFIX) -> OARConfig:
+        """Build from a dict / OmegaConf DictConfig; unknown keys are an error (a typo must not be ignored)."""
+        values = _to_plain(values) if values is not None else {}
+        if not isinstance(values, Mapping):
+            raise OARConfigError(f"{prefix} must be a mapping of OAR settings, got {type(values).__name__}")
+        known = {f.name for f in fields(cls) if f.name != "prefix"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise OARConfigError(f"unknown key(s) {', '.join(prefix + '.' + k for k in unknown)}; "
+                                 f"allowed: {', '.join(sorted(known))}")
+        kwargs = dict(values)
+        if "answer_patterns" in kwargs and kwargs["answer_patterns"] is not None:
+            ap = kwargs["answer_patterns"]
+            kwargs["answer_patterns"] = (ap,) if isinstance(ap, str) else tuple(ap)
+        return cls(**kwargs, prefix=prefix)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("prefix")
+        d["answer_patterns"] = list(self.answer_patterns)
+        return d
+
+    def probe_for_step(self, global_step: int) -> str:
+        """The probe used at a training step: ``auto`` resolves to LT-Logits during warm-up, AS-Mean after."""
+        if self.probe != "auto":
+            return self.probe
+        return "lt_logits" if global_step < self.probe_warmup_steps else "as_mean"
+
+
+def _to_plain(values: Any) -> Any:
+    try:  # OmegaConf is a verl dependency, but the core must not need it
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(values, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(values, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return values
+
+
+def _choice(prefix: str, key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise OARConfigError(f"{prefix}.{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+
+
+def _number(prefix: str, key: str, value: Any, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False, hi_open: bool = False) -> None:
+    lo_s = "" if lo is None else f"{lo} {'<' if lo_open else '<='} "
+    hi_s = "" if hi is None else f" {'<' if hi_open else '<='} {hi}"
+    rng = f"{lo_s}{key}{hi_s}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise OARConfigError(f"{prefix}.{key}={value!r} must be a finite number with {rng}")
+    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or \
+          (hi is not None and (value >= hi if hi_open else value > hi))
+    if bad:
+        raise OARConfigError(f"{prefix}.{key}={value!r} is out of range: must satisfy {rng}")
+
+
+def _integer(prefix: str, key: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OARConfigError(f"{prefix}.{key}={value!r} must be an integer >= {lo}")
+    if value < lo:
+        raise OARConfigError(f"{prefix}.{key}={value!r} is out of range: must be an integer >= {lo}")
+
+
+def _patterns(prefix: str, patterns: Any) -> tuple[str, ...]:
+    if isinstance(patterns, str):
+        patterns = (patterns,)
+    if not isinstance(patterns, (tuple, list)) or not patterns:
+        raise OARConfigError(f"{prefix}.answer_patterns must be a non-empty list of pattern names "
+                             f"({', '.join(BUILTIN_PATTERNS)}) or regexes with a named group 'answer'")
+    out = []
+    for pat in patterns:
+        if not isinstance(pat, str):
+            raise OARConfigError(f"{prefix}.answer_patterns entry {pat!r} must be a string")
+        if pat not in BUILTIN_PATTERNS:
+            try:
+                rx = re.compile(pat)
+            except re.error as e:
+                raise OARConfigError(f"{prefix}.answer_patterns entry {pat!r} is neither a built-in pattern "
+                                     f"({', '.join(BUILTIN_PATTERNS)}) nor a valid regex: {e}") from e
+            if "answer" not in rx.groupindex:
+                raise OARConfigError(f"{prefix}.answer_patterns regex {pat!r} needs a named group (?P<answer>...) "
+                                     "marking the answer value")
+        out.append(pat)
+    return tuple(out)

@@ -1,0 +1,131 @@
+"""From raw importance to token weights: log-compression, per-sequence min-max, bi-level gating, renormalisation.
+
+oar-method.md §5, with the official code's bug 1 fixed (the configured τ is the quantile level of every sequence):
+
+    u = log1p(max(I, 0));  n = (u − min u) / (max u − min u)   (divisor 1 when constant)
+    θ = quantile(n, τ)     (linear interpolation, numpy's default)
+    w = max(n / (θ + 1e-8), floor)            if n < θ   (suppression ramp floor..1)
+    w = 1 + β (n − θ) / (1 − θ + 1e-8)        if n ≥ θ   (boost ramp 1..1+β)
+    w ← w · R / Σ w                            (mean one over the R reasoning tokens: advantage mass preserved)
+
+All functions work on padded (B, T) batches with masks; no per-token Python loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_EPS = 1e-8
+
+
+def masked_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
+    """Per-row quantile of the masked entries, numpy's ``linear`` method.
+
+    Args:
+        values: (B, T) float. mask: (B, T) bool. q: level in [0, 1].
+
+    Returns:
+        (B,) quantile of each row's masked values (0 for rows with no masked entry).
+    """
+    n = mask.sum(-1)
+    srt = torch.where(mask, values, torch.full_like(values, float("inf"))).sort(-1).values
+    pos = q * (n - 1).clamp(min=0).to(values.dtype)
+    lo = pos.floor().long()
+    hi = torch.minimum(lo + 1, (n - 1).clamp(min=0))
+    frac = pos - lo.to(values.dtype)
+    a = srt.gather(-1, lo[:, None]).squeeze(-1)
+    b = srt.gather(-1, hi[:, None]).squeeze(-1)
+    out = a + (b - a) * frac
+    return torch.where(n > 0, out, torch.zeros_like(out))
+
+
+def normalize_scores(importance: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log1p then per-row min-max to [0, 1] over the masked entries.
+
+    Args:
+        importance: (B, T) raw scores, finite on masked entries; negative values (signed AS-Joint drops) clamp to 0
+            so that log1p never sees −1 or less.
+        mask: (B, T) bool.
+
+    Returns:
+        (B, T) float64 in [0, 1] on masked entries, 0 elsewhere.
+    """
+    u = torch.log1p(importance.double().clamp(min=0))
+    u = torch.where(mask, u, 0.0)
+    umin = torch.where(mask, u, float("inf")).amin(-1, keepdim=True)
+    umax = torch.where(mask, u, float("-inf")).amax(-1, keepdim=True)
+    span = umax - umin
+    span = torch.where(torch.isfinite(span) & (span > 0), span, torch.ones_like(span))
+    umin = torch.where(torch.isfinite(umin), umin, torch.zeros_like(umin))
+    return torch.where(mask, (u - umin) / span, 0.0)
+
+
+@dataclass(frozen=True)
+class TokenWeights:
+    """OAR weights of a response batch and what the gate did to each token.
+
+    Attributes:
+        weights: (B, T) float32; reshaped on reasoning tokens of reshaped rows, 1 on other valid tokens (answer span,
+            EOS, rows left alone), 0 on padding.
+        reshaped: (B, T) bool, tokens whose weight came from the gate.
+        floored: (B, T) bool, suppressed tokens that hit the floor before renormalisation.
+        boosted: (B, T) bool, tokens on the boost branch with raw weight > 1.
+        fallback: (B,) bool, rows with NaN/inf importance on a reasoning token: kept uniform (a defined fallback,
+            never a silent NaN advantage).
+    """
+
+    weights: torch.Tensor
+    reshaped: torch.Tensor
+    floored: torch.Tensor
+    boosted: torch.Tensor
+    fallback: torch.Tensor
+
+
+def gate(normalized: torch.Tensor, mask: torch.Tensor, tau: float, beta: float, floor: float):
+    """Bi-level gating of normalised scores, then renormalisation to Σw = R per row.
+
+    Args:
+        normalized: (B, T) scores in [0, 1]. mask: (B, T) bool reasoning tokens.
+        tau: quantile level in [0, 1). beta: boost >= 0. floor: in (0, 1].
+
+    Returns:
+        (w, floored, boosted): w (B, T) float64 weights > 0 on masked entries summing to the row's mask count, 0
+        elsewhere; floored / boosted (B, T) bool as in :class:`TokenWeights`.
+    """
+    theta = masked_quantile(normalized, mask, tau)[:, None]
+    ramp = normalized / (theta + _EPS)
+    high = 1.0 + beta * (normalized - theta) / (1.0 - theta + _EPS)
+    suppressed = normalized < theta
+    w = torch.where(suppressed, ramp.clamp(min=floor), high)
+    w = torch.where(mask, w, 0.0)
+    r = mask.sum(-1, keepdim=True).to(w.dtype)
+    w = w * r / w.sum(-1, keepdim=True).clamp(min=_EPS)
+    return w, mask & suppressed & (ramp <= floor), mask & ~suppressed & (high > 1.0)
+
+
+def oar_token_weights(importance: torch.Tensor, reasoning_mask: torch.Tensor, response_mask: torch.Tensor,
+                      tau: float, beta: float, floor: float = 0.1,
+                      reshape_rows: torch.Tensor | None = None) -> TokenWeights:
+    """Per-token OAR weights of a response batch.
+
+    Args:
+        importance: (B, T) raw importance, response-aligned.
+        reasoning_mask: (B, T) bool, the tokens to reshape.
+        response_mask: (B, T) 0/1 valid response tokens.
+        tau, beta, floor: gating parameters.
+        reshape_rows: (B,) bool, rows to reshape (default all); other rows keep w = 1.
+
+    Returns:
+        TokenWeights.
+    """
+    valid = response_mask.bool()
+    mask = reasoning_mask.bool() & valid
+    finite = (torch.isfinite(importance) | ~mask).all(-1)
+    rows = finite if reshape_rows is None else finite & reshape_rows.bool()
+    mask_r = mask & rows[:, None]
+    safe = torch.where(mask_r, importance.double(), 0.0)
+    w, floored, boosted = gate(normalize_scores(safe, mask_r), mask_r, tau, beta, floor)
+    weights = torch.where(mask_r, w, valid.double())
+    return TokenWeights(weights.float(), mask_r, floored, boosted, ~finite & mask.any(-1))

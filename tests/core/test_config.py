@@ -1,0 +1,59 @@
+"""OARConfig: presets, probe schedule, and every invalid value named with its key and allowed range."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from oar_verl.core.config import OARConfig, OARConfigError
+
+
+def test_defaults_and_presets():
+    cfg = OARConfig()
+    assert (cfg.mode, cfg.tau, cfg.beta, cfg.floor, cfg.probe) == ("gradient", 0.4, 2.0, 0.1, "auto")
+    off = OARConfig(preset="official_code")
+    assert (off.tau, off.beta) == (0.25, 1.0)
+    assert OARConfig(preset="official_code", tau=0.5).tau == 0.5  # explicit values win over the preset
+
+
+def test_from_omegaconf_and_roundtrip():
+    dc = OmegaConf.create({"mode": "perturbation", "tau": 0.3, "answer_patterns": ["gsm8k", r"Final: (?P<answer>\d+)"]})
+    cfg = OARConfig.from_mapping(dc)
+    assert cfg.mode == "perturbation" and cfg.answer_patterns == ("gsm8k", r"Final: (?P<answer>\d+)")
+    assert OARConfig.from_mapping(cfg.to_dict()) == cfg
+    assert OARConfig.from_mapping(None) == OARConfig()
+
+
+def test_probe_schedule():
+    cfg = OARConfig(probe_warmup_steps=3)
+    assert [cfg.probe_for_step(s) for s in range(5)] == ["lt_logits"] * 3 + ["as_mean"] * 2
+    assert OARConfig(probe="as_joint").probe_for_step(0) == "as_joint"
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"mode": "grad"}, r"algorithm\.oar\.mode='grad' is not allowed; choose one of: gradient, perturbation"),
+    ({"tau": 1.0}, r"algorithm\.oar\.tau=1\.0 is out of range: must satisfy 0\.0 <= tau < 1\.0"),
+    ({"tau": -0.1}, r"algorithm\.oar\.tau=-0\.1 is out of range"),
+    ({"tau": float("nan")}, r"algorithm\.oar\.tau=nan must be a finite number"),
+    ({"tau": "0.4"}, r"algorithm\.oar\.tau='0\.4' must be a finite number"),
+    ({"beta": -1}, r"algorithm\.oar\.beta=-1 is out of range: must satisfy 0\.0 <= beta"),
+    ({"floor": 0.0}, r"algorithm\.oar\.floor=0\.0 is out of range: must satisfy 0\.0 < floor <= 1\.0"),
+    ({"probe": "mean"}, r"algorithm\.oar\.probe='mean' is not allowed"),
+    ({"probe_warmup_steps": -1}, r"algorithm\.oar\.probe_warmup_steps=-1 is out of range"),
+    ({"probe_warmup_steps": 2.5}, r"algorithm\.oar\.probe_warmup_steps=2\.5 must be an integer"),
+    ({"target": "gold"}, r"algorithm\.oar\.target='gold' is not allowed"),
+    ({"noise_std": 0}, r"algorithm\.oar\.noise_std=0 is out of range: must satisfy 0\.0 < noise_std"),
+    ({"chunk_size": 0}, r"algorithm\.oar\.chunk_size=0 is out of range"),
+    ({"micro_batch_size": True}, r"algorithm\.oar\.micro_batch_size=True must be an integer"),
+    ({"mask_token_id": -3}, r"algorithm\.oar\.mask_token_id=-3 is out of range"),
+    ({"apply_to": "wrong"}, r"algorithm\.oar\.apply_to='wrong' is not allowed; choose one of: all, negative, positive"),
+    ({"base_estimator": "oar"}, r"algorithm\.oar\.base_estimator cannot be 'oar'"),
+    ({"answer_patterns": []}, r"algorithm\.oar\.answer_patterns must be a non-empty list"),
+    ({"answer_patterns": ["(unclosed"]}, r"neither a built-in pattern .* nor a valid regex"),
+    ({"answer_patterns": [r"\d+"]}, r"needs a named group \(\?P<answer>"),
+    ({"preset": "fast"}, r"algorithm\.oar\.preset='fast' is not allowed"),
+    ({"tua": 0.3}, r"unknown key\(s\) algorithm\.oar\.tua; allowed:"),
+])
+def test_invalid_values_name_the_key(values, message):
+    with pytest.raises(OARConfigError, match=message):
+        OARConfig.from_mapping(values)

@@ -1,0 +1,176 @@
+"""Gating and metrics: hand-computed values, the official arithmetic (τ bug fixed), hypothesis invariants."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oar_verl.core.gating import masked_quantile, normalize_scores, oar_token_weights
+from oar_verl.core.metrics import ess_ratio, oar_metrics, top_mass
+
+
+def official_weights(importance: np.ndarray, tau: float, beta: float) -> np.ndarray:
+    """The official OAR-main.py arithmetic for one sequence (numpy), with its τ-overwrite bug fixed."""
+    log_imp = np.log1p(importance)
+    mn, mx = log_imp.min(), log_imp.max()
+    norm = (log_imp - mn) / (mx - mn) if mx > mn else np.zeros_like(log_imp)
+    threshold = np.quantile(norm, tau)
+    w = np.where(norm < threshold, np.maximum(norm / (threshold + 1e-8), 0.1),
+                 1.0 + beta * (norm - threshold) / (1.0 - threshold + 1e-8))
+    return w * len(w) / w.sum()
+
+
+def official_loop_with_bug(seqs: list[np.ndarray], tau: float, beta: float) -> list[np.ndarray]:
+    """The official loop as published: `threshold` (τ) is overwritten by the quantile value of the previous row."""
+    threshold = tau
+    out = []
+    for imp in seqs:
+        log_imp = np.log1p(imp)
+        norm = (log_imp - log_imp.min()) / (log_imp.max() - log_imp.min())
+        threshold = np.quantile(norm, threshold)
+        w = np.where(norm < threshold, np.maximum(norm / (threshold + 1e-8), 0.1),
+                     1.0 + beta * (norm - threshold) / (1.0 - threshold + 1e-8))
+        out.append(w * len(w) / w.sum())
+    return out
+
+
+def pad(seqs: list[np.ndarray], T: int):
+    imp = torch.zeros(len(seqs), T, dtype=torch.float64)
+    mask = torch.zeros(len(seqs), T, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        imp[i, : len(s)] = torch.from_numpy(s)
+        mask[i, : len(s)] = True
+    return imp, mask
+
+
+def test_hand_computed_example():
+    # I = e^u - 1 for u = 0, 1, 2, 3  →  n = 0, 1/3, 2/3, 1 ; τ = 0.5 → θ = 0.5 (linear interpolation)
+    imp = torch.tensor([[math.exp(u) - 1 for u in (0, 1, 2, 3)]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    tw = oar_token_weights(imp, mask, mask.long(), tau=0.5, beta=2.0, floor=0.1)
+    raw = [0.1, (1 / 3) / 0.5, 1 + 2 * (2 / 3 - 0.5) / 0.5, 1 + 2 * (1 - 0.5) / 0.5]
+    expect = torch.tensor([[r * 4 / sum(raw) for r in raw]])
+    torch.testing.assert_close(tw.weights, expect.float(), rtol=1e-6, atol=1e-6)
+    assert tw.floored.tolist() == [[True, False, False, False]]
+    assert tw.boosted.tolist() == [[False, False, True, True]]
+
+
+def test_masked_quantile_matches_numpy():
+    rng = np.random.default_rng(0)
+    seqs = [rng.random(n) for n in (1, 2, 5, 17)]
+    vals, mask = pad(seqs, 20)
+    for q in (0.0, 0.25, 0.4, 0.77, 1.0):
+        got = masked_quantile(vals, mask, q)
+        want = torch.tensor([np.quantile(s, q) for s in seqs], dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("tau,beta", [(0.4, 2.0), (0.25, 1.0), (0.0, 2.0), (0.9, 0.5)])
+def test_matches_official_arithmetic(tau, beta):
+    rng = np.random.default_rng(1)
+    seqs = [rng.exponential(1.0, n) for n in (3, 8, 30)]
+    imp, mask = pad(seqs, 32)
+    tw = oar_token_weights(imp, mask, mask.long(), tau=tau, beta=beta, floor=0.1)
+    for i, s in enumerate(seqs):
+        np.testing.assert_allclose(tw.weights[i, : len(s)].numpy(), official_weights(s, tau, beta), rtol=1e-5)
+
+
+def test_official_tau_bug_would_differ():
+    """Documents bug 1: the published loop reuses the previous row's quantile value as the next row's level."""
+    rng = np.random.default_rng(2)
+    seqs = [rng.exponential(1.0, 12) for _ in range(3)]
+    buggy = official_loop_with_bug(seqs, 0.4, 2.0)
+    imp, mask = pad(seqs, 12)
+    ours = oar_token_weights(imp, mask, mask.long(), tau=0.4, beta=2.0).weights
+    np.testing.assert_allclose(ours[0].numpy(), buggy[0], rtol=1e-5)  # first row: same
+    assert not np.allclose(ours[1].numpy(), buggy[1], rtol=1e-3)
+
+
+def test_answer_eos_and_padding_weights():
+    imp = torch.tensor([[5.0, 1.0, 0.0, 9.0, 9.0, 0.0]])
+    reasoning = torch.tensor([[1, 1, 1, 0, 0, 0]]).bool()
+    valid = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    tw = oar_token_weights(imp, reasoning, valid, tau=0.4, beta=2.0)
+    assert tw.weights[0, 3:5].tolist() == [1.0, 1.0]  # answer span and EOS keep 1
+    assert tw.weights[0, 5] == 0.0  # padding keeps 0
+    assert math.isclose(float(tw.weights[0, :3].sum()), 3.0, rel_tol=1e-6)
+
+
+def test_nonfinite_rows_fall_back_to_uniform():
+    imp = torch.tensor([[1.0, float("nan"), 2.0], [1.0, float("inf"), 0.5], [3.0, 1.0, 2.0]])
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    tw = oar_token_weights(imp, mask, mask.long(), tau=0.4, beta=2.0)
+    assert tw.fallback.tolist() == [True, True, False]
+    assert (tw.weights[:2] == 1).all()
+    assert torch.isfinite(tw.weights).all()
+    # non-finite values off the reasoning tokens are ignored
+    imp2 = torch.tensor([[1.0, 2.0, float("nan")]])
+    tw2 = oar_token_weights(imp2, torch.tensor([[1, 1, 0]]).bool(), torch.ones(1, 3), tau=0.4, beta=2.0)
+    assert not tw2.fallback.any() and torch.isfinite(tw2.weights).all()
+
+
+def test_negative_joint_drops_do_not_make_nan():
+    imp = torch.tensor([[-5.0, -1.0, -0.999, 0.5, 2.0]])
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    n = normalize_scores(imp, mask)
+    assert torch.isfinite(n).all()
+    tw = oar_token_weights(imp, mask, mask.long(), tau=0.4, beta=2.0)
+    assert torch.isfinite(tw.weights).all() and (tw.weights > 0).all()
+
+
+def test_reshape_rows_leaves_other_rows_uniform():
+    imp = torch.rand(3, 5)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    tw = oar_token_weights(imp, mask, mask.long(), 0.4, 2.0, reshape_rows=torch.tensor([True, False, True]))
+    assert (tw.weights[1] == 1).all() and not (tw.weights[0] == 1).all()
+
+
+def test_metrics_values():
+    w = torch.tensor([[2.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    m = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]).bool()
+    torch.testing.assert_close(ess_ratio(w, m), torch.tensor([16 / (3 * 6), 1.0]))
+    torch.testing.assert_close(top_mass(w, m, 0.1), torch.tensor([0.5, 0.25]))
+    imp = torch.tensor([[0.1, 3.0, 0.2, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    tw = oar_token_weights(imp, m, torch.ones(2, 4), 0.4, 2.0)
+    base = torch.tensor([[1.0] * 4, [-0.5] * 4])
+    metrics = oar_metrics(tw, base, base * tw.weights, torch.ones(2, 4), span_found=torch.tensor([True, False]))
+    assert metrics["oar/span_found_frac"] == 0.5
+    assert metrics["oar/reshaped_seq_frac"] == 1.0
+    assert metrics["oar/adv_mass_rel_err"] < 1e-6
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+# ------------------------------------------------------------------------------------------- invariants
+rows_strategy = st.lists(
+    st.lists(st.floats(0.0, 1e4, allow_nan=False, allow_infinity=False), min_size=1, max_size=24),
+    min_size=1, max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows_strategy, st.floats(0.0, 0.95), st.floats(0.0, 5.0), st.floats(0.01, 1.0))
+def test_invariants_sum_positive_composition(seqs, tau, beta, floor):
+    seqs = [np.array(s) for s in seqs]
+    imp, mask = pad(seqs, 24)
+    tw = oar_token_weights(imp, mask, mask.long(), tau, beta, floor)
+    w = tw.weights.double()
+    # Σw = R and w > 0 over the reasoning tokens
+    torch.testing.assert_close(w.sum(-1), mask.sum(-1).double(), rtol=1e-5, atol=1e-5)
+    assert (w[mask] > 0).all()
+    # a row's weights do not depend on the other rows of the batch
+    for i in range(len(seqs)):
+        alone = oar_token_weights(imp[i: i + 1], mask[i: i + 1], mask[i: i + 1].long(), tau, beta, floor).weights
+        torch.testing.assert_close(alone[0], tw.weights[i], rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 30), st.floats(0.0, 1e3), st.floats(0.0, 0.95), st.floats(0.0, 5.0))
+def test_all_equal_scores_give_uniform_weights(n, value, tau, beta):
+    imp = torch.full((1, n), value, dtype=torch.float64)
+    mask = torch.ones(1, n, dtype=torch.bool)
+    tw = oar_token_weights(imp, mask, mask.long(), tau, beta)
+    torch.testing.assert_close(tw.weights, torch.ones(1, n), rtol=1e-6, atol=1e-6)
