@@ -1,0 +1,144 @@
+"""The ``oar`` advantage estimator: a base outcome advantage (GRPO by default) reshaped token by token.
+
+verl's trainers pass an estimator only a fixed set of batch fields (verl-0.9.1.md §3.2), never ``token_importance``;
+the OAR trainers (``oar_verl.integration.trainer_v1`` / ``trainer_legacy``) call this estimator with it. Called
+without it, the estimator raises :class:`OARSetupError` explaining how to run OAR.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.core_algos import register_adv_est
+
+from oar_verl.core.config import OARConfig
+from oar_verl.core.gating import TokenWeights, oar_token_weights
+from oar_verl.integration import handoff
+
+ESTIMATOR_NAME = "oar"
+
+RUN_HINT = (
+    "Run OAR with the OAR trainer:\n"
+    "    python -m oar_verl.main algorithm.adv_estimator=oar algorithm.oar.mode=gradient ...\n"
+    "(same config tree as verl.trainer.main_ppo, with the algorithm.oar.* keys declared; trainer.use_v1=false selects "
+    "the legacy RayPPOTrainer). Or keep verl's entry point and select the registered OAR trainer:\n"
+    "    python -m verl.trainer.main_ppo --config-path=<oar_verl>/integration/config --config-name=oar_trainer ...\n"
+)
+
+
+class OARSetupError(RuntimeError):
+    """OAR is selected but the run is not set up to compute token importance."""
+
+
+@dataclass(frozen=True)
+class OARAdvantage:
+    """Result of the OAR estimator.
+
+    Attributes:
+        advantages: (B, T) reshaped token advantages Â = w · A_base.
+        returns: (B, T) the base estimator's returns, reshaped like the advantages.
+        base_advantages: (B, T) the base estimator's advantages.
+        token_weights: TokenWeights (B, T).
+    """
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    base_advantages: torch.Tensor
+    token_weights: TokenWeights
+
+
+def oar_config(config: Any) -> OARConfig:
+    """The validated OARConfig of an ``algorithm`` config (DictConfig, AlgoConfig or dict) or an OARConfig."""
+    if isinstance(config, OARConfig):
+        return config
+    oar = None
+    if config is not None:
+        oar = config.get("oar", None) if hasattr(config, "get") else getattr(config, "oar", None)
+    return OARConfig.from_mapping(oar)
+
+
+def sequence_advantage(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) the sequence-level advantage: the mean over valid tokens (outcome estimators broadcast one value)."""
+    m = response_mask.to(advantages.dtype)
+    return (advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
+
+
+def rows_to_reshape(seq_adv: torch.Tensor, apply_to: str) -> torch.Tensor:
+    """(B,) bool rows whose weights OAR reshapes: non-zero advantage, filtered by ``apply_to``."""
+    if apply_to == "negative":
+        return seq_adv < 0
+    if apply_to == "positive":
+        return seq_adv > 0
+    return seq_adv != 0
+
+
+def base_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, config: Any,
+                   cfg: OARConfig, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The base outcome estimator ``cfg.base_estimator`` with verl's own arguments."""
+    norm_by_std = config.get("norm_adv_by_std_in_grpo", True) if hasattr(config, "get") else True
+    if cfg.base_estimator == "grpo":
+        return core_algos.compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
+                                                         norm_adv_by_std_in_grpo=norm_by_std, config=config)
+    try:
+        fn = core_algos.get_adv_estimator_fn(cfg.base_estimator)
+    except ValueError as e:
+        raise OARSetupError(f"{cfg.prefix}.base_estimator={cfg.base_estimator!r} is not a registered verl "
+                            f"estimator; registered: {', '.join(sorted(core_algos.ADV_ESTIMATOR_REGISTRY))}") from e
+    if index is not None:
+        kwargs["index"] = index
+    return fn(token_level_rewards=token_level_rewards, response_mask=response_mask, config=config, **kwargs)
+
+
+def compute_oar(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index=None, config: Any = None,
+                token_importance: torch.Tensor | None = None, reasoning_mask: torch.Tensor | None = None,
+                attributed: torch.Tensor | None = None, **kwargs) -> OARAdvantage:
+    """Base advantage × OAR weights, with everything the trainer logs.
+
+    Args:
+        token_level_rewards: (B, T). response_mask: (B, T) 0/1. index: (B,) prompt uids (numpy object array).
+        config: verl's ``algorithm`` config holding ``oar``.
+        token_importance: (B, T) raw importance, response-aligned (from the OAR worker).
+        reasoning_mask: (B, T) bool tokens to reshape (default: every valid token).
+        attributed: (B,) bool rows whose importance was computed (default: all); the others keep w = 1.
+
+    Returns:
+        OARAdvantage. Rows with zero base advantage, rows excluded by ``apply_to`` and rows with non-finite importance
+        keep their base advantage unchanged.
+    """
+    cfg = oar_config(config)
+    if token_importance is None:
+        raise OARSetupError("adv_estimator=oar needs per-token importance (`token_importance`), which verl's stock "
+                            "trainers never pass to an estimator.\n" + RUN_HINT)
+    if token_importance.shape != response_mask.shape:
+        raise ValueError(f"token_importance has shape {tuple(token_importance.shape)} but the responses have "
+                         f"{tuple(response_mask.shape)}")
+    base_adv, base_ret = base_advantage(token_level_rewards, response_mask, index, config, cfg, **kwargs)
+    if reasoning_mask is None:
+        reasoning_mask = response_mask.bool()
+    rows = rows_to_reshape(sequence_advantage(base_adv, response_mask), cfg.apply_to)
+    if attributed is not None:
+        rows = rows & attributed.to(rows.device).bool()
+    tw = oar_token_weights(token_importance.to(base_adv.device), reasoning_mask.to(base_adv.device), response_mask,
+                           cfg.tau, cfg.beta, cfg.floor, reshape_rows=rows)
+    w = tw.weights.to(base_adv.dtype)
+    return OARAdvantage(base_adv * w, base_ret * w, base_adv, tw)
+
+
+@register_adv_est(ESTIMATOR_NAME)
+def compute_oar_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index=None,
+                          config: Any = None, token_importance: torch.Tensor | None = None,
+                          reasoning_mask: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl estimator ``oar``: returns (advantages, returns), each (B, T). See :func:`compute_oar`."""
+    attributed = None
+    if token_importance is None:
+        pending = handoff.take(response_mask)
+        if pending is not None:
+            token_importance, reasoning_mask, attributed = (pending.token_importance, pending.reasoning_mask,
+                                                            pending.attributed)
+    out = compute_oar(token_level_rewards, response_mask, index, config, token_importance, reasoning_mask,
+                      attributed=attributed, **kwargs)
+    handoff.record_result(out)
+    return out.advantages, out.returns

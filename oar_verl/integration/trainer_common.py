@@ -1,0 +1,137 @@
+"""What the V1 and legacy OAR trainers share: start-up validation, worker swap, row selection, metrics."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+import ray
+import torch
+from omegaconf import DictConfig
+
+from oar_verl.core.config import OARConfig, OARConfigError
+from oar_verl.core.metrics import oar_metrics
+from oar_verl.integration.estimator import (ESTIMATOR_NAME, RUN_HINT, OARSetupError, base_advantage, oar_config,
+                                            rows_to_reshape, sequence_advantage)
+from oar_verl.integration.worker import CONFIG_KEY, STEP_KEY, OARActorRolloutRefWorker
+
+logger = logging.getLogger("oar_verl")
+
+SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
+
+
+def uses_oar(config: DictConfig) -> bool:
+    return config.algorithm.get("adv_estimator", None) == ESTIMATOR_NAME
+
+
+def validate_oar_setup(config: DictConfig) -> OARConfig:
+    """Check everything OAR needs at start-up, before any rollout; returns the validated OARConfig.
+
+    Raises:
+        OARConfigError: an invalid ``algorithm.oar.*`` value (the message names the key and the allowed range).
+        OARSetupError: a verl setting OAR cannot run with (e.g. the Megatron strategy).
+    """
+    cfg = oar_config(config.algorithm)
+    actor = config.actor_rollout_ref.actor
+    strategy = actor.get("strategy", "fsdp")
+    if strategy not in SUPPORTED_STRATEGIES:
+        raise OARSetupError(f"actor_rollout_ref.actor.strategy={strategy!r} is not supported by OAR yet (supported: "
+                            f"{', '.join(SUPPORTED_STRATEGIES)}); Megatron attribution is planned")
+    sp = actor.get("ulysses_sequence_parallel_size", 1) or 1
+    if sp > 1:
+        raise OARSetupError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} is not supported by OAR "
+                            "yet: attribution runs whole sequences on every rank; use 1")
+    if cfg.base_estimator in ("gae",):
+        raise OARConfigError(f"{cfg.prefix}.base_estimator='gae' needs a critic; OAR reshapes outcome advantages "
+                             "(grpo, rloo, reinforce_plus_plus, ...)")
+    rollout_corr = config.algorithm.get("rollout_correction", None)
+    if rollout_corr is not None and rollout_corr.get("bypass_mode", False):
+        raise OARSetupError("algorithm.rollout_correction.bypass_mode=true skips the old-log-prob pass that OAR "
+                            "attributes after; set it to false")
+    return cfg
+
+
+def install_stock_trainer_guard() -> None:
+    """Make verl's own trainers refuse ``adv_estimator=oar`` at construction, before any rollout.
+
+    Without the OAR trainer nothing computes token importance, and the failure would otherwise come only at the
+    first advantage step, after a full rollout.
+    """
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    for cls in (PPOTrainer, RayPPOTrainer):
+        original = cls.__init__
+        if getattr(original, "_oar_guard", False):
+            continue
+
+        @functools.wraps(original)
+        def guarded(self, config, *args, __original=original, **kwargs):
+            if uses_oar(config) and not getattr(self, "_oar_trainer", False):
+                raise OARSetupError(f"algorithm.adv_estimator=oar was selected with verl's stock trainer "
+                                    f"{type(self).__name__}, which cannot compute token importance.\n" + RUN_HINT)
+            __original(self, config, *args, **kwargs)
+
+        guarded._oar_guard = True
+        cls.__init__ = guarded
+
+
+def swap_actor_worker(role_worker_mapping: dict) -> None:
+    """Replace verl's ActorRolloutRefWorker by the OAR worker for every actor role present."""
+    from verl.trainer.ppo.utils import Role
+
+    for role in (Role.ActorRollout, Role.ActorRolloutRef, Role.Actor):
+        if role in role_worker_mapping:
+            role_worker_mapping[role] = ray.remote(OARActorRolloutRefWorker)
+
+
+def select_rows(cfg: OARConfig, algorithm: DictConfig, scores: torch.Tensor, response_mask: torch.Tensor,
+                uids: np.ndarray, eligible: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Rows to attribute: non-zero base advantage (and ``apply_to``), padded to a multiple of the DP size.
+
+    Args:
+        scores: (B, T) token-level outcome scores; response_mask (B, T); uids (B,) prompt ids.
+        eligible: (B,) bool rows that may be attributed (not verl's synthetic padding rows).
+        multiple: the data-parallel size; the selection is topped up with other eligible rows to a multiple of it
+            so that every rank gets an equal share.
+
+    Returns:
+        (N,) long sorted row indices (empty when nothing needs attribution).
+    """
+    if cfg.skip_zero_advantage and not algorithm.get("use_kl_in_reward", False):
+        base, _ = base_advantage(scores, response_mask, uids, algorithm, cfg)
+        wanted = rows_to_reshape(sequence_advantage(base, response_mask), cfg.apply_to) & eligible
+    else:  # with KL in the reward every row has a non-zero advantage
+        wanted = eligible.clone()
+    idx = wanted.nonzero().squeeze(1)
+    if len(idx) == 0:
+        return idx
+    short = (-len(idx)) % multiple
+    if short:
+        fill = ((~wanted) & eligible).nonzero().squeeze(1)[:short]
+        if len(fill) < short:  # not enough other real rows: use padding rows, then any rows
+            fill = torch.cat([fill, (~wanted & ~eligible).nonzero().squeeze(1)])[:short]
+        idx = torch.cat([idx, fill]).sort().values
+    return idx
+
+
+def attribution_options(cfg: OARConfig, global_step: int) -> dict:
+    """Per-call options for the worker (the worker's init arguments are fixed by verl)."""
+    return {CONFIG_KEY: cfg.to_dict(), STEP_KEY: int(global_step)}
+
+
+def scatter_rows(values: torch.Tensor, rows: torch.Tensor, n_rows: int, width: int, fill=0.0) -> torch.Tensor:
+    """(n_rows, width) tensor with ``values`` (len(rows), w <= width) placed at ``rows``; ``fill`` elsewhere."""
+    out = torch.full((n_rows, width), fill, dtype=values.dtype)
+    out[rows, : values.shape[1]] = values
+    return out
+
+
+def step_metrics(result, response_mask: torch.Tensor, span_found: torch.Tensor | None,
+                 answer_probe: torch.Tensor | None, n_attributed: int) -> dict[str, float]:
+    """oar/* metrics of one step from the estimator's result."""
+    metrics = oar_metrics(result.token_weights, result.base_advantages, result.advantages, response_mask,
+                          span_found=span_found, answer_probe=answer_probe)
+    metrics["oar/attributed_seq_frac"] = n_attributed / max(int(response_mask.shape[0]), 1)
+    return metrics
