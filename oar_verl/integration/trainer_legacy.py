@@ -13,7 +13,7 @@ import time
 import numpy as np
 import ray
 import torch
-from verl.trainer.main_ppo_v0 import TaskRunner
+from verl.trainer.main_ppo_v0 import BaseTaskRunner
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
@@ -88,8 +88,13 @@ class OARRayPPOTrainer(RayPPOTrainer):
         return output
 
 
-class OARTaskRunnerImpl(TaskRunner.__ray_actor_class__):  # TaskRunner is a Ray actor class; extend its class
-    """verl's legacy TaskRunner with the OAR worker and trainer."""
+class OARTaskRunnerImpl(BaseTaskRunner):
+    """verl's legacy TaskRunner with the OAR worker and trainer.
+
+    verl's ``TaskRunner`` is a Ray actor class; its underlying class is not importable by name, so a subclass would
+    be pickled by value and break its ``super()`` calls in the Ray worker. This class extends the importable base and
+    borrows ``TaskRunner.run`` at call time instead.
+    """
 
     def add_actor_rollout_worker(self, config):
         cls, group_cls = super().add_actor_rollout_worker(config)
@@ -99,9 +104,9 @@ class OARTaskRunnerImpl(TaskRunner.__ray_actor_class__):  # TaskRunner is a Ray 
     def run(self, config):
         import verl.trainer.main_ppo_v0 as v0
 
-        # the legacy run() builds `RayPPOTrainer` by module-level name; point it at the OAR trainer for this process
+        # the legacy run() builds `RayPPOTrainer` by module-level name; point it at the OAR trainer in this process
         v0.RayPPOTrainer = OARRayPPOTrainer
-        return super().run(config)
+        return v0.TaskRunner.__ray_actor_class__.run(self, config)
 
 
 OARTaskRunner = ray.remote(num_cpus=1)(OARTaskRunnerImpl)

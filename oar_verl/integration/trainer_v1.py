@@ -70,7 +70,8 @@ class OARTrainerSync(PPOTrainerSync):
         padded = data.to_padded_tensor()
         response_mask = padded["response_mask"]
         B, T = response_mask.shape
-        uids = np.array(padded["uid"].tolist(), dtype=object)
+        uid = padded["uid"]  # a non-tensor field: a list-like of prompt uids
+        uids = np.array(uid.tolist() if hasattr(uid, "tolist") else list(uid), dtype=object)
         eligible = torch.tensor([not tag.get("is_padding", False) for tag in batch.tags], dtype=torch.bool)
         rows = select_rows(cfg, self.config.algorithm, padded["rm_scores"], response_mask, uids, eligible,
                            self._dp_size())
