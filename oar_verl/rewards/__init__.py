@@ -1,0 +1,1 @@
+"""Reward functions usable as verl ``reward.custom_reward_function``s."""

@@ -1,0 +1,98 @@
+"""Run ``compute_token_importance`` on a real Ray worker group of the OAR worker (FSDP2, gloo, CPU).
+
+Launched by test_worker_group_on_cpu.py in a fresh process (the CPU platform must be selected before verl is first
+imported). Builds the group exactly like verl's trainers do (``create_colocated_worker_cls`` + ``spawn``), calls the
+RPC on a nested TensorDict whose data-parallel shards hold different lengths, and saves inputs and outputs.
+
+usage: python worker_group_job.py MODEL_DIR OUT_FILE N_RANKS MODE RAY_TMP
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import ray
+import torch
+from hydra import compose, initialize_config_dir
+from tensordict import TensorDict
+
+import verl
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.single_controller.ray.base import create_colocated_worker_cls
+from verl.utils import tensordict_utils as tu
+
+from oar_verl.core.config import OARConfig
+from oar_verl.integration.worker import CONFIG_KEY, STEP_KEY, OARActorRolloutRefWorker
+
+# Rank 0 gets the first half of the batch: short responses there, long ones on rank 1.
+PROMPTS = ["What is 3 plus 4?", "What is 12 plus 30?", "Add 5 and 9.", "What is 7 plus 8?"]
+RESPONSES = ["The answer is 7.", "12 plus 30 is 42. The answer is 42.",
+             "5 plus 9: count up from 5 by nine steps, which gives 14. The answer is 14.",
+             "Seven and eight make fifteen, so #### 15"]
+
+
+def main() -> None:
+    model_dir, out_file, n_ranks, mode, ray_tmp = sys.argv[1:6]
+    n_ranks = int(n_ranks)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [torch.tensor(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=True)["input_ids"]) for p in PROMPTS]
+    responses = [torch.tensor(tok.encode(r, add_special_tokens=False) + [tok.eos_token_id]) for r in RESPONSES]
+
+    cfg_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=cfg_dir, version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=[
+            f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_remove_padding=False",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+            "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2",
+            "actor_rollout_ref.actor.use_torch_compile=False",
+            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32",
+            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1", "actor_rollout_ref.rollout.name=vllm",
+            f"trainer.n_gpus_per_node={n_ranks}", "data.train_batch_size=2"])
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=ray_tmp)
+    try:
+        pool = RayResourcePool([n_ranks], use_gpu=False, max_colocate_count=1)
+        class_dict = {"actor": RayClassWithInitArgs(cls=ray.remote(OARActorRolloutRefWorker),
+                                                    config=cfg.actor_rollout_ref, role="actor")}
+        group = RayWorkerGroup(pool, create_colocated_worker_cls(class_dict=class_dict), device_name="cpu")
+        wg = group.spawn(prefix_set=class_dict.keys())["actor"]
+        wg.init_model()
+
+        def nested(rows):
+            return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+        ids = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
+        data = TensorDict({
+            "input_ids": nested(ids), "position_ids": nested([torch.arange(len(x)) for x in ids]),
+            "prompts": nested(prompts), "responses": nested(responses),
+            "response_mask": nested([torch.ones(len(r)) for r in responses]),
+            "loss_mask": nested([torch.cat([torch.zeros(len(p)), torch.ones(len(r))])
+                                 for p, r in zip(prompts, responses)]),
+        }, batch_size=[len(ids)])
+        oar = OARConfig(mode=mode, probe="as_mean", chunk_size=5, micro_batch_size=1)
+        logp_data = data.clone()
+        tu.assign_non_tensor(logp_data, temperature=1.0, compute_loss=False, calculate_entropy=False)
+        before = wg.compute_log_prob(logp_data.clone())["log_probs"]
+        tu.assign_non_tensor(data, **{CONFIG_KEY: oar.to_dict(), STEP_KEY: 3})
+        out = wg.compute_token_importance(data)
+        after = wg.compute_log_prob(logp_data.clone())["log_probs"]
+        torch.save({"prompts": prompts, "responses": responses, "config": oar.to_dict(),
+                    "token_importance": [t.clone() for t in out["token_importance"].unbind()],
+                    "reasoning": [t.clone() for t in out["oar_reasoning_mask"].unbind()],
+                    "answer": [t.clone() for t in out["oar_answer_mask"].unbind()],
+                    "span_found": out["oar_span_found"].clone(),
+                    "log_probs_before": [t.clone() for t in before.unbind()],
+                    "log_probs_after": [t.clone() for t in after.unbind()]}, out_file)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
