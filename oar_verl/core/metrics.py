@@ -39,7 +39,8 @@ def oar_metrics(tw: TokenWeights, base_advantages: torch.Tensor, advantages: tor
         base_advantages, advantages: (B, T) advantages before / after reshaping.
         response_mask: (B, T) 0/1.
         span_found: (N,) bool over the attributed rows, an answer span was located (None: not reported).
-        answer_probe: (N,) bool over the attributed rows, the row used an answer-span probe rather than LT-Logits (None: not reported).
+        answer_probe: (N,) bool over the attributed rows, the row used an answer-span probe rather than LT-Logits
+            (None: not reported).
 
     Returns:
         dict of python floats: weight mean/std/min/max over reshaped tokens, floor and boost fractions, ESS ratio,

@@ -86,6 +86,13 @@ def swap_actor_worker(role_worker_mapping: dict) -> None:
             role_worker_mapping[role] = ray.remote(OARActorRolloutRefWorker)
 
 
+def actor_dp_size(worker_group) -> int:
+    """Data-parallel size of the actor mesh of a verl worker group (as verl's own batch balancing reads it)."""
+    if "actor" not in worker_group._dispatch_info:
+        worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
+    return max(worker_group._dispatch_info["actor"]) + 1
+
+
 def select_rows(cfg: OARConfig, algorithm: DictConfig, scores: torch.Tensor, response_mask: torch.Tensor,
                 uids: np.ndarray, eligible: torch.Tensor, multiple: int) -> torch.Tensor:
     """Rows to attribute: non-zero base advantage (and ``apply_to``), padded to a multiple of the DP size.

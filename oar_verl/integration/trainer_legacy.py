@@ -19,8 +19,8 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
 from oar_verl.integration import handoff
-from oar_verl.integration.trainer_common import (attribution_options, scatter_rows, select_rows, step_metrics,
-                                                 swap_actor_worker, uses_oar, validate_oar_setup)
+from oar_verl.integration.trainer_common import (actor_dp_size, attribution_options, scatter_rows, select_rows,
+                                                 step_metrics, swap_actor_worker, uses_oar, validate_oar_setup)
 
 
 class OARRayPPOTrainer(RayPPOTrainer):
@@ -33,12 +33,6 @@ class OARRayPPOTrainer(RayPPOTrainer):
         self._oar_pending: handoff.PendingImportance | None = None
         self._oar_step_info: tuple | None = None
         super().__init__(config, *args, **kwargs)
-
-    def _dp_size(self) -> int:
-        wg = self.actor_rollout_wg
-        if "actor" not in wg._dispatch_info:
-            wg._dispatch_info["actor"] = wg._query_dispatch_info("actor")
-        return max(wg._dispatch_info["actor"]) + 1
 
     def _compute_old_log_prob(self, batch):
         result = super()._compute_old_log_prob(batch)
@@ -59,7 +53,8 @@ class OARRayPPOTrainer(RayPPOTrainer):
         if scores is None:  # reward not computed yet (e.g. reward model outside the batch): attribute every row
             rows = torch.arange(B)
         else:
-            rows = select_rows(cfg, self.config.algorithm, scores, response_mask, uids, eligible, self._dp_size())
+            rows = select_rows(cfg, self.config.algorithm, scores, response_mask, uids, eligible,
+                               actor_dp_size(self.actor_rollout_wg))
         importance = torch.zeros(B, T)
         reasoning = torch.zeros(B, T, dtype=torch.bool)
         found = probe = torch.zeros(0, dtype=torch.bool)

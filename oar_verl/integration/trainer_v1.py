@@ -16,8 +16,8 @@ from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 from verl.utils.profiler import marked_timer
 
 from oar_verl.integration import handoff
-from oar_verl.integration.trainer_common import (attribution_options, install_stock_trainer_guard, scatter_rows,
-                                                 select_rows, step_metrics, swap_actor_worker, uses_oar,
+from oar_verl.integration.trainer_common import (actor_dp_size, attribution_options, install_stock_trainer_guard,
+                                                 scatter_rows, select_rows, step_metrics, swap_actor_worker, uses_oar,
                                                  validate_oar_setup)
 
 TRAINER_MODE = "oar_sync"
@@ -57,12 +57,6 @@ class OARTrainerSync(PPOTrainerSync):
         metrics.update(step_metrics(result, pending.response_mask, found, probe, n_attr))
         return batch
 
-    def _dp_size(self) -> int:
-        wg = self.actor_rollout_wg
-        if "actor" not in wg._dispatch_info:
-            wg._dispatch_info["actor"] = wg._query_dispatch_info("actor")
-        return max(wg._dispatch_info["actor"]) + 1
-
     def _attribute(self, batch):
         cfg = self.oar_config
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
@@ -74,7 +68,7 @@ class OARTrainerSync(PPOTrainerSync):
         uids = np.array(uid.tolist() if hasattr(uid, "tolist") else list(uid), dtype=object)
         eligible = torch.tensor([not tag.get("is_padding", False) for tag in batch.tags], dtype=torch.bool)
         rows = select_rows(cfg, self.config.algorithm, padded["rm_scores"], response_mask, uids, eligible,
-                           self._dp_size())
+                           actor_dp_size(self.actor_rollout_wg))
         importance = torch.zeros(B, T)
         reasoning = torch.zeros(B, T, dtype=torch.bool)
         found = probe = torch.zeros(0, dtype=torch.bool)  # over the attributed rows

@@ -114,7 +114,8 @@ class OARActorRolloutRefWorker(ActorRolloutRefWorker):
         batch = build_attribution_batch(prompts.to(device), prompt_mask.to(device), attr_responses.to(device),
                                         attr_mask.to(device), attr_reasoning.to(device), attr_answer.to(device),
                                         kinds.to(device))
-        seeds = sequence_seeds(cfg.seed, step, row_fingerprints(prompts, prompt_mask, responses, response_mask)).to(device)
+        seq_ids = row_fingerprints(prompts, prompt_mask, responses, response_mask)
+        seeds = sequence_seeds(cfg.seed, step, seq_ids).to(device)
         pad_to = _max_over_ranks(collective_rounds(batch, cfg), device)
         with engine.eval_mode():
             engine.module.eval()  # no dropout during attribution

@@ -204,3 +204,11 @@ def test_pad_to_forwards_runs_extra_forwards(lm64, make_batch):
         assert len(calls) == 10  # clean + noisy forward per round
     finally:
         h.remove()
+
+
+def test_missing_mask_token_and_seeds_are_clear_errors(lm64, make_batch):
+    rows = make_batch(B=2, P=3, T=4, seed=4)
+    with pytest.raises(ValueError, match="OAR-P needs a mask token: set algorithm.oar.mask_token_id"):
+        response_importance(lm64, *rows, OARConfig(mode="perturbation"), mask_token_id=None)
+    with pytest.raises(ValueError, match="OAR-G needs per-sequence noise seeds"):
+        response_importance(lm64, *rows, OARConfig(mode="gradient"), seeds=None)
