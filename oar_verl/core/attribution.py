@@ -22,7 +22,7 @@ def probe_kinds(cfg: OARConfig, global_step: int, batch_size: int, device=None) 
 def collective_rounds(batch: AttributionBatch, cfg: OARConfig) -> int:
     """Collective rounds the configured method runs on ``batch``; data-parallel ranks align on the max."""
     if cfg.mode == "perturbation":
-        return num_forwards(batch, cfg.chunk_size, cfg.micro_batch_size)
+        return num_forwards(batch, cfg.chunk_size, cfg.micro_batch_size, cfg.prefix_cache, cfg.mask_span)
     return num_rounds(batch, cfg.micro_batch_size)
 
 
@@ -43,7 +43,8 @@ def run_attribution(model: torch.nn.Module, batch: AttributionBatch, cfg: OARCon
         if mask_token_id is None:
             raise ValueError("OAR-P needs a mask token: set algorithm.oar.mask_token_id or give the tokenizer a pad "
                              "token")
-        return oar_p_importance(model, batch, mask_token_id, cfg.chunk_size, cfg.micro_batch_size, pad_to)
+        return oar_p_importance(model, batch, mask_token_id, cfg.chunk_size, cfg.micro_batch_size, pad_to,
+                                prefix_cache=cfg.prefix_cache, mask_span=cfg.mask_span)
     if seeds is None:
         raise ValueError("OAR-G needs per-sequence noise seeds (see oar_verl.core.gradient.sequence_seeds)")
     return oar_g_importance(model, batch, cfg.noise_std, seeds, cfg.micro_batch_size, pad_to)

@@ -54,10 +54,18 @@ class OARConfig:
         seed: base seed of the OAR-G noise; per-sequence generators derive from (seed, step, sequence id).
         mask_token_id: OAR-P replacement token; None = the tokenizer's pad token.
         chunk_size: OAR-P masked copies per forward pass, >= 1 (peak memory is flat in the reasoning length).
+        prefix_cache: OAR-P reuses each sequence's clean key/value cache for the unchanged prefix of its masked
+            copies (same numbers, less compute; needs a model that supports ``past_key_values``).
+        mask_span: OAR-P masks this many consecutive reasoning tokens per copy, >= 1; 1 is the exact method, k > 1
+            is a k-times cheaper approximation.
         micro_batch_size: sequences per OAR-G forward/backward and per clean probe pass, >= 1.
         apply_to: reshape ``all`` sequences, or only those with ``negative`` / ``positive`` advantage.
         base_estimator: registered verl outcome estimator giving the sequence advantage (default ``grpo``).
         skip_zero_advantage: attribute only sequences with non-zero base advantage (others keep w = 1).
+        dump_every: every this-many steps, dump attributed rollouts (tokens, importance, weights) as JSONL for token
+            heatmaps; 0 = never.
+        dump_dir: where the dumps go; None = ``<trainer.default_local_dir>/oar_dumps``.
+        dump_groups: prompt groups (all their rollouts) per dump, >= 1.
     """
 
     mode: str = "gradient"
@@ -74,10 +82,15 @@ class OARConfig:
     seed: int = 0
     mask_token_id: int | None = None
     chunk_size: int = 64
+    prefix_cache: bool = True
+    mask_span: int = 1
     micro_batch_size: int = 8
     apply_to: str = "all"
     base_estimator: str = "grpo"
     skip_zero_advantage: bool = True
+    dump_every: int = 0
+    dump_dir: str | None = None
+    dump_groups: int = 2
     prefix: str = field(default=DEFAULT_PREFIX, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +116,9 @@ class OARConfig:
         if self.mask_token_id is not None:
             _integer(p, "mask_token_id", self.mask_token_id, lo=0)
         _integer(p, "chunk_size", self.chunk_size, lo=1)
+        if not isinstance(self.prefix_cache, bool):
+            raise OARConfigError(f"{p}.prefix_cache must be true or false, got {self.prefix_cache!r}")
+        _integer(p, "mask_span", self.mask_span, lo=1)
         _integer(p, "micro_batch_size", self.micro_batch_size, lo=1)
         _choice(p, "apply_to", self.apply_to, APPLY_TO)
         if not isinstance(self.base_estimator, str) or not self.base_estimator:
@@ -111,6 +127,10 @@ class OARConfig:
             raise OARConfigError(f"{p}.base_estimator cannot be 'oar' itself; use an outcome estimator such as 'grpo'")
         if not isinstance(self.skip_zero_advantage, bool):
             raise OARConfigError(f"{p}.skip_zero_advantage must be true or false, got {self.skip_zero_advantage!r}")
+        _integer(p, "dump_every", self.dump_every, lo=0)
+        if self.dump_dir is not None and not isinstance(self.dump_dir, str):
+            raise OARConfigError(f"{p}.dump_dir must be a path string or null, got {self.dump_dir!r}")
+        _integer(p, "dump_groups", self.dump_groups, lo=1)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None, prefix: str = DEFAULT_PREFIX) -> OARConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import ray
@@ -12,6 +13,7 @@ from omegaconf import DictConfig
 
 from oar_verl.core.config import OARConfig, OARConfigError
 from oar_verl.core.metrics import oar_metrics
+from oar_verl.integration import dumps, handoff
 from oar_verl.integration.estimator import (ESTIMATOR_NAME, RUN_HINT, OARSetupError, base_advantage, oar_config,
                                             rows_to_reshape, sequence_advantage)
 from oar_verl.integration.worker import CONFIG_KEY, STEP_KEY, OARActorRolloutRefWorker
@@ -128,6 +130,10 @@ def attribution_options(cfg: OARConfig, global_step: int) -> dict:
     return {CONFIG_KEY: cfg.to_dict(), STEP_KEY: int(global_step)}
 
 
+# what compute_token_importance returns per row (nested, response-aligned) and per sequence
+WORKER_FIELDS = ("token_importance", "oar_reasoning_mask", "oar_answer_mask", "oar_span_found", "oar_answer_probe")
+
+
 def scatter_rows(values: torch.Tensor, rows: torch.Tensor, n_rows: int, width: int, fill=0.0) -> torch.Tensor:
     """(n_rows, width) tensor with ``values`` (len(rows), w <= width) placed at ``rows``; ``fill`` elsewhere."""
     out = torch.full((n_rows, width), fill, dtype=values.dtype)
@@ -135,10 +141,60 @@ def scatter_rows(values: torch.Tensor, rows: torch.Tensor, n_rows: int, width: i
     return out
 
 
-def step_metrics(result, response_mask: torch.Tensor, span_found: torch.Tensor | None,
-                 answer_probe: torch.Tensor | None, n_attributed: int) -> dict[str, float]:
-    """oar/* metrics of one step from the estimator's result."""
+@dataclass
+class StepAttribution:
+    """One step's attribution, in the batch's row order.
+
+    Attributes:
+        pending: what the estimator takes (importance, reasoning mask, attributed rows, response mask), (B, T).
+        rows: (N,) attributed row indices.
+        answer: (B, T) bool answer-span tokens. found, answer_probe: (B,) bool.
+        scores: (B,) sequence rewards. uids: (B,) prompt ids. responses: (B, T) ids, only on dump steps.
+    """
+
+    pending: handoff.PendingImportance
+    rows: torch.Tensor
+    answer: torch.Tensor
+    found: torch.Tensor
+    answer_probe: torch.Tensor
+    scores: torch.Tensor
+    uids: np.ndarray
+    responses: torch.Tensor | None = None
+
+
+def assemble(out: dict | None, rows: torch.Tensor, response_mask: torch.Tensor, scores: torch.Tensor,
+             uids: np.ndarray, responses: torch.Tensor | None = None) -> StepAttribution:
+    """Scatter the worker's padded (N, T') outputs for ``rows`` into (B, T) batch tensors."""
+    B, T = response_mask.shape
+    attributed = torch.zeros(B, dtype=torch.bool)
+    importance, reasoning = torch.zeros(B, T), torch.zeros(B, T, dtype=torch.bool)
+    answer = torch.zeros(B, T, dtype=torch.bool)
+    found, probe = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
+    if out is not None and len(rows):
+        importance = scatter_rows(out["token_importance"].float(), rows, B, T)
+        reasoning = scatter_rows(out["oar_reasoning_mask"].bool(), rows, B, T, fill=False)
+        answer = scatter_rows(out["oar_answer_mask"].bool(), rows, B, T, fill=False)
+        found[rows], probe[rows] = out["oar_span_found"].bool(), out["oar_answer_probe"].bool()
+        attributed[rows] = True
+    pending = handoff.PendingImportance(importance, reasoning & response_mask.bool(), attributed, response_mask)
+    return StepAttribution(pending, rows, answer, found, probe, scores, uids, responses)
+
+
+def finish_step(cfg: OARConfig, step: int, att: StepAttribution, tokenizer, default_local_dir: str | None
+                ) -> dict[str, float]:
+    """oar/* metrics of the step from the estimator's result, and the token dump when one is due."""
+    result = handoff.pop_result()
+    if result is None:
+        raise RuntimeError("oar: the advantage step did not run the `oar` estimator (algorithm.adv_estimator was "
+                           "changed after start-up?)")
+    response_mask = att.pending.response_mask
     metrics = oar_metrics(result.token_weights, result.base_advantages, result.advantages, response_mask,
-                          span_found=span_found, answer_probe=answer_probe)
-    metrics["oar/attributed_seq_frac"] = n_attributed / max(int(response_mask.shape[0]), 1)
+                          span_found=att.found[att.rows], answer_probe=att.answer_probe[att.rows])
+    metrics["oar/attributed_seq_frac"] = len(att.rows) / max(int(response_mask.shape[0]), 1)
+    if dumps.due(cfg, step) and att.responses is not None and len(att.rows):
+        rows = dumps.pick_groups(att.uids, att.pending.attributed, cfg.dump_groups)
+        dumps.write_dump(dumps.dump_dir(cfg, default_local_dir) / f"step_{step}.jsonl", step, rows, att.uids,
+                         att.scores, sequence_advantage(result.base_advantages, response_mask), att.responses,
+                         response_mask, att.pending.token_importance, result.token_weights.weights,
+                         att.pending.reasoning_mask, att.answer, att.found, tokenizer)
     return metrics

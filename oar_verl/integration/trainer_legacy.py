@@ -19,8 +19,9 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
 from oar_verl.integration import handoff
-from oar_verl.integration.trainer_common import (actor_dp_size, attribution_options, scatter_rows, select_rows,
-                                                 step_metrics, swap_actor_worker, uses_oar, validate_oar_setup)
+from oar_verl.integration.trainer_common import (WORKER_FIELDS, StepAttribution, actor_dp_size, assemble,
+                                                 attribution_options, finish_step, select_rows, swap_actor_worker,
+                                                 uses_oar, validate_oar_setup)
 
 
 class OARRayPPOTrainer(RayPPOTrainer):
@@ -30,56 +31,47 @@ class OARRayPPOTrainer(RayPPOTrainer):
 
     def __init__(self, config, *args, **kwargs):
         self.oar_config = validate_oar_setup(config) if uses_oar(config) else None
-        self._oar_pending: handoff.PendingImportance | None = None
-        self._oar_step_info: tuple | None = None
+        self._oar_step: StepAttribution | None = None
+        self._oar_seconds = 0.0
         super().__init__(config, *args, **kwargs)
 
     def _compute_old_log_prob(self, batch):
         result = super()._compute_old_log_prob(batch)
         if self.oar_config is not None:
             start = time.perf_counter()
-            pending, found, probe, n_attr = self._attribute(batch)
-            handoff.put(pending)
-            self._oar_step_info = (pending.response_mask, found, probe, n_attr, time.perf_counter() - start)
+            self._oar_step = self._attribute(batch)
+            handoff.put(self._oar_step.pending)
+            self._oar_seconds = time.perf_counter() - start
         return result
 
-    def _attribute(self, batch):
+    def _attribute(self, batch) -> StepAttribution:
         cfg = self.oar_config
         response_mask = batch.batch["response_mask"]
-        B, T = response_mask.shape
+        B = response_mask.shape[0]
         uids = np.asarray(batch.non_tensor_batch["uid"], dtype=object)
-        scores = batch.batch["rm_scores"] if "rm_scores" in batch.batch.keys() else None
-        eligible = torch.ones(B, dtype=torch.bool)
-        if scores is None:  # reward not computed yet (e.g. reward model outside the batch): attribute every row
-            rows = torch.arange(B)
-        else:
-            rows = select_rows(cfg, self.config.algorithm, scores, response_mask, uids, eligible,
+        if "rm_scores" in batch.batch.keys():
+            scores = batch.batch["rm_scores"]
+            rows = select_rows(cfg, self.config.algorithm, scores, response_mask, uids, torch.ones(B, dtype=torch.bool),
                                actor_dp_size(self.actor_rollout_wg))
-        importance = torch.zeros(B, T)
-        reasoning = torch.zeros(B, T, dtype=torch.bool)
-        found = probe = torch.zeros(0, dtype=torch.bool)
-        attributed = torch.zeros(B, dtype=torch.bool)
+        else:  # reward not in the batch yet: attribute every row
+            scores, rows = torch.zeros_like(response_mask, dtype=torch.float32), torch.arange(B)
+        out = None
         if len(rows):
-            sub = batch.select_idxs(rows.numpy())
-            td = left_right_2_no_padding(sub.to_tensordict())
+            td = left_right_2_no_padding(batch.select_idxs(rows.numpy()).to_tensordict())
             tu.assign_non_tensor(td, **attribution_options(cfg, self.global_steps))
-            out = self.actor_rollout_wg.compute_token_importance(td)
-            importance = scatter_rows(out["token_importance"].to_padded_tensor(0.0).float(), rows, B, T)
-            reasoning = scatter_rows(out["oar_reasoning_mask"].to_padded_tensor(0.0).bool(), rows, B, T, fill=False)
-            found, probe = out["oar_span_found"].bool(), out["oar_answer_probe"].bool()
-            attributed[rows] = True
-        pending = handoff.PendingImportance(importance, reasoning & response_mask.bool(), attributed, response_mask)
-        return pending, found, probe, len(rows)
+            nested = self.actor_rollout_wg.compute_token_importance(td)
+            out = {k: (nested[k].to_padded_tensor(0.0) if nested[k].is_nested else nested[k]) for k in WORKER_FIELDS}
+        return assemble(out, rows, response_mask, scores.sum(-1), uids, batch.batch["responses"])
 
     def _update_actor(self, batch):
+        # the legacy fit() keeps its metric and timing dicts local: report ours with the actor-update metrics
         output = super()._update_actor(batch)
-        if self.oar_config is not None and self._oar_step_info is not None:
-            response_mask, found, probe, n_attr, seconds = self._oar_step_info
-            result = handoff.pop_result()
-            if result is not None:
-                output.meta_info["metrics"].update(step_metrics(result, response_mask, found, probe, n_attr))
-            output.meta_info["metrics"]["timing_s/oar"] = seconds
-            self._oar_step_info = None
+        if self.oar_config is not None and self._oar_step is not None:
+            metrics = output.meta_info["metrics"]
+            metrics.update(finish_step(self.oar_config, self.global_steps, self._oar_step, self.tokenizer,
+                                       self.config.trainer.get("default_local_dir")))
+            metrics["timing_s/oar"] = self._oar_seconds
+            self._oar_step = None
         return output
 
 

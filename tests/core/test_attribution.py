@@ -100,6 +100,64 @@ def test_oar_p_matches_naive(lm64, make_batch, kind, chunk):
 
 
 @pytest.mark.parametrize("kind", [LT_LOGITS, AS_MEAN, AS_JOINT])
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_oar_p_prefix_cache_matches_naive(lm64, make_batch, kind, chunk):
+    rows = make_batch(B=4, P=5, T=9, seed=kind * 10 + chunk + 1)
+    batch = build_attribution_batch(*rows, torch.full((4,), kind))
+    fast = oar_p_importance(lm64, batch, MASK, chunk_size=chunk, prefix_cache=True)[:, batch.response_start:]
+    ref = naive_oar_p(lm64, rows, kind)
+    torch.testing.assert_close(fast.double(), ref, rtol=1e-5, atol=1e-9)
+    assert ref.abs().sum() > 0
+
+
+def naive_block_oar_p(model, rows, kind, span):
+    """Mask `span` consecutive reasoning tokens at once; each token of the block gets the block's score."""
+    B, T = rows[2].shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        ids, reas, ans = _unpadded(*rows, b)
+        n_p = int(rows[1][b].sum())
+        with torch.no_grad():
+            clean = _naive_probe(model(ids[None]).logits[0], ids, kind, reas, ans)
+            for k in range(0, len(reas), span):
+                block = reas[k: k + span]
+                masked = ids.clone()
+                masked[block] = MASK
+                score = _naive_shift(clean, _naive_probe(model(masked[None]).logits[0], masked, kind, reas, ans))
+                for t in block:
+                    out[b, t - n_p] = score
+    return out
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+@pytest.mark.parametrize("span", [2, 3])
+def test_oar_p_mask_span_matches_naive(lm64, make_batch, prefix_cache, span):
+    rows = make_batch(B=4, P=4, T=10, seed=span)
+    batch = build_attribution_batch(*rows, torch.full((4,), AS_MEAN))
+    fast = oar_p_importance(lm64, batch, MASK, chunk_size=3, prefix_cache=prefix_cache, mask_span=span)
+    torch.testing.assert_close(fast[:, batch.response_start:].double(), naive_block_oar_p(lm64, rows, AS_MEAN, span),
+                               rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_num_forwards_counts_every_forward(lm64, make_batch, prefix_cache):
+    from oar_verl.core.perturbation import num_forwards
+
+    rows = make_batch(B=3, P=3, T=7, seed=9)
+    batch = build_attribution_batch(*rows, torch.full((3,), LT_LOGITS))
+    calls = []
+    h = lm64.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        for span in (1, 2):
+            calls.clear()
+            oar_p_importance(lm64, batch, MASK, chunk_size=2, micro_batch_size=2, prefix_cache=prefix_cache,
+                             mask_span=span)
+            assert len(calls) == num_forwards(batch, 2, 2, prefix_cache, span)
+    finally:
+        h.remove()
+
+
+@pytest.mark.parametrize("kind", [LT_LOGITS, AS_MEAN, AS_JOINT])
 @pytest.mark.parametrize("micro", [1, 3])
 def test_oar_g_matches_naive(lm64, make_batch, kind, micro):
     rows = make_batch(B=4, P=5, T=9, seed=100 + kind)

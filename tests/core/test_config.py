@@ -52,6 +52,11 @@ def test_probe_schedule():
     ({"answer_patterns": ["(unclosed"]}, r"neither a built-in pattern .* nor a valid regex"),
     ({"answer_patterns": [r"\d+"]}, r"needs a named group \(\?P<answer>"),
     ({"preset": "fast"}, r"algorithm\.oar\.preset='fast' is not allowed"),
+    ({"mask_span": 0}, r"algorithm\.oar\.mask_span=0 is out of range"),
+    ({"prefix_cache": "yes"}, r"algorithm\.oar\.prefix_cache must be true or false"),
+    ({"dump_every": -1}, r"algorithm\.oar\.dump_every=-1 is out of range"),
+    ({"dump_groups": 0}, r"algorithm\.oar\.dump_groups=0 is out of range"),
+    ({"dump_dir": 3}, r"algorithm\.oar\.dump_dir must be a path string or null"),
     ({"tua": 0.3}, r"unknown key\(s\) algorithm\.oar\.tua; allowed:"),
 ])
 def test_invalid_values_name_the_key(values, message):

@@ -8,6 +8,7 @@ Bad configurations must fail before any rollout, naming the key.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -52,7 +53,9 @@ def _run(tiny_assets, tmp_path, experiment, extra, module="oar_verl.main", timeo
     ("oar_g_legacy", ["algorithm.oar.mode=gradient", "trainer.use_v1=false"]),
 ])
 def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
-    run = _run(tiny_assets, tmp_path, name, extra)
+    dump_dir = tmp_path / "dumps"
+    run = _run(tiny_assets, tmp_path, name,
+               [*extra, "algorithm.oar.dump_every=2", f"algorithm.oar.dump_dir={dump_dir}"])
     print(f"{name}: rc={run.returncode} wall={run.wall_s:.0f}s peak tree RSS={run.peak_rss_gib} GiB "
           f"peak used-memory rise={run.peak_used_gib} GiB")
     for m in run.metrics:
@@ -72,6 +75,17 @@ def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
     assert all(abs(m["oar/weight_mean"] - 1.0) < 1e-4 for m in reshaped)  # mean one over reasoning tokens
     grad_norms = [m.get("actor/grad_norm", 0.0) for m in run.metrics]
     assert any(g > 0 and math.isfinite(g) for g in grad_norms), grad_norms
+    # token dumps for heatmaps: step 2 only (dump_every=2), whole prompt groups, per-token arrays aligned
+    assert sorted(p.name for p in dump_dir.glob("*.jsonl")) == ["step_2.jsonl"]
+    records = [json.loads(line) for line in (dump_dir / "step_2.jsonl").read_text().splitlines()]
+    assert records and all(r["step"] == 2 for r in records)
+    for r in records:
+        n = len(r["tokens"])
+        assert n and len(r["importance"]) == len(r["weight"]) == len(r["reasoning"]) == len(r["answer"]) == n
+        reasoning_w = [w for w, m in zip(r["weight"], r["reasoning"]) if m]
+        if r["advantage"] != 0 and reasoning_w:
+            assert abs(sum(reasoning_w) - len(reasoning_w)) < 1e-3 * len(reasoning_w)
+    assert len({r["uid"] for r in records}) <= 2
 
 
 def _fails_fast(args, env_extra=None, timeout=300):

@@ -1,0 +1,48 @@
+"""Token dumps for heatmaps: group selection and the JSONL record layout."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from oar_verl.core.config import OARConfig
+from oar_verl.integration import dumps
+from oar_verl.tiny_assets import build_tokenizer
+
+
+def test_due_and_dir(tmp_path):
+    assert not dumps.due(OARConfig(), 4)
+    cfg = OARConfig(dump_every=3)
+    assert [s for s in range(1, 10) if dumps.due(cfg, s)] == [3, 6, 9]
+    assert dumps.dump_dir(cfg, str(tmp_path)) == tmp_path / "oar_dumps"
+    assert dumps.dump_dir(OARConfig(dump_dir="x/y"), str(tmp_path)).as_posix() == "x/y"
+
+
+def test_pick_groups_takes_whole_groups():
+    uids = np.array(["a", "a", "b", "b", "c", "c"], dtype=object)
+    attributed = torch.tensor([False, False, True, True, True, False])
+    assert dumps.pick_groups(uids, attributed, 1) == [2, 3]
+    assert dumps.pick_groups(uids, attributed, 2) == [2, 3, 4, 5]
+
+
+def test_write_dump_records(tmp_path):
+    tok = build_tokenizer(seed=0)
+    texts = ["2 plus 3 is 5. The answer is 5.", "The answer is 4."]
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    T = max(map(len, ids))
+    responses = torch.zeros(2, T, dtype=torch.long)
+    mask = torch.zeros(2, T)
+    for i, r in enumerate(ids):
+        responses[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    w = torch.rand(2, T) * mask
+    path = dumps.write_dump(tmp_path / "d" / "step_3.jsonl", 3, [0, 1], np.array(["u", "u"], dtype=object),
+                            torch.tensor([1.0, 0.0]), torch.tensor([0.7, -0.7]), responses, mask, w * 2, w,
+                            mask.bool(), torch.zeros(2, T, dtype=torch.bool), torch.tensor([True, False]), tok)
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["sample"] for r in recs] == [0, 1]
+    assert "".join(recs[0]["tokens"]) == texts[0] and "".join(recs[1]["tokens"]) == texts[1]
+    assert len(recs[1]["weight"]) == len(ids[1]) and recs[0]["span_found"] and not recs[1]["span_found"]
+    assert not list(tmp_path.glob("d/*.tmp"))
