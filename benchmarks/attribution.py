@@ -1,0 +1,304 @@
+"""Attribution speed and memory: oar_verl's OAR-P / OAR-G against a naive implementation of the same maths.
+
+Three tables, measured side by side in one invocation on one random-initialised model (timings need no weights):
+
+1. speed-up over the naive per-sample implementation (the official code's structure with its bugs fixed: one
+   Python loop per sample, all R masked copies of a sample in one batch with full [R, L, V] logits; OAR-G with a full
+   backward through the parameters);
+2. OAR-P time and peak memory as the reasoning length grows (each length in a fresh subprocess, so the peak is its
+   own): with chunking and probe-only logits the peak stays flat in R;
+3. attribution time as a ratio to one training forward+backward over the same tokens (the cost a PPO update pays).
+
+usage:
+    python benchmarks/attribution.py                       # CPU, a small Qwen2 shape, ~10 min on 2 cores
+    python benchmarks/attribution.py --quick               # CPU smoke run, ~1 min
+    python benchmarks/attribution.py --device cuda         # Qwen2.5-1.5B shape in bf16 (config only, no weights)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # `python benchmarks/attribution.py` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from oar_verl.core.config import OARConfig  # noqa: E402
+from oar_verl.core.gradient import oar_g_importance, sequence_seeds  # noqa: E402
+from oar_verl.core.layout import build_attribution_batch  # noqa: E402
+from oar_verl.core.perturbation import oar_p_importance  # noqa: E402
+from oar_verl.core.probes import AS_MEAN  # noqa: E402
+
+SHAPES = {
+    # hidden, layers, heads, kv heads, intermediate, vocab
+    "cpu-small": (256, 4, 4, 2, 768, 32000),
+    "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936),
+}
+
+
+def build_model(shape: str, device: str, dtype: torch.dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    h, n, heads, kv, inter, vocab = SHAPES[shape]
+    cfg = Qwen2Config(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
+                      intermediate_size=inter, vocab_size=vocab, max_position_embeddings=4096,
+                      tie_word_embeddings=shape != "qwen2.5-1.5b", attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def make_batch(B: int, prompt: int, reasoning: int, answer: int, vocab: int, device: str, seed: int = 0):
+    """Responses = reasoning tokens + 2 marker tokens + answer tokens; equal lengths (worst case for padding)."""
+    g = torch.Generator().manual_seed(seed)
+    T = reasoning + 2 + answer
+    prompts = torch.randint(1, vocab, (B, prompt), generator=g)
+    responses = torch.randint(1, vocab, (B, T), generator=g)
+    cols = torch.arange(T)[None].expand(B, -1)
+    reasoning_mask = cols < reasoning
+    answer_mask = cols >= reasoning + 2
+    rows = (prompts, torch.ones_like(prompts), responses, torch.ones_like(responses), reasoning_mask, answer_mask)
+    batch = build_attribution_batch(*[r.to(device) for r in rows], torch.full((B,), AS_MEAN, device=device))
+    return batch
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, repeat: int = 1) -> float:
+    fn()  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / repeat
+
+
+# ------------------------------------------------------------------------------------------ naive references
+@torch.no_grad()
+def naive_oar_p(model, batch, mask_id: int) -> None:
+    """Per sample: clean forward + all R masked copies in one batch, full logits everywhere ([R, L, V])."""
+    for b in range(batch.input_ids.shape[0]):
+        ids = batch.input_ids[b][batch.attention_mask[b].bool()]
+        reas = batch.reasoning_mask[b][batch.attention_mask[b].bool()].nonzero().squeeze(1)
+        w = batch.probe.logit_weight[b][batch.attention_mask[b].bool()]
+        clean = torch.log_softmax((model(ids[None]).logits[0].float() * w[:, None]).sum(0), -1)
+        copies = ids.repeat(len(reas), 1)
+        copies[torch.arange(len(reas)), reas] = mask_id
+        logits = model(copies).logits.float()
+        pert = torch.log_softmax((logits * w[None, :, None]).sum(1), -1)
+        (clean.exp() * (clean - pert)).sum(-1)
+
+
+def naive_oar_g(model, batch, sigma: float) -> None:
+    """Per sample: embeddings → noise → full-logit forward → J.backward() through every parameter, then zero_grad."""
+    emb_layer = model.get_input_embeddings()
+    for b in range(batch.input_ids.shape[0]):
+        ids = batch.input_ids[b][batch.attention_mask[b].bool()]
+        w = batch.probe.logit_weight[b][batch.attention_mask[b].bool()]
+        with torch.no_grad():
+            p0 = torch.log_softmax((model(ids[None]).logits[0].float() * w[:, None]).sum(0), -1)
+        emb = emb_layer(ids[None]).detach()
+        noisy = (emb + sigma * torch.randn_like(emb)).requires_grad_(True)
+        p = torch.log_softmax((model(inputs_embeds=noisy).logits[0].float() * w[:, None]).sum(0), -1)
+        J = (p0.exp() * (p0 - p)).sum()
+        J.backward()
+        (noisy.grad * emb).sum(-1).abs()
+        model.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------------------------------------ tables
+def speedup_table(model, device, B, prompt, reasoning, answer, chunk, micro) -> list[dict]:
+    vocab = model.config.vocab_size
+    batch = make_batch(B, prompt, reasoning, answer, vocab, device)
+    seeds = sequence_seeds(0, 0, torch.arange(B)).to(device)
+    rows = []
+    t_naive_p = timed(lambda: naive_oar_p(model, batch, 0), device)
+    for label, kw in [("OAR-P batched", dict(prefix_cache=False)), ("OAR-P prefix cache", dict(prefix_cache=True)),
+                      ("OAR-P span 4 (approx.)", dict(prefix_cache=True, mask_span=4))]:
+        t = timed(lambda: oar_p_importance(model, batch, 0, chunk, micro, **kw), device)
+        rows.append({"method": label, "naive_s": t_naive_p, "ours_s": t, "speedup": t_naive_p / t})
+    for p in model.parameters():
+        p.requires_grad_(True)
+    t_naive_g = timed(lambda: naive_oar_g(model, batch, 1e-3), device)
+    t_g = timed(lambda: oar_g_importance(model, batch, 1e-3, seeds, micro), device)
+    rows.append({"method": "OAR-G", "naive_s": t_naive_g, "ours_s": t_g, "speedup": t_naive_g / t_g})
+    return rows
+
+
+def train_step_ratio(model, device, B, prompt, reasoning, answer, chunk, micro) -> list[dict]:
+    """Attribution time / one training forward+backward (full logits, parameter gradients) over the same tokens."""
+    batch = make_batch(B, prompt, reasoning, answer, model.config.vocab_size, device)
+    seeds = sequence_seeds(0, 0, torch.arange(B)).to(device)
+    for p in model.parameters():
+        p.requires_grad_(True)
+
+    def train_step():
+        for s in range(0, B, micro):
+            out = model(input_ids=batch.input_ids[s: s + micro], attention_mask=batch.attention_mask[s: s + micro])
+            torch.log_softmax(out.logits.float(), -1).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    t_train = timed(train_step, device)
+    out = []
+    for label, fn in [("OAR-G", lambda: oar_g_importance(model, batch, 1e-3, seeds, micro)),
+                      ("OAR-P (prefix cache)", lambda: oar_p_importance(model, batch, 0, chunk, micro,
+                                                                         prefix_cache=True)),
+                      ("OAR-P span 4", lambda: oar_p_importance(model, batch, 0, chunk, micro, prefix_cache=True,
+                                                                mask_span=4))]:
+        t = timed(fn, device)
+        out.append({"method": label, "attribution_s": t, "train_fwd_bwd_s": t_train, "ratio": t / t_train})
+    return out
+
+
+def memory_point(args) -> dict:
+    """One (reasoning length, path) point, run in this process: time and peak memory of OAR-P on one sequence."""
+    device, dtype = args.device, getattr(torch, args.dtype)
+    model = build_model(args.shape, device, dtype)
+    batch = make_batch(1, args.prompt, args.point, args.answer, model.config.vocab_size, device)
+    fn = {"ours": lambda: oar_p_importance(model, batch, 0, args.chunk, 1, prefix_cache=True),
+          "naive": lambda: naive_oar_p(model, batch, 0)}[args.path]
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        with RSSSampler() as rss:
+            start = time.perf_counter()
+            fn()
+            seconds = time.perf_counter() - start
+        base, peak = rss.base, rss.peak
+    return {"reasoning": args.point, "path": args.path, "seconds": seconds, "peak_extra_mib": (peak - base) / 2**20}
+
+
+class RSSSampler:
+    """Peak resident memory of this process while the block runs (sampled every 2 ms), and its value before."""
+
+    def __enter__(self):
+        import threading
+
+        import psutil
+
+        self._proc = psutil.Process()
+        self.base = self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def memory_table(args, lengths: list[int]) -> list[dict]:
+    rows = []
+    for n in lengths:
+        for path in ("ours", "naive"):
+            # the naive path materialises [R, L, V] logits: skip it where that alone would exceed ~4 GiB
+            L = args.prompt + n + 2 + args.answer
+            if path == "naive" and n * L * SHAPES[args.shape][5] * 4 > 4 * 2**30:
+                rows.append({"reasoning": n, "path": path, "seconds": float("nan"), "peak_extra_mib": float("nan")})
+                continue
+            cmd = [sys.executable, __file__, "--memory-point", str(n), "--path", path, "--device", args.device,
+                   "--dtype", args.dtype, "--shape", args.shape, "--prompt", str(args.prompt),
+                   "--answer", str(args.answer), "--chunk", str(args.chunk)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}")
+    keys = list(rows[0])
+    print(" | ".join(f"{k:>22}" for k in keys))
+    for r in rows:
+        print(" | ".join(f"{v:>22.4g}" if isinstance(v, float) else f"{v!s:>22}" for v in r.values()))
+
+
+def plot(mem_rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for path, style in (("ours", "o-"), ("naive", "s--")):
+        pts = [r for r in mem_rows if r["path"] == path and r["seconds"] == r["seconds"]]
+        axes[0].plot([r["reasoning"] for r in pts], [r["seconds"] for r in pts], style, label=path)
+        axes[1].plot([r["reasoning"] for r in pts], [r["peak_extra_mib"] for r in pts], style, label=path)
+    for ax, label in zip(axes, ("OAR-P time per sequence (s)", "OAR-P peak extra memory (MiB)")):
+        ax.set_xlabel("reasoning tokens R")
+        ax.set_title(label)
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--shape", default=None, choices=list(SHAPES))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--answer", type=int, default=4)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--out", default="outputs/benchmarks")
+    ap.add_argument("--memory-point", type=int, dest="point", help=argparse.SUPPRESS)
+    ap.add_argument("--path", default="ours", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.shape = args.shape or ("qwen2.5-1.5b" if args.device == "cuda" else "cpu-small")
+    if args.point is not None:
+        print(json.dumps(memory_point(args)))
+        return
+    torch.set_num_threads(torch.get_num_threads())
+    model = build_model(args.shape, args.device, getattr(torch, args.dtype))
+    B, reasoning, micro = (2, 32, 2) if args.quick else (8, 128, 4)
+    if args.device == "cuda" and not args.quick:
+        B, reasoning, micro = 16, 512, 8
+    lengths = [64, 128] if args.quick else [64, 128, 256, 512, 1024]
+    print(f"# attribution benchmark — {date.today()} — {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads, device={args.device}, dtype={args.dtype}, shape={args.shape}, "
+          f"torch {torch.__version__}")
+    print(f"# batch: B={B}, prompt={args.prompt}, reasoning={reasoning}, answer={args.answer}, chunk={args.chunk}, "
+          f"micro={micro}")
+    speed = speedup_table(model, args.device, B, args.prompt, reasoning, args.answer, args.chunk, micro)
+    print_table("1. speed-up over the naive per-sample implementation", speed)
+    ratio = train_step_ratio(model, args.device, B, args.prompt, reasoning, args.answer, args.chunk, micro)
+    print_table("3. attribution time / one training forward+backward over the same tokens", ratio)
+    del model
+    mem = memory_table(args, lengths)
+    print_table("2. OAR-P (one sequence) time and peak extra memory vs reasoning length", mem)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(mem, out / f"attribution_{args.device}.png")
+    (out / f"attribution_{args.device}.json").write_text(json.dumps({"speedup": speed, "train_ratio": ratio,
+                                                                       "memory": mem}, indent=1))
+    print(f"\nwrote {out / f'attribution_{args.device}.png'} and .json")
+
+
+if __name__ == "__main__":
+    main()
