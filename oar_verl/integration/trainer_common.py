@@ -40,10 +40,6 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
     if strategy not in SUPPORTED_STRATEGIES:
         raise OARSetupError(f"actor_rollout_ref.actor.strategy={strategy!r} is not supported by OAR yet (supported: "
                             f"{', '.join(SUPPORTED_STRATEGIES)}); Megatron attribution is planned")
-    sp = actor.get("ulysses_sequence_parallel_size", 1) or 1
-    if sp > 1:
-        raise OARSetupError(f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} is not supported by OAR "
-                            "yet: attribution runs whole sequences on every rank; use 1")
     if cfg.base_estimator in ("gae",):
         raise OARConfigError(f"{cfg.prefix}.base_estimator='gae' needs a critic; OAR reshapes outcome advantages "
                              "(grpo, rloo, reinforce_plus_plus, ...)")

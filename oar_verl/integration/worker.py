@@ -9,6 +9,7 @@ its DataProto.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -117,7 +118,7 @@ class OARActorRolloutRefWorker(ActorRolloutRefWorker):
         seq_ids = row_fingerprints(prompts, prompt_mask, responses, response_mask)
         seeds = sequence_seeds(cfg.seed, step, seq_ids).to(device)
         pad_to = _max_over_ranks(collective_rounds(batch, cfg), device)
-        with engine.eval_mode():
+        with engine.eval_mode(), whole_sequences():
             engine.module.eval()  # no dropout during attribution
             importance = run_attribution(engine.module, batch, cfg, mask_token_id=mask_id, seeds=seeds,
                                          pad_to=pad_to)
@@ -137,6 +138,25 @@ class OARActorRolloutRefWorker(ActorRolloutRefWorker):
             "oar_answer_probe": answer_probe.float(),
         }, batch_size=[len(lens)])
         return out.cpu()
+
+
+@contextlib.contextmanager
+def whole_sequences():
+    """Run the module on whole (unsliced) sequences even under Ulysses sequence parallelism.
+
+    ``engine.eval_mode()`` installs the Ulysses group, and verl's patched attention then all-to-alls sequence shards.
+    Attribution calls the module directly on whole padded sequences, which every rank of a sequence-parallel group
+    holds identically, so the group is lifted for the duration: each SP rank computes the same result redundantly
+    (correct, and the collective counts stay equal).
+    """
+    from verl.utils.ulysses import get_ulysses_sequence_parallel_group, set_ulysses_sequence_parallel_group
+
+    previous = get_ulysses_sequence_parallel_group()
+    set_ulysses_sequence_parallel_group(None)
+    try:
+        yield
+    finally:
+        set_ulysses_sequence_parallel_group(previous)
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:
