@@ -48,6 +48,20 @@ def unpack_rows(data: TensorDict) -> tuple[list[torch.Tensor], list[torch.Tensor
     return p_rows, r_rows
 
 
+def ground_truths(data: TensorDict, n: int) -> list[str]:
+    """Per-row ground-truth answers: an explicit ``oar_ground_truth`` list, else verl's ``reward_model.ground_truth``
+    (stored with every sample by verl's RL dataset)."""
+    truths = tu.get(data, GROUND_TRUTH_KEY)
+    if truths is None:
+        reward_model = tu.get(data, "reward_model")
+        if reward_model is not None:
+            truths = [(rm or {}).get("ground_truth") for rm in reward_model]
+    if truths is None or len(truths) != n or any(t is None for t in truths):
+        raise ValueError("algorithm.oar.target=reference needs a ground-truth answer for every sample "
+                         "(reward_model.ground_truth in the data set, as verl's RL parquet format has it)")
+    return [str(t) for t in truths]
+
+
 def pad_rows(rows: list[torch.Tensor], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, N) padded ids and (B, N) 0/1 mask from a list of 1-D tensors (left or right padding)."""
     n = max((len(r) for r in rows), default=0)
@@ -104,7 +118,7 @@ class OARActorRolloutRefWorker(ActorRolloutRefWorker):
         reasoning, answer = spans.reasoning_mask, spans.answer_mask
         attr_responses, attr_mask, attr_reasoning, attr_answer = responses, response_mask, reasoning, answer
         if cfg.target == "reference":
-            truths = tu.get(data, GROUND_TRUTH_KEY)
+            truths = ground_truths(data, len(r_rows))
             conclude = tokenizer.encode(cfg.conclude_text, add_special_tokens=False)
             answers = [tokenizer.encode(str(t), add_special_tokens=False) for t in truths]
             attr_responses, attr_mask, attr_reasoning, attr_answer = build_reference_responses(

@@ -17,6 +17,7 @@ import torch
 from oar_verl.core.attribution import response_importance
 from oar_verl.core.config import OARConfig
 from oar_verl.core.gradient import sequence_seeds
+from oar_verl.core.layout import build_reference_responses
 from oar_verl.core.spans import locate_answer_spans
 from oar_verl.integration.cpu_run import cpu_env, new_ray_temp_dir
 from oar_verl.integration.worker import pad_rows, row_fingerprints
@@ -24,11 +25,11 @@ from oar_verl.integration.worker import pad_rows, row_fingerprints
 JOB = Path(__file__).with_name("worker_group_job.py")
 
 
-def run_job(model_dir, tmp_path, n_ranks, mode):
-    out = tmp_path / f"imp_{mode}_{n_ranks}.pt"
+def run_job(model_dir, tmp_path, n_ranks, mode, target="response"):
+    out = tmp_path / f"imp_{mode}_{n_ranks}_{target}.pt"
     env = {**os.environ, **cpu_env(), "VERL_USE_EXTERNAL_PLUGINS": "none"}
     proc = subprocess.run([sys.executable, str(JOB), str(model_dir), str(out), str(n_ranks), mode,
-                           new_ray_temp_dir()], env=env, capture_output=True, text=True, timeout=600)
+                           new_ray_temp_dir(), target], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(out)
 
@@ -43,9 +44,17 @@ def core_reference(model_dir, res):
     responses, response_mask = pad_rows(res["responses"], tok.pad_token_id, left=False)
     spans = locate_answer_spans(responses, response_mask, tok, cfg.answer_patterns)
     seeds = sequence_seeds(cfg.seed, 3, row_fingerprints(prompts, prompt_mask, responses, response_mask))
-    imp = response_importance(model, prompts, prompt_mask, responses, response_mask, spans.reasoning_mask,
-                              spans.answer_mask, cfg, global_step=3, mask_token_id=tok.pad_token_id, seeds=seeds)
-    return imp, spans
+    attr = (responses, response_mask, spans.reasoning_mask, spans.answer_mask)
+    if cfg.target == "reference":
+        attr = build_reference_responses(responses, response_mask, spans.reasoning_mask,
+                                         tok.encode(cfg.conclude_text, add_special_tokens=False),
+                                         [tok.encode(t, add_special_tokens=False) for t in res["truths"]],
+                                         tok.pad_token_id)
+    imp = response_importance(model, prompts, prompt_mask, *attr, cfg, global_step=3,
+                              mask_token_id=tok.pad_token_id, seeds=seeds)
+    T = responses.shape[1]
+    imp = torch.nn.functional.pad(imp, (0, max(0, T - imp.shape[1])))[:, :T]  # reasoning is a prefix of both
+    return imp * response_mask, spans
 
 
 def padded(rows):
@@ -53,9 +62,10 @@ def padded(rows):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["gradient", "perturbation"])
-def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode):
-    two = run_job(tiny_assets.model_dir, tmp_path, 2, mode)
+@pytest.mark.parametrize("mode,target", [("gradient", "response"), ("perturbation", "response"),
+                                         ("perturbation", "reference")])
+def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
+    two = run_job(tiny_assets.model_dir, tmp_path, 2, mode, target)
     ref, spans = core_reference(tiny_assets.model_dir, two)
     got = padded(two["token_importance"])
     assert got.shape == ref.shape

@@ -4,7 +4,7 @@ Launched by test_worker_group_on_cpu.py in a fresh process (the CPU platform mus
 imported). Builds the group exactly like verl's trainers do (``create_colocated_worker_cls`` + ``spawn``), calls the
 RPC on a nested TensorDict whose data-parallel shards hold different lengths, and saves inputs and outputs.
 
-usage: python worker_group_job.py MODEL_DIR OUT_FILE N_RANKS MODE RAY_TMP
+usage: python worker_group_job.py MODEL_DIR OUT_FILE N_RANKS MODE RAY_TMP [TARGET]
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ PROMPTS = ["What is 3 plus 4?", "What is 12 plus 30?", "Add 5 and 9.", "What is 
 RESPONSES = ["The answer is 7.", "12 plus 30 is 42. The answer is 42.",
              "5 plus 9: count up from 5 by nine steps, which gives 14. The answer is 14.",
              "Seven and eight make fifteen, so #### 15"]
+GROUND_TRUTHS = ["7", "42", "14", "15"]
 
 
 def main() -> None:
     model_dir, out_file, n_ranks, mode, ray_tmp = sys.argv[1:6]
+    target = sys.argv[6] if len(sys.argv) > 6 else "response"
     n_ranks = int(n_ranks)
     from transformers import AutoTokenizer
 
@@ -76,14 +78,16 @@ def main() -> None:
             "loss_mask": nested([torch.cat([torch.zeros(len(p)), torch.ones(len(r))])
                                  for p, r in zip(prompts, responses)]),
         }, batch_size=[len(ids)])
-        oar = OARConfig(mode=mode, probe="as_mean", chunk_size=5, micro_batch_size=1)
+        oar = OARConfig(mode=mode, probe="as_mean", chunk_size=5, micro_batch_size=1, target=target)
+        # verl's RL datasets store the ground truth with every sample; target=reference reads it from there
+        tu.assign_non_tensor(data, reward_model=[{"ground_truth": g, "style": "rule"} for g in GROUND_TRUTHS])
         logp_data = data.clone()
         tu.assign_non_tensor(logp_data, temperature=1.0, compute_loss=False, calculate_entropy=False)
         before = wg.compute_log_prob(logp_data.clone())["log_probs"]
         tu.assign_non_tensor(data, **{CONFIG_KEY: oar.to_dict(), STEP_KEY: 3})
         out = wg.compute_token_importance(data)
         after = wg.compute_log_prob(logp_data.clone())["log_probs"]
-        torch.save({"prompts": prompts, "responses": responses, "config": oar.to_dict(),
+        torch.save({"prompts": prompts, "responses": responses, "config": oar.to_dict(), "truths": GROUND_TRUTHS,
                     "token_importance": [t.clone() for t in out["token_importance"].unbind()],
                     "reasoning": [t.clone() for t in out["oar_reasoning_mask"].unbind()],
                     "answer": [t.clone() for t in out["oar_answer_mask"].unbind()],
