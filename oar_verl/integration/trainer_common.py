@@ -20,7 +20,7 @@ from oar_verl.integration.worker import CONFIG_KEY, STEP_KEY, OARActorRolloutRef
 
 logger = logging.getLogger("oar_verl")
 
-SUPPORTED_STRATEGIES = ("fsdp", "fsdp2")
+SUPPORTED_STRATEGIES = ("fsdp", "fsdp2", "megatron")
 
 
 def uses_oar(config: DictConfig) -> bool:
@@ -39,7 +39,16 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
     strategy = actor.get("strategy", "fsdp")
     if strategy not in SUPPORTED_STRATEGIES:
         raise OARSetupError(f"actor_rollout_ref.actor.strategy={strategy!r} is not supported by OAR yet (supported: "
-                            f"{', '.join(SUPPORTED_STRATEGIES)}); Megatron attribution is planned")
+                            f"{', '.join(SUPPORTED_STRATEGIES)})")
+    if strategy == "megatron":
+        from oar_verl.integration.megatron_attribution import megatron_layout_error
+
+        model = config.actor_rollout_ref.model
+        msg = megatron_layout_error(actor.get("megatron", {}),
+                                    mtp_enabled=bool(model.get("mtp", {}).get("enable", False)),
+                                    use_fused_kernels=bool(model.get("use_fused_kernels", False)))
+        if msg is not None:
+            raise OARSetupError(msg)
     if cfg.base_estimator in ("gae",):
         raise OARConfigError(f"{cfg.prefix}.base_estimator='gae' needs a critic; OAR reshapes outcome advantages "
                              "(grpo, rloo, reinforce_plus_plus, ...)")

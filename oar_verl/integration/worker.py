@@ -125,17 +125,24 @@ class OARActorRolloutRefWorker(ActorRolloutRefWorker):
                 responses, response_mask, reasoning, conclude, answers, pad_id)
 
         kinds = probe_kinds(cfg, step, len(r_rows))
-        device = _module_device(engine.module)
+        megatron = _is_megatron(engine)
+        device = torch.device("cpu") if megatron else _module_device(engine.module)  # Megatron: a list of chunks
         batch = build_attribution_batch(prompts.to(device), prompt_mask.to(device), attr_responses.to(device),
                                         attr_mask.to(device), attr_reasoning.to(device), attr_answer.to(device),
                                         kinds.to(device))
         seq_ids = row_fingerprints(prompts, prompt_mask, responses, response_mask)
         seeds = sequence_seeds(cfg.seed, step, seq_ids).to(device)
-        pad_to = _max_over_ranks(collective_rounds(batch, cfg), device)
-        with engine.eval_mode(), whole_sequences():
-            engine.module.eval()  # no dropout during attribution
-            importance = run_attribution(engine.module, batch, cfg, mask_token_id=mask_id, seeds=seeds,
-                                         pad_to=pad_to)
+        if megatron:  # the engine's own forward/backward over TP/PP/SP; it equalises its collectives over DP itself
+            from oar_verl.integration.megatron_attribution import megatron_token_importance
+
+            with engine.eval_mode():
+                importance = megatron_token_importance(engine, batch, cfg, mask_token_id=mask_id, seeds=seeds)
+        else:
+            pad_to = _max_over_ranks(collective_rounds(batch, cfg), device)
+            with engine.eval_mode(), whole_sequences():
+                engine.module.eval()  # no dropout during attribution
+                importance = run_attribution(engine.module, batch, cfg, mask_token_id=mask_id, seeds=seeds,
+                                             pad_to=pad_to)
         if not engine.is_mp_src_rank_with_outputs():
             return None
         T = attr_responses.shape[1]
@@ -171,6 +178,11 @@ def whole_sequences():
         yield
     finally:
         set_ulysses_sequence_parallel_group(previous)
+
+
+def _is_megatron(engine) -> bool:
+    """verl's Megatron engines (checked by module name: FSDP-only installs never import megatron-core)."""
+    return type(engine).__module__.startswith("verl.workers.engine.megatron")
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:

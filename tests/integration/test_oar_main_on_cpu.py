@@ -98,11 +98,13 @@ def _fails_fast(args, env_extra=None, timeout=300):
 @pytest.mark.parametrize("override,message", [
     ("algorithm.oar.mode=sideways", "algorithm.oar.mode='sideways' is not allowed"),
     ("algorithm.oar.tau=1.5", "algorithm.oar.tau=1.5 is out of range"),
-    ("actor_rollout_ref.actor.strategy=megatron", "strategy='megatron' is not supported by OAR yet"),
+    ("actor_rollout_ref.actor.strategy=megatron actor_rollout_ref.model.use_fused_kernels=True",
+     "use_fused_kernels=True (actor_rollout_ref.model.use_fused_kernels)"),
+    ("actor_rollout_ref.actor.strategy=dtensor_magic", "strategy='dtensor_magic' is not supported by OAR yet"),
 ])
 def test_bad_configuration_fails_before_any_rollout(tiny_assets, tmp_path, override, message):
     rc, out, seconds = _fails_fast(["-m", "oar_verl.main", *_overrides(tiny_assets, tmp_path, tmp_path / "ray", "bad",
-                                                                        [override])])
+                                                                        override.split())])
     assert rc != 0 and message in out, out[-3000:]
     assert "ray init kwargs" not in out  # validated in the driver, before Ray starts
     print(f"{override}: failed in {seconds:.1f} s")

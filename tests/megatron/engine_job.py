@@ -1,0 +1,168 @@
+"""One Megatron layout, every attribution case: run under torchrun with the .venv-mcore interpreter.
+
+    <venv-mcore>/bin/python -m torch.distributed.run --nproc_per_node N engine_job.py SPEC.json
+
+SPEC (written by test_megatron_attribution.py): model_dir, inputs (a .pt file with the padded prompts/responses,
+reasoning and answer masks and OAR-G seeds, built by the test with the core functions), tp, pp, sp, dtype
+("float32" | "bfloat16"), remove_padding (the engine's training layout), dp_rows (rows of each data-parallel rank),
+recompute ("none" | "full": activation checkpointing of every layer), cases [{name, oar: {...OARConfig values...}}],
+out_dir.
+
+Each rank writes out_dir/rank{R}.pt: {"cases": {name: importance (B_local, L) | None}, "src": is-collecting-rank,
+"dp_rank", "rows", "seconds": {name: s}, "checks": {...}}. The test compares with the core reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VERL_PLATFORM", "cpu")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import cpu_shims  # noqa: E402  (test-only)
+
+import oar_verl.integration.cpu_platform  # noqa: E402,F401  (verl "cpu" platform, gloo)
+
+cpu_shims.install()
+
+
+RECOMPUTE = {"full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+
+    from megatron.core import parallel_state as mpu
+    from verl.trainer.config import CheckpointConfig
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.engine import EngineRegistry
+
+    from oar_verl.core.attribution import probe_kinds
+    from oar_verl.core.config import OARConfig
+    from oar_verl.core.layout import build_attribution_batch
+    from oar_verl.integration import megatron_attribution as ma
+
+    tp, pp, sp = spec["tp"], spec["pp"], bool(spec.get("sp", False))
+    rmpad = bool(spec.get("remove_padding", False))
+    mc = HFModelConfig(path=spec["model_dir"], use_remove_padding=rmpad)
+    ec = McoreEngineConfig(dtype="bfloat16", tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                           sequence_parallel=sp, use_mbridge=True, vanilla_mbridge=True, forward_only=False,
+                           use_dynamic_bsz=False, micro_batch_size_per_gpu=1, infer_micro_batch_size_per_gpu=1,
+                           use_distributed_optimizer=bool(spec.get("distopt", False)), use_remove_padding=rmpad,
+                           override_transformer_config={"use_cpu_initialization": True, "sequence_parallel": sp,
+                                                        **RECOMPUTE.get(spec.get("recompute", "none"), {})})
+    if spec["dtype"] == "float32":
+        cpu_shims.float32_engine_config(ec)
+    engine = EngineRegistry.new(model_type="language_model", backend="megatron", model_config=mc, engine_config=ec,
+                                optimizer_config=McoreOptimizerConfig(lr=1e-5, total_training_steps=10),
+                                checkpoint_config=CheckpointConfig())
+    engine.initialize()
+    assert bool(engine.tf_config.sequence_parallel) == sp, "sequence_parallel was changed by the engine"
+    assert engine.tf_config.recompute_granularity == RECOMPUTE.get(spec.get("recompute"), {}).get(
+        "recompute_granularity")
+
+    inputs = torch.load(spec["inputs"])
+    dp_rank = mpu.get_data_parallel_rank()
+    rows = torch.tensor(spec["dp_rows"][dp_rank])
+    sel = {k: v[rows] for k, v in inputs.items()}
+
+    params = [p for m in engine.module for p in m.parameters()]
+    flags = [p.requires_grad for p in params]
+
+    def log_probs():  # the engine's own compute_log_prob path (padded layout), to check the policy is unchanged
+        ids = [torch.cat([p[pm.bool()], r[rm.bool()]]) for p, pm, r, rm in
+               zip(sel["prompts"], sel["prompt_mask"], sel["responses"], sel["response_mask"])]
+        nj = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+        td = tu.get_tensordict({"input_ids": nj(ids), "position_ids": nj([torch.arange(len(x)) for x in ids]),
+                                "loss_mask": nj([torch.ones(len(x)) for x in ids])})
+        tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=2, temperature=1.0,
+                             use_fused_kernels=False, calculate_entropy=False)
+        with ma._padded_layout(engine), engine.eval_mode():
+            out = engine.infer_batch(td)
+        lp = out.get("model_output", {}).get("log_probs") if out else None
+        return None if lp is None else [t.clone() for t in lp.unbind()]
+
+    # the grad buffers hold a marker while attribution runs: it must survive unchanged (nothing accumulated into or
+    # reduced over them)
+    grads = [p.main_grad for p in params if getattr(p, "main_grad", None) is not None]
+    for i, g in enumerate(grads):
+        g.fill_(0.25 + i)
+    lp_before = log_probs()
+
+    # record the embedding output layout on the first stage: [s/tp, b, h] chunks under sequence parallelism
+    shapes = []
+    emb = ma._embedding_module(engine)
+    rec = emb.register_forward_hook(lambda m, a, k, o: shapes.append((o.shape[0], k["input_ids"].shape[1])),
+                                    with_kwargs=True) if emb is not None else None
+
+    results, seconds = {}, {}
+    for case in spec["cases"]:
+        cfg = OARConfig.from_mapping(case["oar"])
+        kinds = probe_kinds(cfg, 0, len(rows))
+        batch = build_attribution_batch(sel["prompts"], sel["prompt_mask"], sel["responses"], sel["response_mask"],
+                                        sel["reasoning"], sel["answer"], kinds)
+        t0 = time.perf_counter()
+        with engine.eval_mode():
+            imp = ma.megatron_token_importance(engine, batch, cfg, mask_token_id=int(spec["mask_token_id"]),
+                                               seeds=sel["seeds"])
+        seconds[case["name"]] = time.perf_counter() - t0
+        results[case["name"]] = imp
+
+    if rec is not None:
+        rec.remove()
+    lp_after = log_probs()
+    checks = {
+        "embedding_chunked": None if emb is None else any(o != i for o, i in shapes),
+        "param_grads_none": all(p.grad is None for p in params),
+        "requires_grad_restored": [p.requires_grad for p in params] == flags,
+        "grad_buffers_unchanged": all(bool((g == 0.25 + i).all()) for i, g in enumerate(grads)),
+        "n_grad_buffers": len(grads),
+        "optimizer_state_empty": _optimizer_state_empty(engine.optimizer),
+        "log_probs_unchanged": (lp_before is None and lp_after is None) or
+                               all(torch.equal(a, b) for a, b in zip(lp_before, lp_after)),
+        "has_log_probs": lp_before is not None,
+    }
+    for g in grads:
+        g.zero_()
+    # unsupported layouts are refused with a message naming them
+    try:
+        object.__setattr__(engine.engine_config, "context_parallel_size", 2)
+        ma.megatron_token_importance(engine, batch, cfg, mask_token_id=0, seeds=sel["seeds"])
+        checks["cp_error"] = None
+    except ma.MegatronLayoutError as e:
+        checks["cp_error"] = str(e)
+    finally:
+        object.__setattr__(engine.engine_config, "context_parallel_size", 1)
+
+    out = Path(spec["out_dir"]) / f"rank{rank}.pt"
+    torch.save({"cases": results, "src": engine.is_mp_src_rank_with_outputs(), "dp_rank": dp_rank,
+                "rows": rows, "seconds": seconds, "checks": checks,
+                "tp_rank": mpu.get_tensor_model_parallel_rank(), "pp_rank": mpu.get_pipeline_model_parallel_rank()},
+               out)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank}: done", flush=True)
+
+
+def _optimizer_state_empty(optimizer) -> bool:
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    for opt in inner:
+        torch_opt = getattr(opt, "optimizer", opt)
+        if len(getattr(torch_opt, "state", {})) != 0:
+            return False
+    return True
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,15 @@
+"""Megatron layouts OAR refuses are named in the error (no megatron-core needed)."""
+
+from __future__ import annotations
+
+from oar_verl.integration.megatron_attribution import megatron_layout_error
+
+
+def test_layout_errors_name_the_setting():
+    assert megatron_layout_error({"context_parallel_size": 1}) is None
+    assert "context_parallel_size=2" in megatron_layout_error({"context_parallel_size": 2})
+    assert "virtual_pipeline_model_parallel_size=2" in megatron_layout_error(
+        {"virtual_pipeline_model_parallel_size": 2})
+    assert "use_fused_kernels" in megatron_layout_error({"use_fused_kernels": True})
+    assert "dynamic_context_parallel" in megatron_layout_error({"dynamic_context_parallel": True})
+    assert "mtp" in megatron_layout_error({}, mtp_enabled=True)
