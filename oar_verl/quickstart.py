@@ -1,22 +1,40 @@
 """CPU quickstart: verl's real trainer with OAR on a tiny model, in a few minutes on 2 cores.
 
-Builds a tiny random Qwen2, a byte-level BPE tokenizer and a verifiable arithmetic data set offline, runs
-``python -m oar_verl.main`` (V1 trainer, FSDP2 actor, vLLM-CPU rollout) for a few steps and prints a summary of the
-reward, the OAR metrics and the share of step time spent on attribution.
+1. builds a tiny random Qwen2, a byte-level BPE tokenizer and a verifiable arithmetic data set offline;
+2. teaches the model the answer format with a short supervised warm-up (plain torch, 300 steps, ~30 s of CPU), so
+   that its rollouts state an answer ("34 plus 11 is 45. The answer is 45." / "... #### 45") and rewards are mixed:
+   a few right, most wrong, and OAR has an answer span to attribute to;
+3. runs ``python -m oar_verl.main`` (V1 trainer, FSDP2 actor, vLLM-CPU rollout, OAR-G by default) for a few steps,
+   printing each step as it is logged;
+4. prints a summary (reward, OAR metrics, share of step time spent on attribution) and writes a token heatmap
+   (``heatmap.html``, from the trainer's token dumps) and metric curves (``curves.png``).
 
 usage: python -m oar_verl.quickstart [--mode gradient|perturbation] [--steps N] [--out DIR] [extra Hydra overrides]
+       OAR_QUICKSTART_STEPS=N sets the default of --steps (CI uses 3); OAR_QUICKSTART_SFT_STEPS the warm-up length.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import random
+import re
 import shutil
 import sys
+import threading
+import time
 from pathlib import Path
 
-from oar_verl.integration.cpu_run import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
+from oar_verl.integration.cpu_run import (cpu_env, main_ppo_overrides, metrics_file, new_ray_temp_dir,
+                                          run_main_ppo)
 from oar_verl.rewards import arith
-from oar_verl.tiny_assets import build_tiny_assets
+from oar_verl.tiny_assets import ANSWER_STYLES, build_tiny_assets, make_arith_problem
+
+STEPS_ENV = "OAR_QUICKSTART_STEPS"
+SFT_STEPS_ENV = "OAR_QUICKSTART_SFT_STEPS"
+PROJECT = "oar_quickstart"
 
 SUMMARY_KEYS = [
     ("critic/score/mean", "reward"),
@@ -31,6 +49,182 @@ SUMMARY_KEYS = [
     ("timing_s/step", "step s"),
 ]
 
+# (log-line pattern, message): start-up phases of the trainer, printed once each as they appear in its log
+PHASES = [
+    (re.compile(r"ray init kwargs"), "starting Ray"),
+    (re.compile(r"Creating file logger"), "workers and vLLM server up; training"),
+]
+
+
+def _say(message: str) -> None:
+    print(f"[quickstart] {message}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 2. supervised warm-up: the answer format
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _format_example(rng: random.Random, style: str) -> tuple[list[dict], str]:
+    """One (chat messages, target response) pair: the worked step, then the answer in the requested format."""
+    question, answer = make_arith_problem(rng)
+    worked = question.removeprefix("What is ").rstrip("?")  # "34 plus 11"
+    final = f"The answer is {answer}." if style == "sentence" else f"#### {answer}"
+    return [{"role": "user", "content": f"{question} {ANSWER_STYLES[style]}"}], f"{worked} is {answer}. {final}"
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """Run torch on ``n`` intra-op threads inside the block.
+
+    The warm-up uses one: the model is tiny (hidden 128), so per-op work is small, and with 2 threads on a busy machine
+    the OpenMP barriers made the same 40 steps 15x slower (63 s instead of 3.9 s on 2 shared cores).
+    """
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def teach_answer_format(model_dir: str | os.PathLike, *, steps: int = 300, batch_size: int = 32, lr: float = 3e-3,
+                        seed: int = 0) -> dict:
+    """Fine-tune the tiny model in ``model_dir`` on worked answers in the data set's two formats, and save it back.
+
+    The examples are fresh problems (their own RNG stream, not the RL train/test prompts); the loss is on the response
+    tokens and EOS only. The model is loaded with ``AutoTokenizer`` like verl and vLLM load it, so prompt token ids
+    match the rollout's. Deterministic in ``seed``; the global torch RNG state is left untouched.
+
+    Returns:
+        ``{"loss_first", "loss_last", "seconds", "example_prompt", "example_response"}`` (a greedy sample after
+        training).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    rng = random.Random(f"{seed}-format")
+
+    def encode(messages, response=None):
+        """Prompt ids (chat template + generation prompt), or (prompt ids, response ids + EOS) with a response."""
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids if response is None else (ids, tokenizer(response + tokenizer.eos_token,
+                                                            add_special_tokens=False)["input_ids"])
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, N) right-padded ids, (B, N) attention mask and (B, N) labels (-100 off the response)."""
+        pairs = [encode(*_format_example(rng, ("sentence", "hashes")[i % 2])) for i in range(batch_size)]
+        n = max(len(p) + len(r) for p, r in pairs)
+        ids = torch.full((batch_size, n), tokenizer.pad_token_id)
+        mask = torch.zeros(batch_size, n, dtype=torch.long)
+        labels = torch.full((batch_size, n), -100)
+        for i, (p, r) in enumerate(pairs):
+            ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+            mask[i, :len(p) + len(r)] = 1
+            labels[i, len(p):len(p) + len(r)] = torch.tensor(r)
+        return ids, mask, labels
+
+    losses = []
+    with _torch_threads(1), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
+        model.train()
+        for step in range(steps):
+            ids, mask, labels = batch()
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            losses.append(loss.item())
+            if (step + 1) % max(steps // 4, 1) == 0:
+                _say(f"  warm-up step {step + 1}/{steps}: loss {loss.item():.3f} ({time.monotonic() - start:.0f} s)")
+        model.eval()
+        messages, _ = _format_example(random.Random(f"{seed}-example"), "hashes")
+        prompt = torch.tensor([encode(messages)])
+        with torch.no_grad():
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(str(model_dir))
+    return {"loss_first": losses[0] if losses else float("nan"), "loss_last": losses[-1] if losses else float("nan"),
+            "seconds": time.monotonic() - start, "example_prompt": messages[0]["content"],
+            "example_response": tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True)}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 3. the trainer, with progress
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def supports_dumps() -> bool:
+    """Whether this oar_verl's trainer config declares the token-dump keys (``algorithm.oar.dump_every``)."""
+    from omegaconf import OmegaConf
+
+    import oar_verl.integration as integration
+
+    cfg = OmegaConf.load(Path(integration.__file__).parent / "config" / "oar_trainer.yaml")
+    return "dump_every" in cfg.algorithm.get("oar", {})
+
+
+def trainer_overrides(assets, out: Path, ray_tmp: str, *, mode: str, steps: int, extra: list[str]) -> list[str]:
+    """The Hydra overrides of the quickstart's ``python -m oar_verl.main`` run (CPU settings from
+    :func:`~oar_verl.integration.cpu_run.main_ppo_overrides`, OAR mode, token dumps into ``out/oar_dumps``)."""
+    # every step, all 4 prompt groups of the batch: a group with both a right and a wrong answer is rare at this size
+    dump_dir = str(out / "oar_dumps").replace("'", "\\'")  # a quoted Hydra string: spaces and commas stay one path
+    dumps = ["algorithm.oar.dump_every=1", "algorithm.oar.dump_groups=4",
+             f"algorithm.oar.dump_dir='{dump_dir}'"] if supports_dumps() else []
+    return main_ppo_overrides(
+        model_dir=assets.model_dir, train_file=assets.train_file, val_file=assets.test_file,
+        reward_file=arith.__file__, output_dir=out, ray_temp_dir=ray_tmp, adv_estimator="oar", steps=steps,
+        train_batch_size=4, rollout_n=4, max_prompt_length=32, max_response_length=32, project=PROJECT,
+        experiment=f"oar_{mode}", extra=[f"algorithm.oar.mode={mode}", *dumps, *extra])
+
+
+def _step_line(m: dict, steps: int) -> str:
+    share = m.get("timing_s/oar", 0.0) / max(m.get("timing_s/step", 0.0), 1e-9)
+    return (f"step {m['step']}/{steps}: reward {m.get('critic/score/mean', float('nan')):.3f} | "
+            f"w std {m.get('oar/weight_std', float('nan')):.3f}, ESS {m.get('oar/ess_ratio', float('nan')):.3f}, "
+            f"at floor {m.get('oar/frac_floor', float('nan')):.1%} | step {m.get('timing_s/step', 0.0):.1f} s, "
+            f"OAR {m.get('timing_s/oar', 0.0):.2f} s ({share:.1%})")
+
+
+def _watch(log_file: Path, metrics_path: Path, steps: int, done: threading.Event, start: float) -> None:
+    """Print start-up phases from the trainer's log and one line per logged step, until ``done`` is set."""
+    seen_phases: set[str] = set()
+    printed_steps: set[int] = set()
+    log_pos = 0
+    while True:
+        finished = done.is_set()
+        if log_file.exists():
+            with open(log_file, "rb") as f:
+                f.seek(log_pos)
+                chunk = f.read().decode("utf-8", errors="replace")
+                log_pos = f.tell()
+            for pattern, message in PHASES:
+                if message not in seen_phases and pattern.search(chunk):
+                    seen_phases.add(message)
+                    _say(f"  {message} ({time.monotonic() - start:.0f} s)")
+        if metrics_path.exists():
+            for line in metrics_path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # a line being written
+                    continue
+                if record["step"] not in printed_steps:
+                    printed_steps.add(record["step"])
+                    _say("  " + _step_line({"step": record["step"], **record["data"]}, steps))
+        if finished:
+            return
+        done.wait(2.0)
+
 
 def summarize(metrics: list[dict]) -> str:
     """A plain-text table, one row per step, of the metrics users watch first."""
@@ -40,47 +234,92 @@ def summarize(metrics: list[dict]) -> str:
         cells = [f"{m.get(k, float('nan')):>12.4g}" for k, _ in SUMMARY_KEYS]
         share = m.get("timing_s/oar", 0.0) / max(m.get("timing_s/step", 0.0), 1e-9)
         lines.append(f"{m['step']:>4} " + " ".join(cells) + f" {share:>10.1%}")
+    if metrics:
+        # step 1 carries one-off start-up costs (vLLM warm-up, first weight sync); the share is quoted without it
+        steady = metrics[1:] or metrics
+        oar_s = sum(m.get("timing_s/oar", 0.0) for m in steady)
+        step_s = sum(m.get("timing_s/step", 0.0) for m in steady)
+        lines.append("")
+        lines.append(f"reward {metrics[0].get('critic/score/mean', float('nan')):.3f} -> "
+                     f"{metrics[-1].get('critic/score/mean', float('nan')):.3f}; OAR attribution took "
+                     f"{oar_s / max(step_s, 1e-9):.1%} of the step time"
+                     f"{' after step 1' if len(metrics) > 1 else ''} (timing_s/oar / timing_s/step). "
+                     "ESS ratio 1 = plain GRPO; mean weight is 1 by construction.")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", default="gradient", choices=["gradient", "perturbation"])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=int(os.environ.get(STEPS_ENV, "5")))
+    parser.add_argument("--sft-steps", type=int, default=int(os.environ.get(SFT_STEPS_ENV, "300")),
+                        help="supervised warm-up steps teaching the answer format (0 = keep the random model)")
     parser.add_argument("--out", default="outputs/quickstart")
     args, extra = parser.parse_known_args(argv)
+    start = time.monotonic()
 
     out = Path(args.out).resolve()
     if out.exists():
         shutil.rmtree(out)
-    print(f"[quickstart] building tiny offline assets in {out / 'assets'}", flush=True)
+    _say(f"1/4 building a tiny offline model, tokenizer and arithmetic data in {out / 'assets'}")
     assets = build_tiny_assets(out / "assets", seed=0)
+    if args.sft_steps > 0:
+        _say(f"2/4 teaching the answer format ({args.sft_steps} supervised steps)")
+        sft = teach_answer_format(assets.model_dir, steps=args.sft_steps)
+        _say(f"  loss {sft['loss_first']:.2f} -> {sft['loss_last']:.2f} in {sft['seconds']:.0f} s; "
+             f"greedy sample: {sft['example_prompt']!r} -> {sft['example_response']!r}")
+    else:
+        _say("2/4 skipped the warm-up (--sft-steps 0): rewards come from the shaping term only")
+
     ray_tmp = new_ray_temp_dir()
     experiment = f"oar_{args.mode}"
-    overrides = main_ppo_overrides(
-        model_dir=assets.model_dir, train_file=assets.train_file, val_file=assets.test_file,
-        reward_file=arith.__file__, output_dir=out, ray_temp_dir=ray_tmp, adv_estimator="oar", steps=args.steps,
-        train_batch_size=4, rollout_n=4, max_prompt_length=32, max_response_length=32, project="oar_quickstart",
-        experiment=experiment, extra=[f"algorithm.oar.mode={args.mode}", *extra])
-    print(f"[quickstart] running verl with OAR-{args.mode[0].upper()} for {args.steps} steps "
-          f"(Ray + vLLM start-up takes ~1.5 min); log: {out / 'main_ppo.log'}", flush=True)
+    dump_dir = out / "oar_dumps"
+    overrides = trainer_overrides(assets, out, ray_tmp, mode=args.mode, steps=args.steps, extra=extra)
+    _say(f"3/4 running verl's trainer with OAR-{args.mode[0].upper()} for {args.steps} steps (Ray + vLLM start-up "
+         f"takes ~1.5 min); log: {out / 'main_ppo.log'}")
+    env = cpu_env(file_logger_root=out / "metrics")
+    done = threading.Event()
+    metrics_path = metrics_file(out / "metrics", PROJECT, experiment)
+    watcher = threading.Thread(target=_watch, args=(out / "main_ppo.log", metrics_path, args.steps, done, start),
+                               daemon=True)
+    watcher.start()
     try:
-        run = run_main_ppo(overrides, output_dir=out, env=cpu_env(file_logger_root=out / "metrics"),
-                           project="oar_quickstart", experiment=experiment, timeout_s=1800,
-                           module="oar_verl.main")
+        run = run_main_ppo(overrides, output_dir=out, env=env, project=PROJECT, experiment=experiment,
+                           timeout_s=1800, module="oar_verl.main")
     finally:
+        done.set()
+        watcher.join(timeout=10)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     if run.returncode != 0:
         print(run.log_tail(), file=sys.stderr)
         print(f"[quickstart] FAILED (rc={run.returncode}); full log: {run.log_file}", file=sys.stderr)
         return 1
+
+    _say("4/4 summary")
     print()
     print(summarize(run.metrics))
     print()
-    print(f"[quickstart] done in {run.wall_s:.0f} s")
-    print(f"  metrics (JSONL): {run.metrics_file}")
-    print(f"  trainer log:     {run.log_file}")
-    print(f"  tiny model:      {assets.model_dir}")
+    outputs = [("metrics (JSONL)", run.metrics_file), ("trainer log", run.log_file),
+               ("tiny model", assets.model_dir)]
+    try:
+        from oar_verl.viz.curves import plot_curves
+
+        plot_curves([run.metrics_file], out / "curves.png", labels=[f"OAR-{args.mode[0].upper()}"])
+        outputs.insert(0, ("metric curves", out / "curves.png"))
+    except ImportError as exc:
+        _say(f"no curves PNG ({exc}; pip install matplotlib)")
+    if any(dump_dir.glob("step_*.jsonl")):
+        from oar_verl.viz.heatmap import write_heatmap
+
+        write_heatmap(dump_dir, out / "heatmap.html", max_steps=None,
+                      title=f"OAR-{args.mode[0].upper()} token weights (CPU quickstart)")
+        outputs.insert(0, ("token heatmap", out / "heatmap.html"))
+        outputs.append(("token dumps", dump_dir))
+    else:
+        _say("no token dumps: this oar_verl's trainer has no algorithm.oar.dump_every yet, so no heatmap")
+    _say(f"done in {time.monotonic() - start:.0f} s (trainer {run.wall_s:.0f} s)")
+    for label, path in outputs:
+        print(f"  {label + ':':<18} {path}")
     return 0
 
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# CPU quickstart (the README's first command): set up the environment, then run verl's real trainer with OAR on a
-# tiny offline model for a few steps and print a summary.
+# CPU quickstart (the README's first command): set up the environment, build a tiny offline model and an arithmetic
+# data set, teach the model the answer format (~30 s), run verl's real trainer with OAR for a few steps and print a
+# summary. Writes outputs/quickstart/{heatmap.html,curves.png,metrics/,oar_dumps/,main_ppo.log}.
 #
 # usage: bash recipes/quickstart_cpu.sh [--mode gradient|perturbation] [--steps N] [--out DIR] [Hydra overrides...]
+#   OAR_QUICKSTART_STEPS=N       default of --steps (5); CI uses 3
+#   OAR_QUICKSTART_SFT_STEPS=N   answer-format warm-up steps (300; 0 = keep the random model)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${OAR_VENV:-$ROOT/.venv}

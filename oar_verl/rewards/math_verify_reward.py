@@ -25,6 +25,8 @@ work) and the caller waits at most ``timeout_s`` (``future.result(timeout)``). O
 the whole pool is killed and lazily re-created, so a stuck worker never blocks later calls.
 
 Environment: ``OAR_GRADER_TIMEOUT_S`` (default 10) and ``OAR_GRADER_WORKERS`` (default min(4, CPUs)).
+The pool uses ``spawn``, so a script that calls :func:`compute_score` at top level needs the usual
+``if __name__ == "__main__":`` guard (Ray workers, pytest and ``python -m`` entry points are fine).
 """
 
 from __future__ import annotations

@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# Shared defaults of the GPU recipes (recipes/{gsm8k,math}/run_{grpo,oar_g,oar_p}.sh); sourced by them, never run.
+#
+# Every setting below is an environment variable with a default, so any recipe can be changed from the command line:
+#   MODEL=qwen2.5-7b GPUS_PER_NODE=4 ROLLOUT_N=16 bash recipes/math/run_oar_g.sh trainer.total_training_steps=200
+# Arguments after the script name are extra Hydra overrides, appended last (they win).
+# DRY_RUN=1 prints the command (one shell-quoted argument per line) instead of running it.
+# Paths go to Hydra unquoted (VAL_FILES may be a list [a,b]): keep spaces, commas and quotes out of them.
+#
+# The GRPO baseline and the OAR runs get every setting from here; a recipe adds only its estimator, so a comparison
+# is fair. The loss set-up is the one OAR was published with (oar-method §11): seq-mean-token-mean aggregation, no KL
+# loss, no KL in the reward, no entropy bonus, dual-clip off (clip_ratio_c=1e9).
+# shellcheck disable=SC2034  # variables here are read by the recipes that source this file
+
+RECIPES_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO_DIR=$(dirname "$RECIPES_DIR")
+
+# --- model presets: MODEL picks the checkpoint and the model-size dependent defaults; MODEL_PATH may point anywhere
+MODEL=${MODEL:-qwen2.5-1.5b}
+case "$MODEL" in
+  qwen2.5-1.5b)
+    _model_path=Qwen/Qwen2.5-1.5B; _tp=1; _token_len=32768; _oar_micro=4; _oar_chunk=32 ;;
+  qwen2.5-7b)
+    _model_path=Qwen/Qwen2.5-7B; _tp=2; _token_len=16384; _oar_micro=2; _oar_chunk=16 ;;
+  qwen2.5-math-7b)  # max_position_embeddings 4096: MAX_PROMPT_LEN + MAX_RESPONSE_LEN must stay <= 4096
+    _model_path=Qwen/Qwen2.5-Math-7B; _tp=2; _token_len=16384; _oar_micro=2; _oar_chunk=16 ;;
+  *)
+    echo "recipes: unknown MODEL=$MODEL (qwen2.5-1.5b | qwen2.5-7b | qwen2.5-math-7b; MODEL_PATH overrides the path)" >&2
+    exit 2 ;;
+esac
+MODEL_PATH=${MODEL_PATH:-$_model_path}
+
+# --- cluster
+NNODES=${NNODES:-1}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+
+# --- data and lengths (the recipes set task-specific defaults of the lengths before sourcing this file)
+DATA_DIR=${DATA_DIR:-$HOME/data/oar}          # python -m oar_verl.data.prepare {gsm8k,math,math500} --out $DATA_DIR/<name>
+MAX_PROMPT_LEN=${MAX_PROMPT_LEN:-1024}
+MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-2048}
+
+# --- batch shape: TRAIN_BATCH_SIZE prompts x ROLLOUT_N responses per step; PPO_MINI_BATCH_SIZE prompts per update
+TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}
+PPO_MINI_BATCH_SIZE=${PPO_MINI_BATCH_SIZE:-64}
+ROLLOUT_N=${ROLLOUT_N:-8}
+PPO_MAX_TOKEN_LEN_PER_GPU=${PPO_MAX_TOKEN_LEN_PER_GPU:-$_token_len}  # dynamic micro-batches: tokens per GPU pass
+
+# --- optimisation
+LR=${LR:-1e-6}
+TOTAL_EPOCHS=${TOTAL_EPOCHS:-5}
+TOTAL_TRAINING_STEPS=${TOTAL_TRAINING_STEPS:-null}  # null: TOTAL_EPOCHS decides
+LOSS_AGG_MODE=${LOSS_AGG_MODE:-seq-mean-token-mean}
+CLIP_RATIO_C=${CLIP_RATIO_C:-1e9}                  # dual-clip off
+PARAM_OFFLOAD=${PARAM_OFFLOAD:-False}
+OPTIMIZER_OFFLOAD=${OPTIMIZER_OFFLOAD:-False}
+
+# --- rollout (vLLM, hybrid engine: colocated with the FSDP2 actor, asleep while it trains)
+ROLLOUT_TP=${ROLLOUT_TP:-$_tp}
+ROLLOUT_GPU_MEM_UTIL=${ROLLOUT_GPU_MEM_UTIL:-0.6}
+TEMPERATURE=${TEMPERATURE:-1.0}
+VAL_N=${VAL_N:-1}                                  # >1: sampled validation with mean@N / best@N / maj@N
+VAL_TEMPERATURE=${VAL_TEMPERATURE:-0}
+VAL_DO_SAMPLE=${VAL_DO_SAMPLE:-False}
+
+# --- OAR (ignored by the GRPO recipes); attribution memory grows with OAR_MICRO_BATCH (OAR-G) / OAR_CHUNK (OAR-P)
+OAR_PRESET=${OAR_PRESET:-paper}                    # paper: tau=0.4 beta=2.0 | official_code: tau=0.25 beta=1.0
+OAR_MICRO_BATCH=${OAR_MICRO_BATCH:-$_oar_micro}
+OAR_CHUNK=${OAR_CHUNK:-$_oar_chunk}
+OAR_DUMP_EVERY=${OAR_DUMP_EVERY:-10}               # token dumps for heatmaps every N steps (0 = off)
+
+# --- logging, outputs
+PROJECT=${PROJECT:-oar}
+LOGGER=${LOGGER:-console,file}                     # add wandb / tensorboard / ...: LOGGER=console,file,wandb
+TEST_FREQ=${TEST_FREQ:-10}
+SAVE_FREQ=${SAVE_FREQ:--1}
+EXPERIMENT=${EXPERIMENT:-${TASK:?recipes set TASK}-${ALGO:?recipes set ALGO}-${MODEL}}
+OUTPUT_DIR=${OUTPUT_DIR:-$REPO_DIR/outputs/$EXPERIMENT}
+PYTHON=${PYTHON:-python3}
+# verl's `file` logger writes $VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl (plot: python -m oar_verl.viz.curves)
+export VERL_FILE_LOGGER_ROOT=${VERL_FILE_LOGGER_ROOT:-$OUTPUT_DIR/metrics}
+
+# The OAR keys (appended by the OAR recipes after algorithm.adv_estimator=oar and algorithm.oar.mode=...).
+oar_args() {
+  OAR_ARGS=(
+    algorithm.oar.preset="$OAR_PRESET"
+    algorithm.oar.micro_batch_size="$OAR_MICRO_BATCH"
+    algorithm.oar.chunk_size="$OAR_CHUNK"
+    algorithm.oar.dump_every="$OAR_DUMP_EVERY"
+    algorithm.oar.dump_dir="$OUTPUT_DIR/oar_dumps"
+  )
+}
+
+# launch OVERRIDE... : run `python -m oar_verl.main` with the shared settings, then the recipe's and the user's
+# overrides. Reads TRAIN_FILES and VAL_FILES, which the recipes set after sourcing this file.
+launch() {
+  if [[ "$MODEL" == qwen2.5-math-7b ]] && (( MAX_PROMPT_LEN + MAX_RESPONSE_LEN > 4096 )); then
+    echo "recipes: Qwen2.5-Math-7B has a 4096-token context; MAX_PROMPT_LEN + MAX_RESPONSE_LEN =" \
+         "$(( MAX_PROMPT_LEN + MAX_RESPONSE_LEN ))" >&2
+    exit 2
+  fi
+  local cmd=(
+    "$PYTHON" -m oar_verl.main
+    # data
+    data.train_files="${TRAIN_FILES:?}"
+    data.val_files="${VAL_FILES:?}"
+    data.train_batch_size="$TRAIN_BATCH_SIZE"
+    data.max_prompt_length="$MAX_PROMPT_LEN"
+    data.max_response_length="$MAX_RESPONSE_LEN"
+    data.filter_overlong_prompts=True
+    data.truncation=error
+    # reward: math-verify in a subprocess pool, strict GSM8K fast path
+    reward.custom_reward_function.path=pkg://oar_verl.rewards.math_verify_reward
+    reward.custom_reward_function.name=compute_score
+    # model + actor: FSDP2, remove-padding, dynamic micro-batches, OAR's loss set-up
+    actor_rollout_ref.model.path="$MODEL_PATH"
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.strategy=fsdp2
+    actor_rollout_ref.actor.fsdp_config.strategy=fsdp2
+    actor_rollout_ref.actor.fsdp_config.param_offload="$PARAM_OFFLOAD"
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload="$OPTIMIZER_OFFLOAD"
+    actor_rollout_ref.actor.optim.lr="$LR"
+    actor_rollout_ref.actor.ppo_mini_batch_size="$PPO_MINI_BATCH_SIZE"
+    actor_rollout_ref.actor.use_dynamic_bsz=True
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu="$PPO_MAX_TOKEN_LEN_PER_GPU"
+    actor_rollout_ref.actor.loss_agg_mode="$LOSS_AGG_MODE"
+    actor_rollout_ref.actor.use_kl_loss=False
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.actor.clip_ratio_c="$CLIP_RATIO_C"
+    actor_rollout_ref.actor.calculate_entropy=True
+    algorithm.use_kl_in_reward=False
+    # rollout: vLLM hybrid engine
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.n="$ROLLOUT_N"
+    actor_rollout_ref.rollout.temperature="$TEMPERATURE"
+    actor_rollout_ref.rollout.tensor_model_parallel_size="$ROLLOUT_TP"
+    actor_rollout_ref.rollout.gpu_memory_utilization="$ROLLOUT_GPU_MEM_UTIL"
+    actor_rollout_ref.rollout.max_num_batched_tokens="$(( MAX_PROMPT_LEN + MAX_RESPONSE_LEN > 8192 ? MAX_PROMPT_LEN + MAX_RESPONSE_LEN : 8192 ))"
+    actor_rollout_ref.rollout.val_kwargs.n="$VAL_N"
+    actor_rollout_ref.rollout.val_kwargs.temperature="$VAL_TEMPERATURE"
+    actor_rollout_ref.rollout.val_kwargs.do_sample="$VAL_DO_SAMPLE"
+    # trainer
+    trainer.logger="[$LOGGER]"
+    trainer.project_name="$PROJECT"
+    trainer.experiment_name="$EXPERIMENT"
+    trainer.nnodes="$NNODES"
+    trainer.n_gpus_per_node="$GPUS_PER_NODE"
+    trainer.total_epochs="$TOTAL_EPOCHS"
+    trainer.total_training_steps="$TOTAL_TRAINING_STEPS"
+    trainer.test_freq="$TEST_FREQ"
+    trainer.save_freq="$SAVE_FREQ"
+    trainer.val_before_train=True
+    trainer.default_local_dir="$OUTPUT_DIR/checkpoints"
+    hydra.run.dir="$OUTPUT_DIR/hydra"
+    "$@"
+  )
+  if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    local i last=$(( ${#cmd[@]} - 1 ))
+    printf '%q %q %q \\\n' "${cmd[@]:0:3}"
+    for (( i = 3; i <= last; i++ )); do
+      if (( i < last )); then printf '  %q \\\n' "${cmd[i]}"; else printf '  %q\n' "${cmd[i]}"; fi
+    done
+    return 0
+  fi
+  mkdir -p "$OUTPUT_DIR"
+  echo "[recipes] $EXPERIMENT: $MODEL_PATH on ${NNODES}x${GPUS_PER_NODE} GPUs -> $OUTPUT_DIR" >&2
+  exec "${cmd[@]}"
+}

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# MATH (train: MATH train, 7.5k; validate: MATH-500 and GSM8K test)
+# GRPO baseline: every token of a response gets the sequence's group-normalised advantage.
+# Shares every other setting with the sibling run_*.sh scripts (recipes/common.sh), so the comparison is fair.
+#
+# usage: [MODEL=qwen2.5-1.5b|qwen2.5-7b|qwen2.5-math-7b] [VAR=value ...] bash recipes/math/run_grpo.sh [Hydra overrides]
+#        DRY_RUN=1 bash recipes/math/run_grpo.sh   # print the command only
+# data, once (DATA_DIR defaults to ~/data/oar):
+#   python -m oar_verl.data.prepare math --out "$DATA_DIR/math"
+#   python -m oar_verl.data.prepare math500 --out "$DATA_DIR/math500"
+#   python -m oar_verl.data.prepare gsm8k --out "$DATA_DIR/gsm8k"
+set -euo pipefail
+
+TASK=math
+ALGO=grpo
+MAX_PROMPT_LEN=${MAX_PROMPT_LEN:-1024}
+MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-3072}
+# shellcheck source-path=SCRIPTDIR/.. source=common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+
+TRAIN_FILES=${TRAIN_FILES:-$DATA_DIR/math/train.parquet}
+VAL_FILES=${VAL_FILES:-[$DATA_DIR/math500/test.parquet,$DATA_DIR/gsm8k/test.parquet]}
+
+launch \
+  algorithm.adv_estimator=grpo \
+  "$@"

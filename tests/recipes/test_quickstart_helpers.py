@@ -1,0 +1,58 @@
+"""Pieces of the CPU quickstart that run in seconds (the quickstart itself runs end to end in CI)."""
+
+from __future__ import annotations
+
+from oar_verl import quickstart
+from oar_verl.tiny_assets import build_tiny_assets
+
+
+def test_answer_format_warm_up_learns_and_saves(tmp_path):
+    assets = build_tiny_assets(tmp_path / "assets", seed=0)  # its own copy: the warm-up rewrites the model
+    weights = assets.model_dir / "model.safetensors"
+    before = weights.read_bytes()
+    result = quickstart.teach_answer_format(assets.model_dir, steps=40, batch_size=16)
+    assert result["loss_last"] < 0.5 * result["loss_first"]
+    assert weights.read_bytes() != before  # saved back where verl and vLLM will load it
+    assert isinstance(result["example_response"], str) and "End with: #### N" in result["example_prompt"]
+
+
+def test_format_examples_match_the_reward():
+    import random
+
+    from oar_verl.rewards import arith
+
+    rng = random.Random(0)
+    for style in ("sentence", "hashes"):
+        messages, response = quickstart._format_example(rng, style)
+        truth = response.split(" is ", 1)[1].split(".", 1)[0]
+        assert arith.compute_score("x", response, truth) == 1.0
+        assert ("The answer is" in response) == (style == "sentence")
+
+
+def test_summary_and_dump_support():
+    metrics = [{"step": 1, "critic/score/mean": 0.1, "timing_s/oar": 0.5, "timing_s/step": 20.0},
+               {"step": 2, "critic/score/mean": 0.3, "timing_s/oar": 0.5, "timing_s/step": 5.0}]
+    text = quickstart.summarize(metrics)
+    assert "reward 0.100 -> 0.300" in text and "10.0% of the step time after step 1" in text
+    assert "step 2/5: reward 0.300" in quickstart._step_line(metrics[1], 5)
+    assert quickstart.supports_dumps()
+
+
+def test_trainer_overrides_compose_against_the_oar_config(tmp_path):
+    """The quickstart's own overrides (CPU settings, OAR mode, token dumps) name real keys of the config tree."""
+    import os
+
+    from hydra import compose, initialize_config_dir
+
+    from oar_verl.tiny_assets import TinyAssets
+
+    assets = TinyAssets(tmp_path, tmp_path / "model", tmp_path / "train.parquet", tmp_path / "test.parquet", 26)
+    overrides = quickstart.trainer_overrides(assets, tmp_path / "out", "/tmp/ray", mode="perturbation", steps=3,
+                                             extra=["algorithm.oar.chunk_size=16"])
+    config_dir = os.path.join(os.path.dirname(quickstart.__file__), "integration", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose(config_name="oar_trainer", overrides=overrides)
+    assert cfg.algorithm.adv_estimator == "oar" and cfg.algorithm.oar.mode == "perturbation"
+    assert cfg.algorithm.oar.dump_every == 1 and cfg.algorithm.oar.dump_groups == 4
+    assert cfg.algorithm.oar.dump_dir == str(tmp_path / "out" / "oar_dumps")
+    assert cfg.trainer.total_training_steps == 3 and cfg.algorithm.oar.chunk_size == 16

@@ -1,0 +1,170 @@
+"""The GPU recipes, checked without a GPU: shell syntax, shellcheck, and a dry compose of their Hydra overrides.
+
+Each recipe is run with ``DRY_RUN=1`` (it prints its command instead of launching), the overrides are composed against
+the OAR config tree (``oar_verl/integration/config/oar_trainer.yaml`` on top of verl's ``ppo_trainer``) exactly as
+``python -m oar_verl.main`` composes them, and the result goes through verl's own ``validate_config`` (actor dataclass
+conversion, batch-size divisibility) and OAR's start-up validation. A renamed or misspelled key fails the compose.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = ROOT / "oar_verl" / "integration" / "config"
+RECIPES = sorted((ROOT / "recipes").glob("*/run_*.sh"))
+SHELL_SCRIPTS = [*RECIPES, ROOT / "recipes" / "common.sh", ROOT / "recipes" / "quickstart_cpu.sh"]
+MODELS = ["qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-math-7b"]
+MODEL_PATHS = {"qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+               "qwen2.5-math-7b": "Qwen/Qwen2.5-Math-7B"}
+
+
+def _id(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def test_expected_recipes_exist():
+    assert {_id(p) for p in RECIPES} == {f"recipes/{t}/run_{a}.sh" for t in ("gsm8k", "math")
+                                          for a in ("grpo", "oar_g", "oar_p")}
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=_id)
+def test_bash_syntax(script):
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=_id)
+def test_shellcheck(script):
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (Debian: apt-get install -y shellcheck)")
+    proc = subprocess.run(["shellcheck", "-x", str(script)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def dry_run(script: Path, *extra: str, **env: str) -> list[str]:
+    """The recipe's Hydra overrides, from its ``DRY_RUN=1`` output (``python -m oar_verl.main`` stripped)."""
+    full_env = {**os.environ, "DRY_RUN": "1", "DATA_DIR": "/data/oar", "OUTPUT_DIR": "/runs/out", **env}
+    for key in ("MODEL", "MODEL_PATH", "EXPERIMENT", "TRAIN_BATCH_SIZE", "GPUS_PER_NODE"):
+        if key not in env:
+            full_env.pop(key, None)
+    proc = subprocess.run(["bash", str(script), *extra], capture_output=True, text=True, env=full_env, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    argv = shlex.split(proc.stdout.replace("\\\n", " "))
+    assert argv[1:3] == ["-m", "oar_verl.main"], argv[:3]
+    return argv[3:]
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return hydra_compose(config_name="oar_trainer", overrides=overrides)
+
+
+def validate(cfg) -> None:
+    """What ``oar_verl.main`` checks in the driver before Ray starts."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from oar_verl.integration.trainer_common import uses_oar, validate_oar_setup
+
+    if uses_oar(cfg):
+        validate_oar_setup(cfg)
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("script", RECIPES, ids=_id)
+def test_recipe_composes_and_validates(script, model):
+    cfg = compose(dry_run(script, MODEL=model))
+    validate(cfg)
+    actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    # OAR's loss set-up is the default of every recipe, baseline included
+    assert actor.loss_agg_mode == "seq-mean-token-mean"
+    assert actor.use_kl_loss is False and cfg.algorithm.use_kl_in_reward is False
+    assert actor.entropy_coeff == 0 and actor.clip_ratio_c == 1e9
+    # FSDP2 actor + vLLM hybrid-engine rollout, math-verify reward
+    assert actor.strategy == "fsdp2" and rollout.name == "vllm" and cfg.actor_rollout_ref.hybrid_engine is True
+    assert cfg.reward.custom_reward_function.path == "pkg://oar_verl.rewards.math_verify_reward"
+    assert cfg.actor_rollout_ref.model.path == MODEL_PATHS[model]
+    task, algo = script.parent.name, script.stem.removeprefix("run_")
+    assert cfg.trainer.experiment_name == f"{task}-{algo}-{model}"
+    assert cfg.algorithm.adv_estimator == ("grpo" if algo == "grpo" else "oar")
+    if algo != "grpo":
+        assert cfg.algorithm.oar.mode == {"oar_g": "gradient", "oar_p": "perturbation"}[algo]
+    val_files = OmegaConf.to_container(cfg.data.val_files) if OmegaConf.is_list(cfg.data.val_files) \
+        else [cfg.data.val_files]
+    if task == "math":
+        assert cfg.data.train_files == "/data/oar/math/train.parquet"
+        assert val_files == ["/data/oar/math500/test.parquet", "/data/oar/gsm8k/test.parquet"]
+        assert cfg.data.max_prompt_length + cfg.data.max_response_length <= 4096  # Qwen2.5-Math-7B's context
+    else:
+        assert val_files == ["/data/oar/gsm8k/test.parquet"]
+
+
+def _leaves(cfg) -> dict[str, object]:
+    flat = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        else:
+            flat[prefix] = node
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return flat
+
+
+@pytest.mark.parametrize("task", ["gsm8k", "math"])
+def test_baseline_and_oar_runs_differ_only_in_the_estimator(task):
+    configs = {algo: _leaves(compose(dry_run(ROOT / "recipes" / task / f"run_{algo}.sh", EXPERIMENT="x",
+                                              OUTPUT_DIR="/runs/x")))
+               for algo in ("grpo", "oar_g", "oar_p")}
+    base = configs["grpo"]
+    for algo in ("oar_g", "oar_p"):
+        differing = {k for k in base.keys() | configs[algo].keys() if base.get(k) != configs[algo].get(k)}
+        unexpected = {k for k in differing if k != "algorithm.adv_estimator" and not k.startswith("algorithm.oar.")}
+        assert not unexpected, f"{task}: grpo and {algo} differ in {sorted(unexpected)}"
+
+
+def test_environment_variables_override_defaults():
+    cfg = compose(dry_run(ROOT / "recipes" / "gsm8k" / "run_oar_p.sh", GPUS_PER_NODE="4", NNODES="2",
+                          TRAIN_BATCH_SIZE="64", ROLLOUT_N="16", MAX_RESPONSE_LEN="512", LOGGER="console,wandb",
+                          MODEL_PATH="/models/my-qwen", OAR_CHUNK="8"))
+    validate(cfg)
+    assert (cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes, cfg.data.train_batch_size) == (4, 2, 64)
+    assert cfg.actor_rollout_ref.rollout.n == 16 and cfg.data.max_response_length == 512
+    assert list(cfg.trainer.logger) == ["console", "wandb"]
+    assert cfg.actor_rollout_ref.model.path == "/models/my-qwen" and cfg.algorithm.oar.chunk_size == 8
+
+
+def test_extra_arguments_are_hydra_overrides_that_win():
+    cfg = compose(dry_run(ROOT / "recipes" / "math" / "run_oar_g.sh", "trainer.total_training_steps=7",
+                          "algorithm.oar.tau=0.3"))
+    assert cfg.trainer.total_training_steps == 7 and cfg.algorithm.oar.tau == 0.3
+
+
+@pytest.mark.parametrize("bad", ["actor_rollout_ref.actor.loss_agg_modee=token-mean", "algorithm.oar.modee=gradient",
+                                 "trainer.n_gpu_per_node=8"])
+def test_misspelled_key_fails_the_compose(bad):
+    from hydra.errors import ConfigCompositionException
+
+    overrides = dry_run(ROOT / "recipes" / "gsm8k" / "run_oar_g.sh", bad)
+    with pytest.raises(ConfigCompositionException, match="Could not override"):
+        compose(overrides)
+
+
+def test_unknown_model_preset_is_refused():
+    proc = subprocess.run(["bash", str(ROOT / "recipes" / "gsm8k" / "run_grpo.sh")], capture_output=True, text=True,
+                          env={**os.environ, "DRY_RUN": "1", "MODEL": "llama-7b"})
+    assert proc.returncode == 2 and "unknown MODEL=llama-7b" in proc.stderr
