@@ -2,7 +2,7 @@
 
 Never imported by the package: only ``engine_job.py`` (run in the .venv-mcore interpreter) imports this, before verl
 and megatron-core build anything. Each shim names the error it removes (found by dropping one at a time, see
-/work/shared/reference/megatron-cpu-probes/ablation.txt). None changes the model's maths except M6, which makes the
+shared/reference/megatron-cpu-probes/ablation.txt). None changes the model's maths except M6, which makes the
 local (non-TransformerEngine) attention causal the way TransformerEngine's is; the tests compare every number against
 the Hugging Face reference, which is what catches a shim that would change results.
 
