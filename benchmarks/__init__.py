@@ -1,0 +1,1 @@
+"""Benchmarks of oar_verl: attribution fidelity and a GRPO-vs-OAR learning study (see docs/evidence.md)."""

@@ -1,0 +1,375 @@
+"""The *digit-sum* task: a synthetic verifiable task with planted causal tokens, shared by both benchmarks.
+
+Prompt:   ``Start at 7. Write 3 digits, then add them up.``
+Response: ``okay so 4 let me see hmm 9 right 2 well The answer is 22.``       (style ``spaced``)
+          ``okay so4 let me see hmm9 right2 well The answer is 22.``          (style ``attached``)
+
+The response writes K digits (its own choice) inside filler text and ends with ``The answer is N.``, N = S + sum of
+the digits. The reward (:mod:`benchmarks.digit_sum_reward`) checks exactly that. So, of the reasoning tokens, the K
+digit tokens are the only ones the final answer depends on (the *causal* tokens); the filler words and phrases are
+irrelevant to it by construction. Filler mixes single random words (high entropy: the "forking" tokens an entropy
+heuristic ranks first) with fixed multi-word phrases (low entropy after their first word).
+
+Two text styles. In ``spaced`` text the Qwen2 pre-tokenizer splits `` 4`` into a space token and a digit token, so a
+space token precedes every digit: a *cue* token that a model may use to read the digit that follows (masking it can
+change the answer although the task's answer does not depend on it). In ``attached`` text a digit follows its filler
+word directly (``so4`` -> `` so``, ``4``), so no input token other than the digits themselves marks where an operand
+is: the fidelity benchmark uses ``attached``; the learning study ran on ``spaced`` (the reward is the same).
+
+Everything is built offline in seconds: a byte-level BPE tokenizer trained on task text (every filler word is one
+token; the Qwen2 tokenizer class that verl and vLLM load splits digits into single tokens), a tiny Qwen2 from a config,
+and plain-torch supervised training. No verl import here.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks.digit_sum_reward import score_response
+from oar_verl.tiny_assets import CHAT_TEMPLATE, IM_END, PAD_TOKEN, SPECIAL_TOKENS, build_tiny_qwen2
+
+FILLER_WORDS = ("so", "well", "hmm", "okay", "right", "now", "then", "next", "yes", "sure", "fine", "good", "look",
+                "wait", "ah", "oh", "maybe", "also", "and", "ok")
+FILLER_PHRASES = ("let me see", "one more", "I think", "here we go", "keep going", "step by step", "not sure yet",
+                  "moving on")
+DIGIT_COUNTS = (2, 3, 4)
+DATA_SOURCE = "digit_sum"
+STYLES = ("spaced", "attached")
+
+
+@dataclass(frozen=True)
+class Example:
+    start: int
+    digits: tuple[int, ...]
+    prompt: str
+    response: str  # without the EOS token
+
+    @property
+    def answer(self) -> int:
+        return self.start + sum(self.digits)
+
+    @property
+    def ground_truth(self) -> str:
+        return f"{self.start},{len(self.digits)}"
+
+
+def prompt_text(start: int, n_digits: int) -> str:
+    return f"Start at {start}. Write {n_digits} digits, then add them up."
+
+
+def _filler(rng: random.Random, n: int) -> list[str]:
+    return [rng.choice(FILLER_PHRASES) if rng.random() < 0.3 else rng.choice(FILLER_WORDS) for _ in range(n)]
+
+
+def make_example(rng: random.Random, start: int | None = None, n_digits: int | None = None,
+                 style: str = "spaced") -> Example:
+    """One prompt with a correct response: 1-3 filler items before each digit, 0-2 after the last one."""
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+    start = rng.randrange(10) if start is None else start
+    n_digits = rng.choice(DIGIT_COUNTS) if n_digits is None else n_digits
+    digits = tuple(rng.randrange(10) for _ in range(n_digits))
+    parts: list[str] = []
+    for d in digits:
+        parts += _filler(rng, rng.randint(1, 3))
+        if style == "attached":
+            parts[-1] += str(d)
+        else:
+            parts.append(str(d))
+    parts += _filler(rng, rng.randint(0, 2))
+    response = " ".join(parts) + f" The answer is {start + sum(digits)}."
+    return Example(start, digits, prompt_text(start, n_digits), response)
+
+
+def make_examples(n: int, seed: int | str, style: str = "spaced") -> list[Example]:
+    rng = random.Random(seed)
+    return [make_example(rng, style=style) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokenizer and model
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, seed: int = 0, style: str = "spaced"):
+    """Train a byte-level BPE with the Qwen-style specials and ChatML template of :mod:`oar_verl.tiny_assets`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = []
+    for ex in make_examples(4000, f"tok-{seed}", style):
+        corpus.append(f"user\n{ex.prompt}\nassistant\n{ex.response}")
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD_TOKEN, bos_token=None)
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(str(out_dir))
+    return hf_tok
+
+
+def build_model_dir(model_dir: str | Path, *, seed: int = 0, hidden_size: int = 128, num_layers: int = 2,
+                    intermediate_size: int = 512, style: str = "spaced"):
+    """Tokenizer + randomly initialised tiny Qwen2 (head_dim 32 for vLLM-CPU) saved in ``model_dir``.
+
+    Returns ``(model, tokenizer)``, the tokenizer reloaded with ``AutoTokenizer`` exactly as verl and vLLM load it.
+    """
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(model_dir, seed=seed, style=style)
+    build_tiny_qwen2(model_dir, tok, seed=seed, hidden_size=hidden_size, num_layers=num_layers, num_heads=4,
+                     num_kv_heads=2, intermediate_size=intermediate_size, initializer_range=0.02)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = Qwen2ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    return model, tokenizer
+
+
+def save_model(model, tokenizer, model_dir: str | Path) -> None:
+    model.save_pretrained(str(model_dir))
+    tokenizer.save_pretrained(str(model_dir))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Encoding and batches
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _ids(x) -> list[int]:
+    return list(x["input_ids"] if hasattr(x, "keys") else x)
+
+
+def encode(tokenizer, examples: Sequence[Example]) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids with the generation prompt, response ids + EOS) per example, as verl lays them out."""
+    prompts, responses = [], []
+    for ex in examples:
+        prompts.append(_ids(tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}],
+                                                          add_generation_prompt=True, tokenize=True)))
+        responses.append(tokenizer.encode(ex.response, add_special_tokens=False) + [tokenizer.eos_token_id])
+    return prompts, responses
+
+
+@dataclass
+class VerlBatch:
+    """verl's padded layout: prompts left-padded (B, P), responses right-padded (B, T)."""
+
+    prompts: torch.Tensor
+    prompt_mask: torch.Tensor
+    responses: torch.Tensor
+    response_mask: torch.Tensor
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompts, self.responses], 1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask], 1)
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def verl_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> VerlBatch:
+    B = len(prompts)
+    P, T = max(map(len, prompts)), max(map(len, responses))
+    p = torch.full((B, P), pad_id, dtype=torch.long)
+    pm = torch.zeros(B, P, dtype=torch.long)
+    r = torch.full((B, T), pad_id, dtype=torch.long)
+    rm = torch.zeros(B, T, dtype=torch.long)
+    for i, (a, b) in enumerate(zip(prompts, responses)):
+        p[i, P - len(a):] = torch.tensor(a)
+        pm[i, P - len(a):] = 1
+        r[i, :len(b)] = torch.tensor(b)
+        rm[i, :len(b)] = 1
+    return VerlBatch(p, pm, r, rm)
+
+
+def response_logits(model, batch: VerlBatch) -> torch.Tensor:
+    """(B, T, V) logits predicting each response token (position P + t - 1 predicts response token t)."""
+    P = batch.prompts.shape[1]
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+    return out.logits[:, P - 1:-1].float()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training and accuracy
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def sft_loss(model, batch: VerlBatch, answer_weight: float = 1.0, tokenizer=None) -> torch.Tensor:
+    """Token-mean cross-entropy over response tokens; answer-value tokens count ``answer_weight`` times."""
+    logits = response_logits(model, batch)
+    mask = batch.response_mask.bool()
+    weight = batch.response_mask.float()
+    if answer_weight != 1.0:
+        from oar_verl.core.spans import locate_answer_spans
+
+        spans = locate_answer_spans(batch.responses, batch.response_mask, tokenizer, patterns=("answer_is",))
+        weight = weight + (answer_weight - 1.0) * spans.answer_mask.float()
+    ce = torch.nn.functional.cross_entropy(logits[mask], batch.responses[mask], reduction="none")
+    return (ce * weight[mask]).sum() / weight[mask].sum()
+
+
+@torch.no_grad()
+def answer_accuracy(model, tokenizer, examples: Sequence[Example], batch_size: int = 128) -> float:
+    """Share of examples whose answer tokens are all the model's argmax, teacher-forced on the reasoning.
+
+    This is the accuracy of "given this reasoning, state the right sum": what the fidelity benchmark relies on.
+    """
+    from oar_verl.core.spans import locate_answer_spans
+
+    model.eval()
+    hits = 0
+    for s in range(0, len(examples), batch_size):
+        part = examples[s:s + batch_size]
+        batch = verl_batch(*encode(tokenizer, part), tokenizer.pad_token_id)
+        spans = locate_answer_spans(batch.responses, batch.response_mask, tokenizer, patterns=("answer_is",))
+        pred = response_logits(model, batch).argmax(-1)
+        ok = ((pred == batch.responses) | ~spans.answer_mask).all(-1) & spans.found
+        hits += int(ok.sum())
+    return hits / max(len(examples), 1)
+
+
+@torch.no_grad()
+def sampled_accuracy(model, tokenizer, examples: Sequence[Example], *, temperature: float = 1.0,
+                     max_new_tokens: int = 48, batch_size: int = 64, seed: int = 0) -> float:
+    """Mean reward of the model's own sampled responses (temperature 1 = the RL policy; 0 = greedy)."""
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for s in range(0, len(examples), batch_size):
+        part = examples[s:s + batch_size]
+        prompts, _ = encode(tokenizer, part)
+        batch = verl_batch(prompts, [[tokenizer.eos_token_id]] * len(part), tokenizer.pad_token_id)
+        texts = generate(model, tokenizer, batch.prompts, batch.prompt_mask, max_new_tokens=max_new_tokens,
+                         temperature=temperature, generator=gen)
+        for ex, text in zip(part, texts):
+            total += score_response(text, ex.start, len(ex.digits))
+    return total / max(len(examples), 1)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+             temperature: float, generator: torch.Generator | None = None) -> list[str]:
+    """Plain sampling loop with a KV cache (left-padded prompts); returns the decoded responses, EOS excluded."""
+    from transformers import DynamicCache
+
+    B = prompts.shape[0]
+    eos = tokenizer.eos_token_id
+    attn = prompt_mask.clone()
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    out = model(input_ids=prompts, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
+    done = torch.zeros(B, dtype=torch.bool)
+    tokens = []
+    next_pos = pos[:, -1:] + 1
+    for _ in range(max_new_tokens):
+        logits = out.logits[:, -1].float()
+        if temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator).squeeze(1)
+        else:
+            nxt = logits.argmax(-1)
+        nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
+        tokens.append(nxt)
+        done |= nxt == eos
+        if bool(done.all()):
+            break
+        attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype)], 1)
+        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=next_pos, past_key_values=cache,
+                    use_cache=True)
+        next_pos = next_pos + 1
+    seqs = torch.stack(tokens, 1).tolist()
+    texts = []
+    for seq in seqs:
+        seq = seq[:seq.index(eos)] if eos in seq else seq
+        texts.append(tokenizer.decode(seq, skip_special_tokens=True))
+    return texts
+
+
+def sft_train(model, tokenizer, *, steps: int, batch_size: int = 64, lr: float = 2e-3, seed: int = 0,
+              warmup: int = 50, answer_weight: float = 1.0, style: str = "spaced", eval_every: int = 0,
+              eval_fn: Callable[[], float] | None = None,
+              target: float | None = None, time_budget_s: float | None = None, log: Callable[[str], None] = print
+              ) -> dict:
+    """Supervised training on freshly generated correct examples (loss on response tokens), AdamW + cosine decay.
+
+    Stops early when ``eval_fn() >= target`` (checked every ``eval_every`` steps) or the time budget runs out.
+    Returns ``{"steps", "seconds", "loss", "eval"}``.
+    """
+    torch.manual_seed(seed)
+    rng = random.Random(f"sft-{seed}")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
+    start = time.monotonic()
+    loss_ema, last_eval, step = float("nan"), None, 0
+    for step in range(1, steps + 1):
+        model.train()
+        examples = [make_example(rng, style=style) for _ in range(batch_size)]
+        batch = verl_batch(*encode(tokenizer, examples), tokenizer.pad_token_id)
+        loss = sft_loss(model, batch, answer_weight, tokenizer)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_ema = loss.item() if math.isnan(loss_ema) else 0.95 * loss_ema + 0.05 * loss.item()
+        over_time = time_budget_s is not None and time.monotonic() - start > time_budget_s
+        if eval_fn is not None and eval_every and (step % eval_every == 0 or step == steps or over_time):
+            last_eval = eval_fn()
+            log(f"  sft step {step:5d}  loss {loss_ema:.4f}  eval {last_eval:.3f}  ({time.monotonic() - start:.0f} s)")
+            if target is not None and last_eval >= target:
+                break
+        if over_time:
+            log(f"  sft: time budget of {time_budget_s:.0f} s reached at step {step}")
+            break
+    model.eval()
+    return {"steps": step, "seconds": time.monotonic() - start, "loss": loss_ema, "eval": last_eval}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# verl data
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def write_parquet(data_dir: str | Path, *, n_train: int, n_val: int, seed: int = 0) -> tuple[Path, Path]:
+    """verl RL parquet (``prompt`` chat list, ``reward_model.ground_truth`` = ``"S,K"``); train/val prompts drawn
+    independently (there are only 30 distinct prompts: S in 0..9, K in 2..4)."""
+    import pandas as pd
+
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+
+    def rows(n, split):
+        rng = random.Random(f"{seed}-{split}")
+        out = []
+        for i in range(n):
+            # cycle through all 30 prompts so every split covers them evenly
+            start, n_digits = (i % 10, DIGIT_COUNTS[(i // 10) % len(DIGIT_COUNTS)]) if split == "val" else \
+                (rng.randrange(10), rng.choice(DIGIT_COUNTS))
+            out.append({
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": prompt_text(start, n_digits)}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": f"{start},{n_digits}"},
+                "extra_info": {"split": split, "index": i},
+            })
+        return out
+
+    train, val = data_dir / "train.parquet", data_dir / "val.parquet"
+    pd.DataFrame(rows(n_train, "train")).to_parquet(train, index=False)
+    pd.DataFrame(rows(n_val, "val")).to_parquet(val, index=False)
+    return train, val
