@@ -3,6 +3,7 @@
 #
 # Every setting below is an environment variable with a default, so any recipe can be changed from the command line:
 #   MODEL=qwen2.5-7b GPUS_PER_NODE=4 ROLLOUT_N=16 bash recipes/math/run_oar_g.sh trainer.total_training_steps=200
+# ENGINE picks the actor engine: fsdp2 (default) or megatron (the run_*_megatron.sh scripts set it, with Qwen2.5-7B).
 # Arguments after the script name are extra Hydra overrides, appended last (they win).
 # DRY_RUN=1 prints the command (one shell-quoted argument per line) instead of running it.
 # Paths go to Hydra unquoted (VAL_FILES may be a list [a,b]): keep spaces, commas and quotes out of them.
@@ -19,11 +20,11 @@ REPO_DIR=$(dirname "$RECIPES_DIR")
 MODEL=${MODEL:-qwen2.5-1.5b}
 case "$MODEL" in
   qwen2.5-1.5b)
-    _model_path=Qwen/Qwen2.5-1.5B; _tp=1; _token_len=32768; _oar_micro=4; _oar_chunk=32 ;;
+    _model_path=Qwen/Qwen2.5-1.5B; _tp=1; _mcore_tp=1; _token_len=32768; _oar_micro=4; _oar_chunk=32 ;;
   qwen2.5-7b)
-    _model_path=Qwen/Qwen2.5-7B; _tp=2; _token_len=16384; _oar_micro=2; _oar_chunk=16 ;;
+    _model_path=Qwen/Qwen2.5-7B; _tp=2; _mcore_tp=2; _token_len=16384; _oar_micro=2; _oar_chunk=16 ;;
   qwen2.5-math-7b)  # max_position_embeddings 4096: MAX_PROMPT_LEN + MAX_RESPONSE_LEN must stay <= 4096
-    _model_path=Qwen/Qwen2.5-Math-7B; _tp=2; _token_len=16384; _oar_micro=2; _oar_chunk=16 ;;
+    _model_path=Qwen/Qwen2.5-Math-7B; _tp=2; _mcore_tp=2; _token_len=16384; _oar_micro=2; _oar_chunk=16 ;;
   *)
     echo "recipes: unknown MODEL=$MODEL (qwen2.5-1.5b | qwen2.5-7b | qwen2.5-math-7b; MODEL_PATH overrides the path)" >&2
     exit 2 ;;
@@ -54,7 +55,21 @@ CLIP_RATIO_C=${CLIP_RATIO_C:-1e9}                  # dual-clip off
 PARAM_OFFLOAD=${PARAM_OFFLOAD:-False}
 OPTIMIZER_OFFLOAD=${OPTIMIZER_OFFLOAD:-False}
 
-# --- rollout (vLLM, hybrid engine: colocated with the FSDP2 actor, asleep while it trains)
+# --- actor engine
+ENGINE=${ENGINE:-fsdp2}
+case "$ENGINE" in
+  fsdp2) _engine_suffix= ;;
+  megatron) _engine_suffix=-megatron ;;
+  *) echo "recipes: unknown ENGINE=$ENGINE (fsdp2 | megatron)" >&2; exit 2 ;;
+esac
+# Megatron layout (ENGINE=megatron). OAR attribution supports TP (with sequence parallelism), PP and DP; it refuses
+# context parallelism, virtual pipeline stages, Megatron-FSDP and fused kernels at start-up, naming the key.
+MEGATRON_TP=${MEGATRON_TP:-$_mcore_tp}
+MEGATRON_PP=${MEGATRON_PP:-1}
+MEGATRON_SP=${MEGATRON_SP:-True}                   # sequence parallelism (needs MEGATRON_TP > 1 to do anything)
+MEGATRON_RECOMPUTE=${MEGATRON_RECOMPUTE:-full}     # full activation recompute (uniform, 1 layer) | none
+
+# --- rollout (vLLM, hybrid engine: colocated with the actor, asleep while it trains)
 ROLLOUT_TP=${ROLLOUT_TP:-$_tp}
 ROLLOUT_GPU_MEM_UTIL=${ROLLOUT_GPU_MEM_UTIL:-0.6}
 TEMPERATURE=${TEMPERATURE:-1.0}
@@ -73,7 +88,7 @@ PROJECT=${PROJECT:-oar}
 LOGGER=${LOGGER:-console,file}                     # add wandb / tensorboard / ...: LOGGER=console,file,wandb
 TEST_FREQ=${TEST_FREQ:-10}
 SAVE_FREQ=${SAVE_FREQ:--1}
-EXPERIMENT=${EXPERIMENT:-${TASK:?recipes set TASK}-${ALGO:?recipes set ALGO}-${MODEL}}
+EXPERIMENT=${EXPERIMENT:-${TASK:?recipes set TASK}-${ALGO:?recipes set ALGO}-${MODEL}${_engine_suffix}}
 OUTPUT_DIR=${OUTPUT_DIR:-$REPO_DIR/outputs/$EXPERIMENT}
 PYTHON=${PYTHON:-python3}
 # verl's `file` logger writes $VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl (plot: python -m oar_verl.viz.curves)
@@ -90,6 +105,46 @@ oar_args() {
   )
 }
 
+# The actor engine's keys: FSDP2, or Megatron (model_engine=megatron swaps verl's actor/ref config groups; the
+# reference policy follows the actor's layout through verl's own interpolations).
+engine_args() {
+  if [[ "$ENGINE" == fsdp2 ]]; then
+    ENGINE_ARGS=(
+      actor_rollout_ref.model.use_remove_padding=True
+      actor_rollout_ref.model.enable_gradient_checkpointing=True
+      actor_rollout_ref.actor.strategy=fsdp2
+      actor_rollout_ref.actor.fsdp_config.strategy=fsdp2
+      actor_rollout_ref.actor.fsdp_config.param_offload="$PARAM_OFFLOAD"
+      actor_rollout_ref.actor.fsdp_config.optimizer_offload="$OPTIMIZER_OFFLOAD"
+    )
+    return
+  fi
+  local mc=actor_rollout_ref.actor.megatron
+  ENGINE_ARGS=(
+    model_engine=megatron
+    actor_rollout_ref.model.use_fused_kernels=False  # OAR reads its probe through verl's logits processor
+    "$mc.tensor_model_parallel_size=$MEGATRON_TP"
+    "$mc.pipeline_model_parallel_size=$MEGATRON_PP"
+    "$mc.context_parallel_size=1"
+    "$mc.virtual_pipeline_model_parallel_size=null"
+    "$mc.sequence_parallel=$MEGATRON_SP"
+    "$mc.use_distributed_optimizer=True"
+    "$mc.use_remove_padding=True"
+    "$mc.param_offload=$PARAM_OFFLOAD"
+    "$mc.optimizer_offload=$OPTIMIZER_OFFLOAD"
+  )
+  if [[ "$MEGATRON_RECOMPUTE" == full ]]; then
+    ENGINE_ARGS+=(
+      "$mc.override_transformer_config.recompute_granularity=full"
+      "$mc.override_transformer_config.recompute_method=uniform"
+      "$mc.override_transformer_config.recompute_num_layers=1"
+    )
+  elif [[ "$MEGATRON_RECOMPUTE" != none ]]; then
+    echo "recipes: unknown MEGATRON_RECOMPUTE=$MEGATRON_RECOMPUTE (full | none)" >&2
+    exit 2
+  fi
+}
+
 # launch OVERRIDE... : run `python -m oar_verl.main` with the shared settings, then the recipe's and the user's
 # overrides. Reads TRAIN_FILES and VAL_FILES, which the recipes set after sourcing this file.
 launch() {
@@ -98,6 +153,7 @@ launch() {
          "$(( MAX_PROMPT_LEN + MAX_RESPONSE_LEN ))" >&2
     exit 2
   fi
+  engine_args
   local cmd=(
     "$PYTHON" -m oar_verl.main
     # data
@@ -111,14 +167,9 @@ launch() {
     # reward: math-verify in a subprocess pool, strict GSM8K fast path
     reward.custom_reward_function.path=pkg://oar_verl.rewards.math_verify_reward
     reward.custom_reward_function.name=compute_score
-    # model + actor: FSDP2, remove-padding, dynamic micro-batches, OAR's loss set-up
+    # model + actor: FSDP2 or Megatron, remove-padding, dynamic micro-batches, OAR's loss set-up
     actor_rollout_ref.model.path="$MODEL_PATH"
-    actor_rollout_ref.model.use_remove_padding=True
-    actor_rollout_ref.model.enable_gradient_checkpointing=True
-    actor_rollout_ref.actor.strategy=fsdp2
-    actor_rollout_ref.actor.fsdp_config.strategy=fsdp2
-    actor_rollout_ref.actor.fsdp_config.param_offload="$PARAM_OFFLOAD"
-    actor_rollout_ref.actor.fsdp_config.optimizer_offload="$OPTIMIZER_OFFLOAD"
+    "${ENGINE_ARGS[@]}"
     actor_rollout_ref.actor.optim.lr="$LR"
     actor_rollout_ref.actor.ppo_mini_batch_size="$PPO_MINI_BATCH_SIZE"
     actor_rollout_ref.actor.use_dynamic_bsz=True
@@ -163,6 +214,6 @@ launch() {
     return 0
   fi
   mkdir -p "$OUTPUT_DIR"
-  echo "[recipes] $EXPERIMENT: $MODEL_PATH on ${NNODES}x${GPUS_PER_NODE} GPUs -> $OUTPUT_DIR" >&2
+  echo "[recipes] $EXPERIMENT: $MODEL_PATH ($ENGINE) on ${NNODES}x${GPUS_PER_NODE} GPUs -> $OUTPUT_DIR" >&2
   exec "${cmd[@]}"
 }

@@ -31,8 +31,14 @@ def _id(path: Path) -> str:
 
 
 def test_expected_recipes_exist():
-    assert {_id(p) for p in RECIPES} == {f"recipes/{t}/run_{a}.sh" for t in ("gsm8k", "math")
-                                          for a in ("grpo", "oar_g", "oar_p")}
+    assert {_id(p) for p in RECIPES} == {f"recipes/{t}/run_{a}{e}.sh" for t in ("gsm8k", "math")
+                                          for a in ("grpo", "oar_g", "oar_p") for e in ("", "_megatron")}
+
+
+def _recipe_kind(script: Path) -> tuple[str, str, bool]:
+    """(task, algo, megatron) of a recipe path such as recipes/math/run_oar_g_megatron.sh."""
+    stem = script.stem.removeprefix("run_")
+    return script.parent.name, stem.removesuffix("_megatron"), stem.endswith("_megatron")
 
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=_id)
@@ -85,6 +91,7 @@ def validate(cfg) -> None:
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("script", RECIPES, ids=_id)
 def test_recipe_composes_and_validates(script, model):
+    task, algo, megatron = _recipe_kind(script)
     cfg = compose(dry_run(script, MODEL=model))
     validate(cfg)
     actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
@@ -92,12 +99,22 @@ def test_recipe_composes_and_validates(script, model):
     assert actor.loss_agg_mode == "seq-mean-token-mean"
     assert actor.use_kl_loss is False and cfg.algorithm.use_kl_in_reward is False
     assert actor.entropy_coeff == 0 and actor.clip_ratio_c == 1e9
-    # FSDP2 actor + vLLM hybrid-engine rollout, math-verify reward
-    assert actor.strategy == "fsdp2" and rollout.name == "vllm" and cfg.actor_rollout_ref.hybrid_engine is True
+    # FSDP2 or Megatron actor + vLLM hybrid-engine rollout, math-verify reward
+    assert actor.strategy == ("megatron" if megatron else "fsdp2")
+    assert rollout.name == "vllm" and cfg.actor_rollout_ref.hybrid_engine is True
     assert cfg.reward.custom_reward_function.path == "pkg://oar_verl.rewards.math_verify_reward"
     assert cfg.actor_rollout_ref.model.path == MODEL_PATHS[model]
-    task, algo = script.parent.name, script.stem.removeprefix("run_")
-    assert cfg.trainer.experiment_name == f"{task}-{algo}-{model}"
+    assert cfg.trainer.experiment_name == f"{task}-{algo}-{model}" + ("-megatron" if megatron else "")
+    if megatron:  # the layout OAR supports, mirrored by the reference policy through verl's interpolations
+        tp = 1 if model == "qwen2.5-1.5b" else 2
+        for role in (actor, cfg.actor_rollout_ref.ref):
+            assert role.strategy == "megatron"
+            mc = role.megatron
+            assert (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size, mc.context_parallel_size) == \
+                (tp, 1, 1)
+        assert actor.megatron.sequence_parallel is True and actor.megatron.use_distributed_optimizer is True
+        assert actor.megatron.override_transformer_config.recompute_granularity == "full"
+        assert cfg.actor_rollout_ref.model.use_fused_kernels is False
     assert cfg.algorithm.adv_estimator == ("grpo" if algo == "grpo" else "oar")
     if algo != "grpo":
         assert cfg.algorithm.oar.mode == {"oar_g": "gradient", "oar_p": "perturbation"}[algo]
@@ -125,9 +142,10 @@ def _leaves(cfg) -> dict[str, object]:
     return flat
 
 
+@pytest.mark.parametrize("engine", ["", "_megatron"], ids=["fsdp2", "megatron"])
 @pytest.mark.parametrize("task", ["gsm8k", "math"])
-def test_baseline_and_oar_runs_differ_only_in_the_estimator(task):
-    configs = {algo: _leaves(compose(dry_run(ROOT / "recipes" / task / f"run_{algo}.sh", EXPERIMENT="x",
+def test_baseline_and_oar_runs_differ_only_in_the_estimator(task, engine):
+    configs = {algo: _leaves(compose(dry_run(ROOT / "recipes" / task / f"run_{algo}{engine}.sh", EXPERIMENT="x",
                                               OUTPUT_DIR="/runs/x")))
                for algo in ("grpo", "oar_g", "oar_p")}
     base = configs["grpo"]
@@ -162,6 +180,34 @@ def test_misspelled_key_fails_the_compose(bad):
     overrides = dry_run(ROOT / "recipes" / "gsm8k" / "run_oar_g.sh", bad)
     with pytest.raises(ConfigCompositionException, match="Could not override"):
         compose(overrides)
+
+
+def test_megatron_layout_from_the_environment():
+    cfg = compose(dry_run(ROOT / "recipes" / "math" / "run_oar_g_megatron.sh", MEGATRON_TP="4", MEGATRON_PP="2",
+                          MEGATRON_RECOMPUTE="none"))
+    validate(cfg)
+    mc = cfg.actor_rollout_ref.actor.megatron
+    assert (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size) == (4, 2)
+    assert mc.override_transformer_config.recompute_granularity is None
+
+
+def test_megatron_layout_oar_cannot_run_is_refused_before_start():
+    """Context parallelism is not supported by OAR's attribution: the driver refuses it, naming the key."""
+    from oar_verl.integration.trainer_common import OARSetupError
+
+    cfg = compose(dry_run(ROOT / "recipes" / "gsm8k" / "run_oar_p_megatron.sh",
+                          "actor_rollout_ref.actor.megatron.context_parallel_size=2"))
+    with pytest.raises(OARSetupError, match="actor_rollout_ref.actor.megatron.context_parallel_size=2"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize(("script", "var"), [("run_grpo.sh", "ENGINE=deepspeed"),
+                                             ("run_grpo_megatron.sh", "MEGATRON_RECOMPUTE=selective")])
+def test_unknown_engine_settings_are_refused(script, var):
+    key, value = var.split("=")
+    proc = subprocess.run(["bash", str(ROOT / "recipes" / "gsm8k" / script)], capture_output=True, text=True,
+                          env={**os.environ, "DRY_RUN": "1", key: value})
+    assert proc.returncode == 2 and f"unknown {var}" in proc.stderr
 
 
 def test_unknown_model_preset_is_refused():
