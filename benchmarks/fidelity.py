@@ -9,6 +9,7 @@ tokens are scored by
 * **token entropy**: the entropy of the model's predictive distribution at each response position (the distribution
   the token was drawn from: the "high-entropy minority tokens" heuristic),
 * **random** scores,
+* **OAR-P with k-token mask spans** (k = 2, 4: ``algorithm.oar.mask_span``, the cheaper approximation), against k = 1,
 
 and compared by recall@k of the K causal digit tokens among the k = K top-ranked reasoning tokens, the share of the
 OAR-gated weight (τ = 0.4, β = 2) that lands on causal tokens, and the per-response Spearman correlation with OAR-P.
@@ -141,9 +142,13 @@ class Scored:
     extra: dict = field(default_factory=dict)
 
 
+MASK_SPANS = (2, 4)  # the coarser OAR-P (k consecutive tokens masked at once), compared with k = 1
+
+
 def oar_scores(model, batch: task.VerlBatch, spans, *, mode: str, probe: str, mask_token_id: int, seed: int = 0,
-               chunk_size: int = 64, micro_batch_size: int = 8) -> tuple[torch.Tensor, float]:
-    cfg = OARConfig(mode=mode, probe=probe, seed=seed, chunk_size=chunk_size, micro_batch_size=micro_batch_size)
+               chunk_size: int = 64, micro_batch_size: int = 8, mask_span: int = 1) -> tuple[torch.Tensor, float]:
+    cfg = OARConfig(mode=mode, probe=probe, seed=seed, chunk_size=chunk_size, micro_batch_size=micro_batch_size,
+                    mask_span=mask_span)
     B = batch.prompts.shape[0]
     seeds = sequence_seeds(cfg.seed, 0, torch.arange(B)) if mode == "gradient" else None
     start = time.perf_counter()
@@ -168,8 +173,9 @@ def entropy_scores(model, batch: task.VerlBatch, micro_batch_size: int = 16) -> 
 
 def attribute_all(model, batch, spans, *, mask_token_id: int, probes: tuple[str, ...], g_seeds: int,
                   g_avg_draws: int, chunk_size: int, micro_batch_size: int, log) -> dict[str, list[Scored]]:
-    """OAR-P / OAR-G per probe (OAR-G once per noise seed), entropy, and (first probe) the mean of ``g_avg_draws``
-    OAR-G draws, a diagnostic of how much of OAR-G's error is its noise."""
+    """OAR-P / OAR-G per probe (OAR-G once per noise seed), entropy, and (first probe) the coarser OAR-P with k-token
+    mask spans (``algorithm.oar.mask_span``) and the mean of ``g_avg_draws`` OAR-G draws, a diagnostic of how much of
+    OAR-G's error is its noise."""
     out: dict[str, list[Scored]] = {}
     for probe in probes:
         suffix = "" if probe == probes[0] else f" [{probe}]"
@@ -177,6 +183,11 @@ def attribute_all(model, batch, spans, *, mask_token_id: int, probes: tuple[str,
                               chunk_size=chunk_size, micro_batch_size=micro_batch_size)
         out[f"OAR-P{suffix}"] = [Scored(f"OAR-P{suffix}", imp, sec)]
         log(f"  OAR-P ({probe}): {sec:.1f} s")
+        for k in MASK_SPANS if probe == probes[0] else ():
+            imp, sec = oar_scores(model, batch, spans, mode="perturbation", probe=probe, mask_token_id=mask_token_id,
+                                  chunk_size=chunk_size, micro_batch_size=micro_batch_size, mask_span=k)
+            out[f"OAR-P k={k}"] = [Scored(f"OAR-P k={k}", imp, sec)]
+            log(f"  OAR-P ({probe}, {k}-token mask spans): {sec:.1f} s")
         runs = []
         n_draws = max(g_seeds, g_avg_draws) if probe == probes[0] else g_seeds
         for seed in range(n_draws):

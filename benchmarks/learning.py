@@ -81,7 +81,7 @@ class Settings:
     timeout_s: float  # per verl run
 
 
-QUICK = Settings(seeds=1, steps=6, test_freq=3, train_batch_size=8, rollout_n=8, val_rows=30, val_n=4, lr=1e-4,
+QUICK = Settings(seeds=1, steps=4, test_freq=2, train_batch_size=8, rollout_n=8, val_rows=30, val_n=2, lr=1e-4,
                  warm_steps=400, timeout_s=900)
 FULL = Settings(seeds=3, steps=16, test_freq=4, train_batch_size=8, rollout_n=8, val_rows=30, val_n=4, lr=1e-4,
                 warm_steps=400, timeout_s=1500)
@@ -328,7 +328,7 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 seed, 6 steps, 3 methods: the CI setting (~10-15 min)")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 4 steps, 3 methods: the CI setting (~8 min)")
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--lr", type=float, default=None)

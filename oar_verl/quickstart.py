@@ -164,23 +164,12 @@ def teach_answer_format(model_dir: str | os.PathLike, *, steps: int = 300, batch
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def supports_dumps() -> bool:
-    """Whether this oar_verl's trainer config declares the token-dump keys (``algorithm.oar.dump_every``)."""
-    from omegaconf import OmegaConf
-
-    import oar_verl.integration as integration
-
-    cfg = OmegaConf.load(Path(integration.__file__).parent / "config" / "oar_trainer.yaml")
-    return "dump_every" in cfg.algorithm.get("oar", {})
-
-
 def trainer_overrides(assets, out: Path, ray_tmp: str, *, mode: str, steps: int, extra: list[str]) -> list[str]:
     """The Hydra overrides of the quickstart's ``python -m oar_verl.main`` run (CPU settings from
     :func:`~oar_verl.integration.cpu_run.main_ppo_overrides`, OAR mode, token dumps into ``out/oar_dumps``)."""
     # every step, all 4 prompt groups of the batch: a group with both a right and a wrong answer is rare at this size
     dump_dir = str(out / "oar_dumps").replace("'", "\\'")  # a quoted Hydra string: spaces and commas stay one path
-    dumps = ["algorithm.oar.dump_every=1", "algorithm.oar.dump_groups=4",
-             f"algorithm.oar.dump_dir='{dump_dir}'"] if supports_dumps() else []
+    dumps = ["algorithm.oar.dump_every=1", "algorithm.oar.dump_groups=4", f"algorithm.oar.dump_dir='{dump_dir}'"]
     return main_ppo_overrides(
         model_dir=assets.model_dir, train_file=assets.train_file, val_file=assets.test_file,
         reward_file=arith.__file__, output_dir=out, ray_temp_dir=ray_tmp, adv_estimator="oar", steps=steps,
@@ -315,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                       title=f"OAR-{args.mode[0].upper()} token weights (CPU quickstart)")
         outputs.insert(0, ("token heatmap", out / "heatmap.html"))
         outputs.append(("token dumps", dump_dir))
-    else:
-        _say("no token dumps: this oar_verl's trainer has no algorithm.oar.dump_every yet, so no heatmap")
+    else:  # dumps are written for groups with a non-zero advantage only: all-equal rewards in every step leave none
+        _say("no token dumps (every group had all-equal rewards, so nothing was attributed): no heatmap")
     _say(f"done in {time.monotonic() - start:.0f} s (trainer {run.wall_s:.0f} s)")
     for label, path in outputs:
         print(f"  {label + ':':<18} {path}")

@@ -53,7 +53,7 @@ class OARConfig:
         noise_std: OAR-G Gaussian noise std (absolute) on reasoning-token embeddings, > 0.
         seed: base seed of the OAR-G noise; per-sequence generators derive from (seed, step, sequence id).
         mask_token_id: OAR-P replacement token; None = the tokenizer's pad token.
-        chunk_size: OAR-P masked copies per forward pass, >= 1 (peak memory is flat in the reasoning length).
+        chunk_size: OAR-P masked copies per forward pass, >= 1 (peak memory is set by it, not by the number of copies).
         prefix_cache: OAR-P reuses each sequence's clean key/value cache for the unchanged prefix of its masked
             copies (same numbers, less compute; needs a model that supports ``past_key_values``).
         mask_span: OAR-P masks this many consecutive reasoning tokens per copy, >= 1; 1 is the exact method, k > 1

@@ -29,13 +29,12 @@ def test_format_examples_match_the_reward():
         assert ("The answer is" in response) == (style == "sentence")
 
 
-def test_summary_and_dump_support():
+def test_summary():
     metrics = [{"step": 1, "critic/score/mean": 0.1, "timing_s/oar": 0.5, "timing_s/step": 20.0},
                {"step": 2, "critic/score/mean": 0.3, "timing_s/oar": 0.5, "timing_s/step": 5.0}]
     text = quickstart.summarize(metrics)
     assert "reward 0.100 -> 0.300" in text and "10.0% of the step time after step 1" in text
     assert "step 2/5: reward 0.300" in quickstart._step_line(metrics[1], 5)
-    assert quickstart.supports_dumps()
 
 
 def test_trainer_overrides_compose_against_the_oar_config(tmp_path):

@@ -1,0 +1,32 @@
+"""The attribution benchmark's quick mode runs and reports every table (timings are printed, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_attribution_benchmark_quick(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attribution.py"), "--quick", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=850, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for title in ("1. speed-up", "2. OAR-P (one sequence)", "3. attribution time"):
+        assert title in proc.stdout, proc.stdout
+    res = json.loads((tmp_path / "attribution_cpu.json").read_text())
+    assert [r["method"] for r in res["speedup"]] == ["OAR-P batched", "OAR-P prefix cache", "OAR-P prefix cache",
+                                                     "OAR-P span 4 (approx.)", "OAR-G"]
+    assert all(r["ours_s"] > 0 and r["naive_s"] > 0 for r in res["speedup"])
+    assert {r["method"] for r in res["train_ratio"]} == {"OAR-G", "OAR-P (prefix cache)", "OAR-P span 4"}
+    ours = [r for r in res["memory"] if r["path"] == "ours"]
+    assert [r["reasoning"] for r in ours] == [64, 128]
+    assert all(math.isfinite(r["seconds"]) and r["peak_extra_mib"] >= 0 for r in ours)
+    assert (tmp_path / "attribution_cpu.png").stat().st_size > 5_000

@@ -1,0 +1,32 @@
+"""The fidelity benchmark's quick mode on the synthetic digit-sum task (no SmolLM2 part): it completes and its
+numbers are sane. Trains a tiny model from scratch first (a few minutes on 2 cores)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import fidelity
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_fidelity_quick_synthetic(tmp_path):
+    assert fidelity.main(["--quick", "--synthetic-only", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "fidelity.json").read_text())["synthetic"]
+    m = res["methods"]
+    assert res["model"]["answer_accuracy"] >= 0.8, res["model"]  # the model solves the task
+    rand = res["expected_random_recall"]
+    assert 0.1 < rand < 0.35
+    for name in ("OAR-P", "OAR-G", "entropy", "random"):
+        for v in m[name]["recall"]:
+            assert 0.0 <= v <= 1.0
+    p = m["OAR-P"]["recall"][0]
+    g = sum(m["OAR-G"]["recall"]) / len(m["OAR-G"]["recall"])
+    assert p > rand + 0.3, (p, rand)  # OAR-P finds the planted causal tokens far above chance
+    assert g > rand + 0.1, (g, rand)
+    assert abs(sum(m["random"]["recall"]) / len(m["random"]["recall"]) - rand) < 0.05
+    # gated weights: mean one over reasoning tokens, so causal tokens above 1 means filler below 1
+    assert m["OAR-P"]["w_causal"][0] > 1.0 > m["OAR-P"]["w_filler"][0]
+    assert (tmp_path / "fidelity.png").stat().st_size > 10_000

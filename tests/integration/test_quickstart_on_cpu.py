@@ -1,0 +1,48 @@
+"""The README's first command, as a user runs it: ``bash recipes/quickstart_cpu.sh`` (shortened to 3 steps).
+
+It must set up its environment (a no-op here: the test command already did), build the tiny model, teach it the
+answer format, run verl's real trainer with OAR-G, print the per-step summary and write the token heatmap and the
+metric curves."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1800)
+def test_quickstart_script_end_to_end(tmp_path):
+    out = tmp_path / "quickstart out"  # a space in the path: users' home directories have them
+    env = {**os.environ, "OAR_QUICKSTART_STEPS": str(STEPS)}
+    proc = subprocess.run(["bash", str(ROOT / "recipes" / "quickstart_cpu.sh"), "--out", str(out)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=1700)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    stdout = proc.stdout
+
+    # progress, then the summary table: one row per step, and the OAR share line
+    for phase in ("1/4", "2/4", "3/4", "4/4 summary"):
+        assert phase in stdout, stdout
+    assert re.search(r"loss [\d.]+ -> [\d.]+", stdout), "the format warm-up reports its loss"
+    rows = re.findall(r"^\s+(\d+)\s+(?:[-\d.e+]+|nan)\s", stdout.split("4/4 summary", 1)[1], flags=re.M)
+    assert [int(r) for r in rows] == list(range(1, STEPS + 1)), stdout
+    share = re.search(r"OAR attribution took ([\d.]+)% of the step time", stdout)
+    assert share and 0.0 < float(share.group(1)) < 100.0, stdout
+
+    # the outputs it lists exist and are what they claim to be
+    heatmap, curves = out / "heatmap.html", out / "curves.png"
+    assert re.search(rf"token heatmap:\s+{re.escape(str(heatmap))}$", stdout, flags=re.M), stdout
+    assert re.search(rf"metric curves:\s+{re.escape(str(curves))}$", stdout, flags=re.M), stdout
+    html = heatmap.read_text()
+    assert html.lstrip().lower().startswith("<!doctype html") and "</html>" in html
+    assert "OAR-G token weights" in html and "<script src" not in html  # self-contained: no external assets
+    png = curves.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert any((out / "oar_dumps").glob("step_*.jsonl"))
