@@ -27,12 +27,13 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from oar_verl.integration.cpu_run import (cpu_env, main_ppo_overrides, metrics_file, new_ray_temp_dir,
                                           run_main_ppo)
 from oar_verl.rewards import arith
-from oar_verl.tiny_assets import ANSWER_STYLES, build_tiny_assets, make_arith_problem
+from oar_verl.tiny_assets import ANSWER_STYLES, build_tiny_assets, make_arith_problem, render_answer
 
 STEPS_ENV = "OAR_QUICKSTART_STEPS"
 SFT_STEPS_ENV = "OAR_QUICKSTART_SFT_STEPS"
@@ -70,8 +71,7 @@ def _say(message: str) -> None:
 def _worked_answer(question: str, answer: int | str, style: str) -> str:
     """The target response: the worked step, then the answer in the requested format."""
     worked = question.removeprefix("What is ").rstrip("?")  # "34 plus 11"
-    final = f"The answer is {answer}." if style == "sentence" else f"#### {answer}"
-    return f"{worked} is {answer}. {final}"
+    return f"{worked} is {answer}. {render_answer(style, answer)}"
 
 
 def _format_example(rng: random.Random, style: str) -> tuple[list[dict], str]:
@@ -110,13 +110,13 @@ def _torch_threads(n: int):
 
 
 def teach_answer_format(model_dir: str | os.PathLike, *, steps: int = 300, batch_size: int = 32, lr: float = 3e-3,
-                        seed: int = 0, known: list[tuple[list[dict], str]] = (), known_frac: float = 0.5) -> dict:
+                        seed: int = 0, known: Sequence[tuple[list[dict], str]] = (), known_frac: float = 0.5) -> dict:
     """Fine-tune the tiny model in ``model_dir`` on worked answers in the data set's two formats, and save it back.
 
     Each example is, with probability ``known_frac``, one of ``known`` (e.g. :func:`train_examples`: the RL prompts,
     which the tiny model then partly memorises), otherwise a fresh problem (its own RNG stream); the loss is on the
-    response tokens and EOS only. The model is loaded with ``AutoTokenizer`` like verl and vLLM load it, so prompt token ids
-    match the rollout's. Deterministic in ``seed``; the global torch RNG state is left untouched.
+    response tokens and EOS only. The model is loaded with ``AutoTokenizer`` like verl and vLLM load it, so prompt
+    token ids match the rollout's. Deterministic in ``seed``; the global torch RNG state is left untouched.
 
     Returns:
         ``{"loss_first", "loss_last", "seconds", "example_prompt", "example_response"}`` (a greedy sample after
@@ -188,7 +188,7 @@ def teach_answer_format(model_dir: str | os.PathLike, *, steps: int = 300, batch
 def trainer_overrides(assets, out: Path, ray_tmp: str, *, mode: str, steps: int, extra: list[str]) -> list[str]:
     """The Hydra overrides of the quickstart's ``python -m oar_verl.main`` run (CPU settings from
     :func:`~oar_verl.integration.cpu_run.main_ppo_overrides`, OAR mode, token dumps into ``out/oar_dumps``)."""
-    # every step, all 4 prompt groups of the batch: a group with both a right and a wrong answer is rare at this size
+    # every step, all 4 prompt groups of the batch: the page shows as many correct-vs-incorrect groups as there are
     dump_dir = str(out / "oar_dumps").replace("'", "\\'")  # a quoted Hydra string: spaces and commas stay one path
     dumps = ["algorithm.oar.dump_every=1", "algorithm.oar.dump_groups=4", f"algorithm.oar.dump_dir='{dump_dir}'"]
     return main_ppo_overrides(

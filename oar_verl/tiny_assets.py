@@ -25,6 +25,7 @@ from typing import Any
 
 __all__ = [
     "ANSWER_STYLES",
+    "render_answer",
     "CHAT_TEMPLATE",
     "TinyAssets",
     "build_arith_dataset",
@@ -69,7 +70,8 @@ def make_arith_problem(rng: random.Random) -> tuple[str, int]:
     return f"What is {a} times {b}?", a * b
 
 
-def _render_answer(style: str, answer: int) -> str:
+def render_answer(style: str, answer: int | str) -> str:
+    """The final-answer sentence in one of :data:`ANSWER_STYLES` (what the arithmetic reward reads)."""
     return f"The answer is {answer}." if style == "sentence" else f"#### {answer}"
 
 
@@ -80,7 +82,7 @@ def _tokenizer_corpus(seed: int, n: int = 2000) -> list[str]:
     for i in range(n):
         question, answer = make_arith_problem(rng)
         style = "sentence" if i % 2 == 0 else "hashes"
-        texts.append(f"user\n{question} {ANSWER_STYLES[style]}\nassistant\n{_render_answer(style, answer)}")
+        texts.append(f"user\n{question} {ANSWER_STYLES[style]}\nassistant\n{render_answer(style, answer)}")
     return texts
 
 
