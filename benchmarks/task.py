@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.digit_sum_reward import score_response
-from oar_verl.tiny_assets import CHAT_TEMPLATE, IM_END, PAD_TOKEN, SPECIAL_TOKENS, build_tiny_qwen2
+from oar_verl.cpu.tiny_assets import build_tiny_qwen2
+from oar_verl.cpu.tokenizers import train_tiny_bpe
 
 FILLER_WORDS = ("so", "well", "hmm", "okay", "right", "now", "then", "next", "yes", "sure", "fine", "good", "look",
                 "wait", "ah", "oh", "maybe", "also", "and", "ok")
@@ -99,23 +100,9 @@ def make_examples(n: int, seed: int | str, style: str = "spaced") -> list[Exampl
 
 
 def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, seed: int = 0, style: str = "spaced"):
-    """Train a byte-level BPE with the Qwen-style specials and ChatML template of :mod:`oar_verl.tiny_assets`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    corpus = []
-    for ex in make_examples(4000, f"tok-{seed}", style):
-        corpus.append(f"user\n{ex.prompt}\nassistant\n{ex.response}")
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD_TOKEN, bos_token=None)
-    hf_tok.chat_template = CHAT_TEMPLATE
-    hf_tok.save_pretrained(str(out_dir))
-    return hf_tok
+    """The task's byte-level BPE (:func:`oar_verl.cpu.tokenizers.train_tiny_bpe` on task text), saved in ``out_dir``."""
+    corpus = [f"user\n{ex.prompt}\nassistant\n{ex.response}" for ex in make_examples(4000, f"tok-{seed}", style)]
+    return train_tiny_bpe(corpus, vocab_size=vocab_size, out_dir=out_dir)
 
 
 def build_model_dir(model_dir: str | Path, *, seed: int = 0, hidden_size: int = 128, num_layers: int = 2,

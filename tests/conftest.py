@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from oar_verl.tiny_assets import TinyAssets, build_tiny_assets
+from oar_verl.cpu.tiny_assets import TinyAssets, build_tiny_assets
 
 
 @pytest.fixture(scope="session")

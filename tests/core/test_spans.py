@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import re
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,18 +14,6 @@ from hypothesis import strategies as st
 from oar_verl.core.config import BUILTIN_PATTERNS
 from oar_verl.core.spans import AnswerSpans, find_answer_span, locate_answer_spans, token_byte_table
 
-
-def _load_helpers():
-    # importlib import mode puts no test folder on sys.path, so load the sibling helper module by file path.
-    spec = importlib.util.spec_from_file_location("conftest_spans", Path(__file__).with_name("conftest_spans.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_helpers = _load_helpers()
-tiny_bpe_tokenizer = _helpers.tiny_bpe_tokenizer  # fixtures, registered by being module attributes
-qwen25_tokenizer = _helpers.qwen25_tokenizer
 
 TOKENIZERS = ("tiny_bpe_tokenizer", "qwen25_tokenizer")
 

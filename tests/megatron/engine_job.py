@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 
 import cpu_shims  # noqa: E402  (test-only)
 
-import oar_verl.integration.cpu_platform  # noqa: E402,F401  (verl "cpu" platform, gloo)
+import oar_verl.cpu.platform  # noqa: E402,F401  (verl "cpu" platform, gloo)
 
 cpu_shims.install()
 

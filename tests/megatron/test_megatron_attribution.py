@@ -57,7 +57,7 @@ ONE_RANK = [list(range(B))]
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A tiny random Qwen2 checkpoint (fp32, tied embeddings, vocabulary 400) and a verl-layout batch."""
-    from oar_verl.tiny_assets import build_tiny_qwen2, build_tokenizer
+    from oar_verl.cpu.tiny_assets import build_tiny_qwen2, build_tokenizer
 
     root = tmp_path_factory.mktemp("mcore")
     model_dir = root / "model"

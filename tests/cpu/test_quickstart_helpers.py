@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from oar_verl import quickstart
-from oar_verl.tiny_assets import build_tiny_assets
+from oar_verl import integration
+from oar_verl.cpu import quickstart
+from oar_verl.cpu.tiny_assets import build_tiny_assets
 
 
 def test_answer_format_warm_up_learns_and_saves(tmp_path):
@@ -19,20 +20,20 @@ def test_answer_format_warm_up_learns_and_saves(tmp_path):
 def test_format_examples_match_the_reward():
     import random
 
-    from oar_verl.rewards import arith
+    from oar_verl.cpu import arith_reward
 
     rng = random.Random(0)
     for style in ("sentence", "hashes"):
         messages, response = quickstart._format_example(rng, style)
         truth = response.split(" is ", 1)[1].split(".", 1)[0]
-        assert arith.compute_score("x", response, truth) == 1.0
+        assert arith_reward.compute_score("x", response, truth) == 1.0
         assert ("The answer is" in response) == (style == "sentence")
 
 
 def test_train_examples_are_the_rl_prompts_with_their_right_answers(tmp_path):
     import pandas as pd
 
-    from oar_verl.rewards import arith
+    from oar_verl.cpu import arith_reward
 
     assets = build_tiny_assets(tmp_path / "assets", seed=0)
     train = pd.read_parquet(assets.train_file)
@@ -40,7 +41,7 @@ def test_train_examples_are_the_rl_prompts_with_their_right_answers(tmp_path):
     assert len(examples) == len(train) == 32
     for (messages, response), row in zip(examples, train.itertuples()):
         assert messages == [dict(m) for m in row.prompt]  # exactly what the trainer will prompt with
-        assert arith.compute_score(row.data_source, response, row.reward_model["ground_truth"]) == 1.0
+        assert arith_reward.compute_score(row.data_source, response, row.reward_model["ground_truth"]) == 1.0
         assert ("The answer is" in response) == (row.extra_info["answer_style"] == "sentence")
 
 
@@ -58,12 +59,12 @@ def test_trainer_overrides_compose_against_the_oar_config(tmp_path):
 
     from hydra import compose, initialize_config_dir
 
-    from oar_verl.tiny_assets import TinyAssets
+    from oar_verl.cpu.tiny_assets import TinyAssets
 
     assets = TinyAssets(tmp_path, tmp_path / "model", tmp_path / "train.parquet", tmp_path / "test.parquet", 26)
     overrides = quickstart.trainer_overrides(assets, tmp_path / "out", str(tmp_path / "ray"), mode="perturbation", steps=3,
                                              extra=["algorithm.oar.chunk_size=16"])
-    config_dir = os.path.join(os.path.dirname(quickstart.__file__), "integration", "config")
+    config_dir = os.path.join(os.path.dirname(integration.__file__), "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         cfg = compose(config_name="oar_trainer", overrides=overrides)
     assert cfg.algorithm.adv_estimator == "oar" and cfg.algorithm.oar.mode == "perturbation"

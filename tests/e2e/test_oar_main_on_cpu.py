@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from oar_verl.integration.cpu_run import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
-from oar_verl.rewards import arith
+from oar_verl.cpu.launcher import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
+from oar_verl.cpu import arith_reward
 
 STEPS = 3
 OAR_KEYS = ["oar/weight_mean", "oar/weight_std", "oar/weight_max", "oar/frac_floor", "oar/frac_boosted",
@@ -30,7 +30,7 @@ OAR_KEYS = ["oar/weight_mean", "oar/weight_std", "oar/weight_max", "oar/frac_flo
 def _overrides(tiny_assets, tmp_path, ray_tmp, experiment, extra):
     return main_ppo_overrides(
         model_dir=tiny_assets.model_dir, train_file=tiny_assets.train_file, val_file=tiny_assets.test_file,
-        reward_file=arith.__file__, output_dir=tmp_path, ray_temp_dir=ray_tmp, adv_estimator="oar", steps=STEPS,
+        reward_file=arith_reward.__file__, output_dir=tmp_path, ray_temp_dir=ray_tmp, adv_estimator="oar", steps=STEPS,
         train_batch_size=4, rollout_n=2, max_prompt_length=32, max_response_length=32, project="oar_e2e",
         experiment=experiment, extra=extra)
 

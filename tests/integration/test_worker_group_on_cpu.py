@@ -19,7 +19,7 @@ from oar_verl.core.config import OARConfig
 from oar_verl.core.gradient import sequence_seeds
 from oar_verl.core.layout import build_reference_responses
 from oar_verl.core.spans import locate_answer_spans
-from oar_verl.integration.cpu_run import cpu_env, new_ray_temp_dir
+from oar_verl.cpu.launcher import cpu_env, new_ray_temp_dir
 from oar_verl.integration.worker import pad_rows, row_fingerprints
 
 JOB = Path(__file__).with_name("worker_group_job.py")

@@ -11,7 +11,7 @@
 4. prints a summary (reward, OAR metrics, share of step time spent on attribution) and writes a token heatmap
    (``heatmap.html``, from the trainer's token dumps) and metric curves (``curves.png``).
 
-usage: python -m oar_verl.quickstart [--mode gradient|perturbation] [--steps N] [--out DIR] [extra Hydra overrides]
+usage: python -m oar_verl.cpu.quickstart [--mode gradient|perturbation] [--steps N] [--out DIR] [extra Hydra overrides]
        OAR_QUICKSTART_STEPS=N sets the default of --steps (CI uses 3); OAR_QUICKSTART_SFT_STEPS the warm-up length.
 """
 
@@ -30,10 +30,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from oar_verl.integration.cpu_run import (cpu_env, main_ppo_overrides, metrics_file, new_ray_temp_dir,
+from oar_verl.cpu.launcher import (cpu_env, main_ppo_overrides, metrics_file, new_ray_temp_dir,
                                           run_main_ppo)
-from oar_verl.rewards import arith
-from oar_verl.tiny_assets import ANSWER_STYLES, build_tiny_assets, make_arith_problem, render_answer
+from oar_verl.cpu import arith_reward
+from oar_verl.cpu.tiny_assets import ANSWER_STYLES, build_tiny_assets, make_arith_problem, render_answer
 
 STEPS_ENV = "OAR_QUICKSTART_STEPS"
 SFT_STEPS_ENV = "OAR_QUICKSTART_SFT_STEPS"
@@ -187,13 +187,13 @@ def teach_answer_format(model_dir: str | os.PathLike, *, steps: int = 300, batch
 
 def trainer_overrides(assets, out: Path, ray_tmp: str, *, mode: str, steps: int, extra: list[str]) -> list[str]:
     """The Hydra overrides of the quickstart's ``python -m oar_verl.main`` run (CPU settings from
-    :func:`~oar_verl.integration.cpu_run.main_ppo_overrides`, OAR mode, token dumps into ``out/oar_dumps``)."""
+    :func:`~oar_verl.cpu.launcher.main_ppo_overrides`, OAR mode, token dumps into ``out/oar_dumps``)."""
     # every step, all 4 prompt groups of the batch: the page shows as many correct-vs-incorrect groups as there are
     dump_dir = str(out / "oar_dumps").replace("'", "\\'")  # a quoted Hydra string: spaces and commas stay one path
     dumps = ["algorithm.oar.dump_every=1", "algorithm.oar.dump_groups=4", f"algorithm.oar.dump_dir='{dump_dir}'"]
     return main_ppo_overrides(
         model_dir=assets.model_dir, train_file=assets.train_file, val_file=assets.test_file,
-        reward_file=arith.__file__, output_dir=out, ray_temp_dir=ray_tmp, adv_estimator="oar", steps=steps,
+        reward_file=arith_reward.__file__, output_dir=out, ray_temp_dir=ray_tmp, adv_estimator="oar", steps=steps,
         train_batch_size=4, rollout_n=4, max_prompt_length=32, max_response_length=32, project=PROJECT,
         experiment=f"oar_{mode}", extra=[f"algorithm.oar.mode={mode}", *dumps, *extra])
 
