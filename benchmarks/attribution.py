@@ -2,9 +2,10 @@
 
 Three tables, measured side by side in one invocation on one random-initialised model (timings need no weights):
 
-1. speed-up over the naive per-sample implementation (the official code's structure with its bugs fixed: one
-   Python loop per sample, all R masked copies of a sample in one batch with full [R, L, V] logits; OAR-G with a full
-   backward through the parameters);
+1. speed-up over the naive per-sample implementation (the method's reference, ``oar_verl.core.reference``, run with
+   the official code's structure and its bugs fixed: one Python loop per sample, all R masked copies of a sample in
+   one batch with full [R, L, V] logits; OAR-G with a full backward through the parameters), and the largest relative
+   difference between our scores and the reference's;
 2. OAR-P time and peak memory as the reasoning length grows (each length in a fresh subprocess, so the peak is its
    own): with chunking and probe-only logits the peak is that of one forward pass over ``chunk`` copies of the
    sequence (it grows with the length L, as any forward does), not of all R copies with [R, L, V] logits (naive);
@@ -30,11 +31,11 @@ from pathlib import Path
 import torch
 
 from benchmarks import REPO
-from oar_verl.core.config import OARConfig
+from oar_verl.core import reference
 from oar_verl.core.gradient import oar_g_importance, sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.perturbation import oar_p_importance
-from oar_verl.core.probes import AS_MEAN
+from oar_verl.core.probes import ProbeKind
 
 SHAPES = {
     # hidden, layers, heads, kv heads, intermediate, vocab
@@ -55,7 +56,12 @@ def build_model(shape: str, device: str, dtype: torch.dtype):
 
 
 def make_batch(B: int, prompt: int, reasoning: int, answer: int, vocab: int, device: str, seed: int = 0):
-    """Responses = reasoning tokens + 2 marker tokens + answer tokens; equal lengths (worst case for padding)."""
+    """Responses = reasoning tokens + 2 marker tokens + answer tokens; equal lengths (worst case for padding).
+
+    Returns:
+        (rows, batch): verl's padded layout (prompts, prompt_mask, responses, response_mask, reasoning_mask,
+        answer_mask) and the AttributionBatch built from it (AS-Mean probe).
+    """
     g = torch.Generator().manual_seed(seed)
     T = reasoning + 2 + answer
     prompts = torch.randint(1, vocab, (B, prompt), generator=g)
@@ -63,9 +69,10 @@ def make_batch(B: int, prompt: int, reasoning: int, answer: int, vocab: int, dev
     cols = torch.arange(T)[None].expand(B, -1)
     reasoning_mask = cols < reasoning
     answer_mask = cols >= reasoning + 2
-    rows = (prompts, torch.ones_like(prompts), responses, torch.ones_like(responses), reasoning_mask, answer_mask)
-    batch = build_attribution_batch(*[r.to(device) for r in rows], torch.full((B,), AS_MEAN, device=device))
-    return batch
+    rows = tuple(r.to(device) for r in (prompts, torch.ones_like(prompts), responses, torch.ones_like(responses),
+                                        reasoning_mask, answer_mask))
+    batch = build_attribution_batch(*rows, torch.full((B,), int(ProbeKind.AS_MEAN), device=device))
+    return rows, batch
 
 
 def sync(device: str) -> None:
@@ -83,46 +90,34 @@ def timed(fn, device: str, repeat: int = 1) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-# ------------------------------------------------------------------------------------------ naive references
-@torch.no_grad()
-def naive_oar_p(model, batch, mask_id: int) -> None:
-    """Per sample: clean forward + all R masked copies in one batch, full logits everywhere ([R, L, V])."""
-    for b in range(batch.input_ids.shape[0]):
-        ids = batch.input_ids[b][batch.attention_mask[b].bool()]
-        reas = batch.reasoning_mask[b][batch.attention_mask[b].bool()].nonzero().squeeze(1)
-        w = batch.probe.logit_weight[b][batch.attention_mask[b].bool()]
-        clean = torch.log_softmax((model(ids[None]).logits[0].float() * w[:, None]).sum(0), -1)
-        copies = ids.repeat(len(reas), 1)
-        copies[torch.arange(len(reas)), reas] = mask_id
-        logits = model(copies).logits.float()
-        pert = torch.log_softmax((logits * w[None, :, None]).sum(1), -1)
-        (clean.exp() * (clean - pert)).sum(-1)
+# ------------------------------------------------------------------------------------------ naive baseline
+# The naive baseline is the method's reference (oar_verl.core.reference) run the way the official code runs it: one
+# sequence at a time, all R masked copies of a sequence in one batch with full [R, L, V] logits; OAR-G with a full
+# J.backward() through every parameter. Its scores are the reference's, so the speed-up table also checks ours.
+def naive_oar_p(model, rows, mask_id: int) -> torch.Tensor:
+    return reference.batch_oar_p(model, *rows, ProbeKind.AS_MEAN, mask_id, copies_per_forward=None)
 
 
-def naive_oar_g(model, batch, sigma: float) -> None:
-    """Per sample: embeddings → noise → full-logit forward → J.backward() through every parameter, then zero_grad."""
-    emb_layer = model.get_input_embeddings()
-    for b in range(batch.input_ids.shape[0]):
-        ids = batch.input_ids[b][batch.attention_mask[b].bool()]
-        w = batch.probe.logit_weight[b][batch.attention_mask[b].bool()]
-        with torch.no_grad():
-            p0 = torch.log_softmax((model(ids[None]).logits[0].float() * w[:, None]).sum(0), -1)
-        emb = emb_layer(ids[None]).detach()
-        noisy = (emb + sigma * torch.randn_like(emb)).requires_grad_(True)
-        p = torch.log_softmax((model(inputs_embeds=noisy).logits[0].float() * w[:, None]).sum(0), -1)
-        J = (p0.exp() * (p0 - p)).sum()
-        J.backward()
-        (noisy.grad * emb).sum(-1).abs()
-        model.zero_grad(set_to_none=True)
+def naive_oar_g(model, rows, sigma: float, seeds: torch.Tensor) -> torch.Tensor:
+    return reference.batch_oar_g(model, *rows, ProbeKind.AS_MEAN, sigma, seeds.cpu(), parameter_gradients=True)
+
+
+def max_rel_err(ours: torch.Tensor, naive: torch.Tensor) -> float:
+    """max |ours − naive| / max |naive| over the response positions."""
+    return float((ours.double().cpu() - naive).abs().max() / naive.abs().max().clamp(min=1e-30))
 
 
 # ------------------------------------------------------------------------------------------------ tables
 def speedup_table(model, device, B, prompt, reasoning, answer, chunk, micro) -> list[dict]:
+    """Time of each fast path against the naive baseline, and (on CPU, where both draw the same OAR-G noise) the
+    largest relative difference of their scores."""
     vocab = model.config.vocab_size
-    batch = make_batch(B, prompt, reasoning, answer, vocab, device)
+    inputs, batch = make_batch(B, prompt, reasoning, answer, vocab, device)
     seeds = sequence_seeds(0, 0, torch.arange(B)).to(device)
+    P = batch.response_start
     rows = []
-    t_naive_p = timed(lambda: naive_oar_p(model, batch, 0), device)
+    naive_p = naive_oar_p(model, inputs, 0)
+    t_naive_p = timed(lambda: naive_oar_p(model, inputs, 0), device)
     # the prefix-cache path recomputes each chunk of copies from its first masked position, so smaller chunks do
     # less recomputation and larger ones batch better: both sizes are shown
     small = max(1, chunk // 4)
@@ -131,18 +126,25 @@ def speedup_table(model, device, B, prompt, reasoning, answer, chunk, micro) -> 
                          ("OAR-P prefix cache", small, dict(prefix_cache=True)),
                          ("OAR-P span 4 (approx.)", chunk, dict(prefix_cache=True, mask_span=4))]:
         t = timed(lambda: oar_p_importance(model, batch, 0, c, micro, **kw), device, repeat=3)
-        rows.append({"method": label, "chunk": c, "naive_s": t_naive_p, "ours_s": t, "speedup": t_naive_p / t})
+        err = max_rel_err(oar_p_importance(model, batch, 0, c, micro, **kw)[:, P:], naive_p) \
+            if kw.get("mask_span", 1) == 1 else float("nan")  # k > 1 approximates k = 1 by design
+        rows.append({"method": label, "chunk": c, "naive_s": t_naive_p, "ours_s": t, "speedup": t_naive_p / t,
+                     "max_rel_err": err})
     for p in model.parameters():
         p.requires_grad_(True)
-    t_naive_g = timed(lambda: naive_oar_g(model, batch, 1e-3), device, repeat=3)
+    naive_g = naive_oar_g(model, inputs, 1e-3, seeds)
+    t_naive_g = timed(lambda: naive_oar_g(model, inputs, 1e-3, seeds), device, repeat=3)
     t_g = timed(lambda: oar_g_importance(model, batch, 1e-3, seeds, micro), device, repeat=3)
-    rows.append({"method": "OAR-G", "chunk": "-", "naive_s": t_naive_g, "ours_s": t_g, "speedup": t_naive_g / t_g})
+    err = max_rel_err(oar_g_importance(model, batch, 1e-3, seeds, micro)[:, P:], naive_g) if device == "cpu" \
+        else float("nan")  # on CUDA the fast path draws its noise on the device
+    rows.append({"method": "OAR-G", "chunk": "-", "naive_s": t_naive_g, "ours_s": t_g, "speedup": t_naive_g / t_g,
+                 "max_rel_err": err})
     return rows
 
 
 def train_step_ratio(model, device, B, prompt, reasoning, answer, chunk, micro) -> list[dict]:
     """Attribution time / one training forward+backward (full logits, parameter gradients) over the same tokens."""
-    batch = make_batch(B, prompt, reasoning, answer, model.config.vocab_size, device)
+    _, batch = make_batch(B, prompt, reasoning, answer, model.config.vocab_size, device)
     seeds = sequence_seeds(0, 0, torch.arange(B)).to(device)
     for p in model.parameters():
         p.requires_grad_(True)
@@ -169,9 +171,9 @@ def memory_point(args) -> dict:
     """One (reasoning length, path) point, run in this process: time and peak memory of OAR-P on one sequence."""
     device, dtype = args.device, getattr(torch, args.dtype)
     model = build_model(args.shape, device, dtype)
-    batch = make_batch(1, args.prompt, args.point, args.answer, model.config.vocab_size, device)
+    inputs, batch = make_batch(1, args.prompt, args.point, args.answer, model.config.vocab_size, device)
     fn = {"ours": lambda: oar_p_importance(model, batch, 0, args.chunk, 1, prefix_cache=True),
-          "naive": lambda: naive_oar_p(model, batch, 0)}[args.path]
+          "naive": lambda: naive_oar_p(model, inputs, 0)}[args.path]
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -224,8 +226,8 @@ def memory_table(args, lengths: list[int]) -> list[dict]:
             if path == "naive" and n * L * SHAPES[args.shape][5] * 4 > 4 * 2**30:
                 rows.append({"reasoning": n, "path": path, "seconds": float("nan"), "peak_extra_mib": float("nan")})
                 continue
-            cmd = [sys.executable, "-m", "benchmarks.attribution", "--memory-point", str(n), "--path", path, "--device", args.device,
-                   "--dtype", args.dtype, "--shape", args.shape, "--prompt", str(args.prompt),
+            cmd = [sys.executable, "-m", "benchmarks.attribution", "--memory-point", str(n), "--path", path,
+                   "--device", args.device, "--dtype", args.dtype, "--shape", args.shape, "--prompt", str(args.prompt),
                    "--answer", str(args.answer), "--chunk", str(args.chunk)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -20,7 +20,8 @@ def main(config: DictConfig) -> None:
     from verl.utils.device import auto_set_device
 
     from oar_verl.integration import plugin  # registers the estimator and trainers in this process too
-    from oar_verl.integration.trainer_common import uses_oar, validate_oar_setup
+    from oar_verl.integration.guard import uses_oar
+    from oar_verl.integration.startup import validate_oar_setup
     from oar_verl.integration.trainer_v1 import TRAINER_MODE
 
     if not plugin.loaded:

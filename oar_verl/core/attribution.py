@@ -1,40 +1,44 @@
-"""One entry point for token attribution: picks the probe for the step, builds the batch, runs OAR-P or OAR-G.
+"""One entry point for token attribution: picks the probe for the step, runs OAR-P or OAR-G.
 
-The verl worker calls this on its own module; tests call it on a plain Hugging Face model.
+The verl worker calls :func:`run_attribution` on its own module (after :func:`oar_verl.core.preprocess.
+prepare_attribution`); tests and benchmarks call the same functions on a plain Hugging Face model.
 """
 
 from __future__ import annotations
 
 import torch
 
+from oar_verl.core import gradient, perturbation
 from oar_verl.core.config import OARConfig
-from oar_verl.core.gradient import num_rounds, oar_g_importance
 from oar_verl.core.layout import AttributionBatch, build_attribution_batch
-from oar_verl.core.perturbation import num_forwards, oar_p_importance
-from oar_verl.core.probes import PROBE_CODES
+from oar_verl.core.probes import ProbeKind
 
 
 def probe_kinds(cfg: OARConfig, global_step: int, batch_size: int, device=None) -> torch.Tensor:
-    """(B,) probe code of every row at this step (rows without an answer span fall back to LT-Logits later)."""
-    return torch.full((batch_size,), PROBE_CODES[cfg.probe_for_step(global_step)], dtype=torch.long, device=device)
+    """(B,) :class:`ProbeKind` of every row at this step (rows without an answer span fall back to LT-Logits later)."""
+    kind = ProbeKind.from_name(cfg.probe_for_step(global_step))
+    return torch.full((batch_size,), int(kind), dtype=torch.long, device=device)
 
 
 def collective_rounds(batch: AttributionBatch, cfg: OARConfig) -> int:
     """Collective rounds the configured method runs on ``batch``; data-parallel ranks align on the max."""
     if cfg.mode == "perturbation":
-        return num_forwards(batch, cfg.chunk_size, cfg.micro_batch_size, cfg.prefix_cache, cfg.mask_span)
-    return num_rounds(batch, cfg.micro_batch_size)
+        return perturbation.collective_rounds(batch, cfg.chunk_size, cfg.micro_batch_size, cfg.prefix_cache,
+                                              cfg.mask_span)
+    return gradient.collective_rounds(batch, cfg.micro_batch_size)
 
 
 def run_attribution(model: torch.nn.Module, batch: AttributionBatch, cfg: OARConfig, *, mask_token_id: int | None,
-                    seeds: torch.Tensor | None = None, pad_to: int = 0) -> torch.Tensor:
+                    seeds: torch.Tensor | None = None, min_rounds: int = 0) -> torch.Tensor:
     """Importance of the batch's reasoning tokens with the configured method.
 
     Args:
-        model: causal LM in eval mode. batch: AttributionBatch (B, L).
-        cfg: OARConfig. mask_token_id: OAR-P mask token (required for perturbation).
+        model: causal LM in eval mode.
+        batch: AttributionBatch (B, L).
+        cfg: OARConfig.
+        mask_token_id: OAR-P mask token (required for perturbation).
         seeds: (B,) int64 OAR-G noise seeds (required for gradient).
-        pad_to: collective rounds to pad to (see :func:`collective_rounds`).
+        min_rounds: collective rounds to run at least (the max of :func:`collective_rounds` over ranks).
 
     Returns:
         (B, L) float32 importance, 0 off the reasoning tokens.
@@ -43,11 +47,11 @@ def run_attribution(model: torch.nn.Module, batch: AttributionBatch, cfg: OARCon
         if mask_token_id is None:
             raise ValueError("OAR-P needs a mask token: set algorithm.oar.mask_token_id or give the tokenizer a pad "
                              "token")
-        return oar_p_importance(model, batch, mask_token_id, cfg.chunk_size, cfg.micro_batch_size, pad_to,
-                                prefix_cache=cfg.prefix_cache, mask_span=cfg.mask_span)
+        return perturbation.oar_p_importance(model, batch, mask_token_id, cfg.chunk_size, cfg.micro_batch_size,
+                                             min_rounds, prefix_cache=cfg.prefix_cache, mask_span=cfg.mask_span)
     if seeds is None:
         raise ValueError("OAR-G needs per-sequence noise seeds (see oar_verl.core.gradient.sequence_seeds)")
-    return oar_g_importance(model, batch, cfg.noise_std, seeds, cfg.micro_batch_size, pad_to)
+    return gradient.oar_g_importance(model, batch, cfg.noise_std, seeds, cfg.micro_batch_size, min_rounds)
 
 
 def response_importance(model: torch.nn.Module, prompts: torch.Tensor, prompt_mask: torch.Tensor,
@@ -57,8 +61,16 @@ def response_importance(model: torch.nn.Module, prompts: torch.Tensor, prompt_ma
     """Convenience wrapper over verl's padded layout: (B, T) response-aligned importance.
 
     Args:
-        prompts: (B, P) left-padded; prompt_mask (B, P); responses (B, T) right-padded; response_mask (B, T);
-        reasoning_mask, answer_mask: (B, T) bool (from :func:`oar_verl.core.spans.locate_answer_spans`).
+        prompts: (B, P) left-padded.
+        prompt_mask: (B, P).
+        responses: (B, T) right-padded.
+        response_mask: (B, T).
+        reasoning_mask: (B, T) bool (from :func:`oar_verl.core.spans.locate_answer_spans`).
+        answer_mask: (B, T) bool.
+        cfg: OARConfig.
+        global_step: selects the probe (``probe=auto``).
+        mask_token_id: OAR-P mask token.
+        seeds: (B,) OAR-G noise seeds.
     """
     kinds = probe_kinds(cfg, global_step, prompts.shape[0], prompts.device)
     batch = build_attribution_batch(prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,

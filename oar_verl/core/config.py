@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from oar_verl.core.answer_patterns import BUILTIN_PATTERNS, compile_answer_pattern
 
 MODES = ("gradient", "perturbation")
 PROBES = ("auto", "lt_logits", "as_mean", "as_joint")
 TARGETS = ("response", "reference")
 APPLY_TO = ("all", "negative", "positive")
-BUILTIN_PATTERNS = ("boxed", "gsm8k", "answer_is")
 
 # Presets only fill the keys the user did not set.  `paper`: the values the paper's summaries report; `official_code`:
 # the values of the official OAR-main.py (τ = 0.25, β = 1.0).
@@ -210,12 +210,9 @@ def _patterns(prefix: str, patterns: Any) -> tuple[str, ...]:
             raise OARConfigError(f"{prefix}.answer_patterns entry {pat!r} must be a string")
         if pat not in BUILTIN_PATTERNS:
             try:
-                rx = re.compile(pat)
-            except re.error as e:
+                compile_answer_pattern(pat)  # the very compile the span finder uses on every step
+            except ValueError as e:
                 raise OARConfigError(f"{prefix}.answer_patterns entry {pat!r} is neither a built-in pattern "
-                                     f"({', '.join(BUILTIN_PATTERNS)}) nor a valid regex: {e}") from e
-            if "answer" not in rx.groupindex:
-                raise OARConfigError(f"{prefix}.answer_patterns regex {pat!r} needs a named group (?P<answer>...) "
-                                     "marking the answer value")
+                                     f"({', '.join(BUILTIN_PATTERNS)}) nor a usable answer regex: {e}") from e
         out.append(pat)
     return tuple(out)

@@ -1,6 +1,7 @@
 """From raw importance to token weights: log-compression, per-sequence min-max, bi-level gating, renormalisation.
 
-oar-method.md §5, with the official code's bug 1 fixed (the configured τ is the quantile level of every sequence):
+docs/method.md §5, with the official code's τ overwrite fixed (§7: the configured τ is the quantile level of
+every sequence):
 
     u = log1p(max(I, 0));  n = (u − min u) / (max u − min u)   (divisor 1 when constant)
     θ = quantile(n, τ)     (linear interpolation, numpy's default)

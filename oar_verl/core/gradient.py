@@ -1,4 +1,5 @@
-"""OAR-G: gradient x input saliency of the outcome (oar-method.md §4, with bugs 3 and 5 fixed).
+"""OAR-G: gradient x input saliency of the outcome (docs/method.md §4, with the official code's gradient leak and
+LT-Logits position fixed, §7).
 
 Per micro-batch: a clean no-grad pass gives the teacher p0 (or φ0); the student pass adds seeded Gaussian noise of std σ
 to the reasoning-token embeddings, J = KL(p0 ‖ p_noisy) (or φ0 − φ_noisy), and the score is |⟨∂J/∂e_t, e_t⟩| with the
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.perturbation import column_window
-from oar_verl.core.probes import outcome_shift, probe_forward, probe_keep_positions, logits_at, probe_from_logits
+from oar_verl.core.probes import logits_at, outcome_shift, probe_forward, probe_from_logits, probe_keep_positions
 
 _SEED_MOD = 2**63 - 1
 _MIX = tuple(c - 2**64 if c >= 2**63 else c for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
@@ -66,9 +67,9 @@ def reasoning_noise(reasoning_mask: torch.Tensor, hidden_size: int, noise_std: f
 
 
 @contextlib.contextmanager
-def frozen_parameters(model: torch.nn.Module) -> Iterator[None]:
-    """Set requires_grad=False on every parameter for the duration, restoring the previous flags after."""
-    params = list(model.parameters())
+def frozen_parameters(params: torch.nn.Module | Iterable[torch.nn.Parameter]) -> Iterator[None]:
+    """Set requires_grad=False on every parameter (of a module, or given) for the duration; restore the flags after."""
+    params = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
     flags = [p.requires_grad for p in params]
     try:
         for p in params:
@@ -79,27 +80,27 @@ def frozen_parameters(model: torch.nn.Module) -> Iterator[None]:
             p.requires_grad_(f)
 
 
-def num_rounds(batch: AttributionBatch, micro_batch_size: int) -> int:
+def collective_rounds(batch: AttributionBatch, micro_batch_size: int) -> int:
     """Micro-batch rounds (clean forward + noisy forward/backward) :func:`oar_g_importance` runs on this batch.
 
     Data-parallel ranks must run equally many rounds (sharded parameters are all-gathered in the forward and again
-    in the backward); the worker all-reduces the max of this number and passes it as ``pad_to_rounds``.
+    in the backward); the worker all-reduces the max of this number and passes it as ``min_rounds``.
     """
     return math.ceil(batch.input_ids.shape[0] / micro_batch_size)
 
 
 def oar_g_importance(model: torch.nn.Module, batch: AttributionBatch, noise_std: float, seeds: torch.Tensor,
-                     micro_batch_size: int = 8, pad_to_rounds: int = 0) -> torch.Tensor:
+                     micro_batch_size: int = 8, min_rounds: int = 0) -> torch.Tensor:
     """OAR-G importance of every reasoning token.
 
     Args:
         model: Hugging Face causal LM (or a sharded wrapper) with ``get_input_embeddings()``, in eval mode.
-        batch: AttributionBatch (B, L), B >= 1 when ``pad_to_rounds`` > 0.
+        batch: AttributionBatch (B, L), B >= 1 when ``min_rounds`` > 0.
         noise_std: σ of the Gaussian embedding noise (absolute).
         seeds: (B,) int64 per-sequence seeds (see :func:`sequence_seeds`).
         micro_batch_size: rows per forward/backward.
-        pad_to_rounds: repeat the first row's round (result discarded) until this many rounds ran, so that every
-            data-parallel rank issues the same collectives.
+        min_rounds: run at least this many rounds (the max of :func:`collective_rounds` over data-parallel ranks, so
+            that every rank issues the same collectives); extra rounds repeat the first row's and are discarded.
 
     Returns:
         (B, L) float32 |⟨∂J/∂e_t, e_t⟩| at reasoning positions, 0 elsewhere. No parameter of ``model`` has a
@@ -108,11 +109,11 @@ def oar_g_importance(model: torch.nn.Module, batch: AttributionBatch, noise_std:
     device = batch.input_ids.device
     B = batch.input_ids.shape[0]
     scores = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
-    n_rounds = num_rounds(batch, micro_batch_size)
-    if pad_to_rounds > n_rounds and B == 0:
-        raise ValueError("pad_to_rounds needs at least one local row to repeat")
+    n_rounds = collective_rounds(batch, micro_batch_size)
+    if min_rounds > n_rounds and B == 0:
+        raise ValueError("min_rounds needs at least one local row to repeat")
     with frozen_parameters(model):
-        for r in range(max(n_rounds, pad_to_rounds)):
+        for r in range(max(n_rounds, min_rounds)):
             s = r * micro_batch_size if r < n_rounds else 0
             e = min(s + micro_batch_size, B) if r < n_rounds else 1
             rows = torch.arange(s, e, device=device)

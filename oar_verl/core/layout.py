@@ -72,7 +72,7 @@ def build_attribution_batch(prompts: torch.Tensor, prompt_mask: torch.Tensor, re
         response_mask: (B, T) 0/1.
         reasoning_mask: (B, T) bool, response tokens to attribute.
         answer_mask: (B, T) bool, answer-value tokens (the probe's teacher-forced answer).
-        probe_kind: (B,) long probe code per row (probes.LT_LOGITS / AS_MEAN / AS_JOINT).
+        probe_kind: (B,) long :class:`~oar_verl.core.probes.ProbeKind` per row.
 
     Returns:
         AttributionBatch; LT-Logits reads the position predicting the first answer token, or (no span) the last

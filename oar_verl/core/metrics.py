@@ -1,7 +1,8 @@
-"""OAR diagnostics (oar-method.md §8): how the weights redistribute credit, as scalars for verl's tracking.
+"""OAR diagnostics (docs/method.md §8): how the weights redistribute credit, as scalars for verl's tracking.
 
-All scalars are batch means over the reshaped rows (ESS, top-k mass) or their reasoning tokens (weight statistics);
-they are 0 when no row was reshaped so that every step logs the same keys.
+All scalars are batch means over the reshaped rows (ESS, top-k mass) or their reasoning tokens (weight statistics).
+Every step logs the same keys: when no row was reshaped, the weight statistics, the floor/boost fractions and the
+top-10 % mass are 0, and the ESS ratio is 1 (the value of uniform weights, i.e. plain GRPO).
 """
 
 from __future__ import annotations

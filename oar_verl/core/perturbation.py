@@ -1,4 +1,4 @@
-"""OAR-P: counterfactual masking (oar-method.md §3, with bug 6 fixed).
+"""OAR-P: counterfactual masking (docs/method.md §3, with the official code's memory blow-up fixed, §7).
 
 For every reasoning position t, replace y_t by the mask token (length unchanged) and score
 I_t = KL(P_clean ‖ P^(t)) (or φ_clean − φ^(t) with AS-Joint). Full-vocabulary logits are computed only at the probe
@@ -26,7 +26,7 @@ import math
 import torch
 
 from oar_verl.core.layout import AttributionBatch
-from oar_verl.core.probes import ProbeOutput, logits_at, outcome_shift, probe_forward, probe_from_logits
+from oar_verl.core.probes import ProbeOutput, outcome_shift, probe_forward, probe_from_logits
 
 
 def clean_probe(model: torch.nn.Module, batch: AttributionBatch, micro_batch_size: int) -> ProbeOutput:
@@ -50,23 +50,36 @@ def mask_blocks(reasoning_mask: torch.Tensor, span: int) -> torch.Tensor:
     return torch.where(reasoning_mask, rank // span, torch.full_like(rank, -1))
 
 
-def _copies(batch: AttributionBatch, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The masked copies to run: (N,) source row, (N,) first masked column, (B, L) block ids."""
-    blocks = mask_blocks(batch.reasoning_mask, span)
+def masked_copies(reasoning_mask: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The masked copies OAR-P runs: one per block of ``span`` consecutive reasoning tokens.
+
+    Args:
+        reasoning_mask: (B, L) bool. span: reasoning tokens masked together (1 = exact OAR-P).
+
+    Returns:
+        (source row (N,), first masked column (N,), block ids (B, L) of :func:`mask_blocks`), copies in row-major
+        order (a row's copies are consecutive, by position).
+    """
+    blocks = mask_blocks(reasoning_mask, span)
     # a block's first token is a reasoning token whose rank among the row's reasoning tokens is a multiple of span
-    rank = batch.reasoning_mask.long().cumsum(-1) - 1
-    firsts = batch.reasoning_mask & (rank % span == 0)
-    rows, cols = firsts.nonzero().unbind(1)
+    rank = reasoning_mask.long().cumsum(-1) - 1
+    rows, cols = (reasoning_mask & (rank % span == 0)).nonzero().unbind(1)
     return rows, cols, blocks
 
 
-def num_forwards(batch: AttributionBatch, chunk_size: int, micro_batch_size: int, prefix_cache: bool = False,
-                 mask_span: int = 1) -> int:
-    """Forward passes :func:`oar_p_importance` runs on this batch.
+def copy_masks(blocks: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """(N, n) bool: the tokens each copy masks, i.e. those sharing the block id at its first masked column.
 
-    Data-parallel ranks must run equally many collective forwards; the worker all-reduces the max of this number
-    and passes it as ``pad_to_forwards``.
+    Args:
+        blocks: (N, n) block ids of each copy's source row (a column window of :func:`mask_blocks`).
+        first: (N,) first masked column of each copy, in the window's coordinates.
     """
+    return blocks == blocks.gather(1, first[:, None])
+
+
+def collective_rounds(batch: AttributionBatch, chunk_size: int, micro_batch_size: int, prefix_cache: bool = False,
+                      mask_span: int = 1) -> int:
+    """Forward passes :func:`oar_p_importance` runs on this batch (each a collective round under sharding)."""
     B = batch.input_ids.shape[0]
     n_copies = (batch.reasoning_mask.sum(-1) + mask_span - 1) // mask_span  # (B,)
     if prefix_cache:
@@ -76,7 +89,7 @@ def num_forwards(batch: AttributionBatch, chunk_size: int, micro_batch_size: int
 
 @torch.no_grad()
 def oar_p_importance(model: torch.nn.Module, batch: AttributionBatch, mask_token_id: int, chunk_size: int = 64,
-                     micro_batch_size: int = 8, pad_to_forwards: int = 0, prefix_cache: bool = False,
+                     micro_batch_size: int = 8, min_rounds: int = 0, prefix_cache: bool = False,
                      mask_span: int = 1) -> torch.Tensor:
     """OAR-P importance of every reasoning token.
 
@@ -86,8 +99,9 @@ def oar_p_importance(model: torch.nn.Module, batch: AttributionBatch, mask_token
         mask_token_id: the replacement token (the tokenizer's pad token by default).
         chunk_size: masked copies per forward.
         micro_batch_size: rows per clean forward (batched path).
-        pad_to_forwards: repeat the first row's clean forward (result discarded) until this many forwards ran, so
-            that every data-parallel rank issues the same collectives; needs B >= 1.
+        min_rounds: run at least this many forwards (the max of :func:`collective_rounds` over data-parallel ranks,
+            so that every rank issues the same collectives); extra rounds repeat the first row's clean forward and
+            are discarded; needs B >= 1.
         prefix_cache: reuse each sequence's clean key/value cache for the unchanged prefix (model must support
             ``past_key_values``).
         mask_span: reasoning tokens masked together per copy (1 = exact OAR-P).
@@ -100,11 +114,11 @@ def oar_p_importance(model: torch.nn.Module, batch: AttributionBatch, mask_token
         importance, ran = _prefix_cached(model, batch, mask_token_id, chunk_size, mask_span)
     else:
         importance, ran = _batched(model, batch, mask_token_id, chunk_size, micro_batch_size, mask_span)
-    if pad_to_forwards > ran:
+    if min_rounds > ran:
         if batch.input_ids.shape[0] == 0:
-            raise ValueError("pad_to_forwards needs at least one local row to repeat")
+            raise ValueError("min_rounds needs at least one local row to repeat")
         first = torch.zeros(1, dtype=torch.long, device=batch.input_ids.device)
-        for _ in range(pad_to_forwards - ran):
+        for _ in range(min_rounds - ran):
             probe_forward(model, batch.probe.index(first), **batch.model_inputs(first))
     return importance
 
@@ -114,15 +128,13 @@ def _batched(model, batch: AttributionBatch, mask_token_id: int, chunk_size: int
     device = batch.input_ids.device
     clean = clean_probe(model, batch, micro_batch_size)
     importance = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
-    rows_all, cols_all, blocks = _copies(batch, span)
+    rows_all, cols_all, blocks = masked_copies(batch.reasoning_mask, span)
     ran = math.ceil(batch.input_ids.shape[0] / micro_batch_size)
     for s in range(0, rows_all.shape[0], chunk_size):
         rows, first = rows_all[s: s + chunk_size], cols_all[s: s + chunk_size]
         lo, hi = column_window(batch.attention_mask, rows)
         inputs = batch.model_inputs(rows, lo, hi)
-        # the copy's block: the reasoning tokens sharing the block id of its first masked token
-        blk = blocks[rows, lo:hi]
-        masked = blk == blk.gather(1, (first - lo)[:, None])
+        masked = copy_masks(blocks[rows, lo:hi], first - lo)
         inputs["input_ids"] = inputs["input_ids"].masked_fill(masked, mask_token_id)
         spec = batch.probe.index(rows).columns(lo, hi)
         shift = outcome_shift(clean.index(rows), probe_forward(model, spec, **inputs), spec.joint).float()
@@ -135,7 +147,7 @@ def _prefix_cached(model, batch: AttributionBatch, mask_token_id: int, chunk_siz
                    span: int) -> tuple[torch.Tensor, int]:
     device = batch.input_ids.device
     importance = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
-    rows_all, cols_all, blocks = _copies(batch, span)
+    rows_all, cols_all, blocks = masked_copies(batch.reasoning_mask, span)
     starts = rows_all.new_zeros(batch.input_ids.shape[0] + 1)
     starts[1:] = torch.bincount(rows_all, minlength=batch.input_ids.shape[0]).cumsum(0)
     starts = starts.tolist()  # host metadata, once per batch
@@ -157,8 +169,7 @@ def _prefix_cached(model, batch: AttributionBatch, mask_token_id: int, chunk_siz
             c, t0 = first.shape[0], int(first.min())
             if int(keep.min()) < t0:  # a probe position before the masked tokens: cannot come from the suffix
                 raise ValueError("prefix_cache needs every probe position after the perturbed tokens")
-            blk = blocks[b, lo:hi]
-            masked = blk[None, :] == blk[first][:, None]  # (c, n)
+            masked = copy_masks(blocks[b, lo:hi].expand(c, -1), first)  # (c, n)
             suffix = inputs["input_ids"].expand(c, -1).masked_fill(masked, mask_token_id)[:, t0:]
             prefix = copy.deepcopy(cache)  # the forward appends to the cache it is given
             prefix.crop(t0)

@@ -1,6 +1,6 @@
 """Outcome probes: what "the model's final-answer distribution" means, and how far a perturbation moves it.
 
-Three probes (oar-method.md §2), all expressed as one weighted read-out of the logits at a set of *logit positions*
+Three probes (docs/method.md §2), all expressed as one weighted read-out of the logits at a set of *logit positions*
 (position j predicts token j+1):
 
 * **LT-Logits**: softmax of the logits at one position, the one predicting the first answer token.
@@ -14,6 +14,7 @@ computed at the union of probe positions of a forward batch (HF ``logits_to_keep
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 from dataclasses import dataclass
@@ -21,8 +22,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-LT_LOGITS, AS_MEAN, AS_JOINT = 0, 1, 2
-PROBE_CODES = {"lt_logits": LT_LOGITS, "as_mean": AS_MEAN, "as_joint": AS_JOINT}
+class ProbeKind(enum.IntEnum):
+    """The outcome probe of a row; an int enum, so a (B,) long tensor of kinds compares with its members."""
+
+    LT_LOGITS = 0
+    AS_MEAN = 1
+    AS_JOINT = 2
+
+    @classmethod
+    def from_name(cls, name: str) -> ProbeKind:
+        """The kind of a config name (``lt_logits`` / ``as_mean`` / ``as_joint``)."""
+        return cls[name.upper()]
 
 
 @dataclass(frozen=True)
@@ -33,17 +43,19 @@ class ProbeSpec:
         logit_weight: (B, L) float; weights over logit positions, each row sums to 1 (0 for a row without a probe).
         target_ids: (B, L) long; the token each logit position predicts (input_ids shifted left), for AS-Joint.
         joint: (B,) bool; the row uses AS-Joint (a scalar φ) instead of a distribution probe.
+        reads_span: (B,) bool; the row reads answer tokens (AS-Mean / AS-Joint on a span), not LT-Logits.
     """
 
     logit_weight: torch.Tensor
     target_ids: torch.Tensor
     joint: torch.Tensor
+    reads_span: torch.Tensor
 
     def index(self, rows: torch.Tensor) -> ProbeSpec:
-        return ProbeSpec(self.logit_weight[rows], self.target_ids[rows], self.joint[rows])
+        return ProbeSpec(self.logit_weight[rows], self.target_ids[rows], self.joint[rows], self.reads_span[rows])
 
     def columns(self, lo: int, hi: int) -> ProbeSpec:
-        return ProbeSpec(self.logit_weight[:, lo:hi], self.target_ids[:, lo:hi], self.joint)
+        return ProbeSpec(self.logit_weight[:, lo:hi], self.target_ids[:, lo:hi], self.joint, self.reads_span)
 
 
 @dataclass(frozen=True)
@@ -71,8 +83,8 @@ def build_probe_spec(input_ids: torch.Tensor, answer_mask: torch.Tensor, lt_posi
         answer_mask: (B, L) bool, answer-value tokens a_1..a_A in the input (teacher-forced).
         lt_position: (B,) long, LT-Logits logit position (the one predicting a_1, or the last reasoning token when the
             row has no answer span).
-        probe_kind: (B,) long, LT_LOGITS / AS_MEAN / AS_JOINT per row. Answer-span probes fall back to LT-Logits on
-            rows without answer tokens.
+        probe_kind: (B,) long :class:`ProbeKind` per row. Answer-span probes fall back to LT-Logits on rows without
+            answer tokens.
 
     Returns:
         ProbeSpec with (B, L) weights that sum to 1 per row.
@@ -83,14 +95,14 @@ def build_probe_spec(input_ids: torch.Tensor, answer_mask: torch.Tensor, lt_posi
     pred_mask = torch.zeros_like(answer_mask)
     pred_mask[:, :-1] = answer_mask[:, 1:]
     has_span = pred_mask.any(-1)
-    use_span = (probe_kind != LT_LOGITS) & has_span
+    use_span = (probe_kind != ProbeKind.LT_LOGITS) & has_span
     span_w = pred_mask.float() / pred_mask.sum(-1, keepdim=True).clamp(min=1)
     lt_w = F.one_hot(lt_position.clamp(0, max(L - 1, 0)), num_classes=L).float() if L > 0 else span_w
     weight = torch.where(use_span[:, None], span_w, lt_w)
     target = torch.zeros_like(input_ids)
     target[:, :-1] = input_ids[:, 1:]
-    joint = use_span & (probe_kind == AS_JOINT)
-    return ProbeSpec(weight, target, joint)
+    joint = use_span & (probe_kind == ProbeKind.AS_JOINT)
+    return ProbeSpec(weight, target, joint, use_span)
 
 
 @functools.lru_cache(maxsize=64)

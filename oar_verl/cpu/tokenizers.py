@@ -1,4 +1,4 @@
-"""Offline tokenizers for tests, benchmarks and the CPU quickstart: one tiny-BPE builder and the real Qwen2.5 vocabulary.
+"""Offline tokenizers for tests, benchmarks and the CPU quickstart: one tiny-BPE builder, the real Qwen2.5 vocabulary.
 
 * :func:`train_tiny_bpe` -- a byte-level BPE trained locally in well under a second on whatever text the caller
   supplies, with Qwen's special tokens (``<|endoftext|>`` = pad, ``<|im_start|>``, ``<|im_end|>`` = eos) and a ChatML

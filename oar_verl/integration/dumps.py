@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from oar_verl.core.config import OARConfig
-from oar_verl.core.spans import token_byte_table
+from oar_verl.integration.estimator import sequence_advantage
+from oar_verl.core.token_bytes import token_byte_table
 
 
 def due(cfg: OARConfig, step: int) -> bool:
@@ -74,3 +75,14 @@ def write_dump(path: Path, step: int, rows: list[int], uids: np.ndarray, scores:
             }) + "\n")
     os.replace(tmp, path)  # readers never see half a file
     return path
+
+
+def dump_step(cfg: OARConfig, step: int, att, result, tokenizer, default_local_dir: str | None) -> Path:
+    """Dump ``cfg.dump_groups`` attributed prompt groups of a step (``att``: the step's
+    :class:`~oar_verl.integration.rows.StepAttribution`, with responses; ``result``: the estimator's OARAdvantage)."""
+    batch, inputs = att.batch, att.estimator
+    rows = pick_groups(batch.uids, inputs.attributed, cfg.dump_groups)
+    return write_dump(dump_dir(cfg, default_local_dir) / f"step_{step}.jsonl", step, rows, batch.uids,
+                      batch.scores.sum(-1), sequence_advantage(result.base_advantages, inputs.response_mask),
+                      batch.responses, inputs.response_mask, inputs.token_importance, result.token_weights.weights,
+                      inputs.reasoning_mask, att.answer, att.found, tokenizer)

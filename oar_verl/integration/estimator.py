@@ -1,8 +1,9 @@
 """The ``oar`` advantage estimator: a base outcome advantage (GRPO by default) reshaped token by token.
 
-verl's trainers pass an estimator only a fixed set of batch fields (verl-0.9.1.md §3.2), never ``token_importance``;
-the OAR trainers (``oar_verl.integration.trainer_v1`` / ``trainer_legacy``) call this estimator with it. Called
-without it, the estimator raises :class:`OARSetupError` explaining how to run OAR.
+verl's advantage step calls it like any registered estimator. Its per-token inputs (importance, reasoning mask,
+attributed rows, and the base advantage the step already computed) come through :mod:`oar_verl.integration.handoff`,
+open only while the OAR step runs verl's advantage step; called outside one, it raises :class:`OARSetupError`
+explaining how to run OAR.
 """
 
 from __future__ import annotations
@@ -50,13 +51,13 @@ class OARAdvantage:
     token_weights: TokenWeights
 
 
-def oar_config(config: Any) -> OARConfig:
-    """The validated OARConfig of an ``algorithm`` config (DictConfig, AlgoConfig or dict) or an OARConfig."""
-    if isinstance(config, OARConfig):
-        return config
+def read_oar_config(algorithm: Any) -> OARConfig:
+    """The validated OARConfig of verl's ``algorithm`` config (DictConfig, AlgoConfig or dict), or an OARConfig."""
+    if isinstance(algorithm, OARConfig):
+        return algorithm
     oar = None
-    if config is not None:
-        oar = config.get("oar", None) if hasattr(config, "get") else getattr(config, "oar", None)
+    if algorithm is not None:
+        oar = algorithm.get("oar", None) if hasattr(algorithm, "get") else getattr(algorithm, "oar", None)
     return OARConfig.from_mapping(oar)
 
 
@@ -75,47 +76,61 @@ def rows_to_reshape(seq_adv: torch.Tensor, apply_to: str) -> torch.Tensor:
     return seq_adv != 0
 
 
-def base_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, config: Any,
-                   cfg: OARConfig, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The base outcome estimator ``cfg.base_estimator`` with verl's own arguments."""
-    norm_by_std = config.get("norm_adv_by_std_in_grpo", True) if hasattr(config, "get") else True
-    if cfg.base_estimator == "grpo":
+def base_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, algorithm: Any,
+                   oar: OARConfig, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), each (B, T), of the base outcome estimator ``oar.base_estimator``.
+
+    Args:
+        token_level_rewards: (B, T).
+        response_mask: (B, T).
+        index: (B,) prompt uids.
+        algorithm: verl's ``algorithm`` config (the base estimator reads its own keys from it).
+        oar: the OAR configuration.
+        **kwargs: any further arguments verl passes estimators.
+    """
+    norm_by_std = algorithm.get("norm_adv_by_std_in_grpo", True) if hasattr(algorithm, "get") else True
+    if oar.base_estimator == "grpo":
         return core_algos.compute_grpo_outcome_advantage(token_level_rewards, response_mask, index,
-                                                         norm_adv_by_std_in_grpo=norm_by_std, config=config)
+                                                         norm_adv_by_std_in_grpo=norm_by_std, config=algorithm)
     try:
-        fn = core_algos.get_adv_estimator_fn(cfg.base_estimator)
+        fn = core_algos.get_adv_estimator_fn(oar.base_estimator)
     except ValueError as e:
-        raise OARSetupError(f"{cfg.prefix}.base_estimator={cfg.base_estimator!r} is not a registered verl "
+        raise OARSetupError(f"{oar.prefix}.base_estimator={oar.base_estimator!r} is not a registered verl "
                             f"estimator; registered: {', '.join(sorted(core_algos.ADV_ESTIMATOR_REGISTRY))}") from e
     if index is not None:
         kwargs["index"] = index
-    return fn(token_level_rewards=token_level_rewards, response_mask=response_mask, config=config, **kwargs)
+    return fn(token_level_rewards=token_level_rewards, response_mask=response_mask, config=algorithm, **kwargs)
 
 
 def compute_oar(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index=None, config: Any = None,
                 token_importance: torch.Tensor | None = None, reasoning_mask: torch.Tensor | None = None,
-                attributed: torch.Tensor | None = None, **kwargs) -> OARAdvantage:
+                attributed: torch.Tensor | None = None,
+                base: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> OARAdvantage:
     """Base advantage × OAR weights, with everything the trainer logs.
 
     Args:
-        token_level_rewards: (B, T). response_mask: (B, T) 0/1. index: (B,) prompt uids (numpy object array).
+        token_level_rewards: (B, T).
+        response_mask: (B, T) 0/1.
+        index: (B,) prompt uids (numpy object array).
         config: verl's ``algorithm`` config holding ``oar``.
         token_importance: (B, T) raw importance, response-aligned (from the OAR worker).
         reasoning_mask: (B, T) bool tokens to reshape (default: every valid token).
         attributed: (B,) bool rows whose importance was computed (default: all); the others keep w = 1.
+        base: the base estimator's (advantages, returns), each (B, T), when already computed for these rewards.
+        **kwargs: any further arguments verl passes estimators (given to the base estimator).
 
     Returns:
         OARAdvantage. Rows with zero base advantage, rows excluded by ``apply_to`` and rows with non-finite importance
         keep their base advantage unchanged.
     """
-    cfg = oar_config(config)
+    cfg = read_oar_config(config)
     if token_importance is None:
         raise OARSetupError("adv_estimator=oar needs per-token importance (`token_importance`), which verl's stock "
                             "trainers never pass to an estimator.\n" + RUN_HINT)
     if token_importance.shape != response_mask.shape:
         raise ValueError(f"token_importance has shape {tuple(token_importance.shape)} but the responses have "
                          f"{tuple(response_mask.shape)}")
-    base_adv, base_ret = base_advantage(token_level_rewards, response_mask, index, config, cfg, **kwargs)
+    base_adv, base_ret = base or base_advantage(token_level_rewards, response_mask, index, config, cfg, **kwargs)
     if reasoning_mask is None:
         reasoning_mask = response_mask.bool()
     rows = rows_to_reshape(sequence_advantage(base_adv, response_mask), cfg.apply_to)
@@ -131,14 +146,19 @@ def compute_oar(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, 
 def compute_oar_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index=None,
                           config: Any = None, token_importance: torch.Tensor | None = None,
                           reasoning_mask: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl estimator ``oar``: returns (advantages, returns), each (B, T). See :func:`compute_oar`."""
-    attributed = None
-    if token_importance is None:
-        pending = handoff.take(response_mask)
-        if pending is not None:
-            token_importance, reasoning_mask, attributed = (pending.token_importance, pending.reasoning_mask,
-                                                            pending.attributed)
+    """verl estimator ``oar``: returns (advantages, returns), each (B, T). See :func:`compute_oar`.
+
+    Inside an OAR step's handoff scope the per-token inputs come from the scope, and the full result goes back to it.
+    """
+    opened = handoff.current()
+    attributed = base = None
+    if token_importance is None and opened is not None:
+        inputs = opened.take(response_mask)
+        token_importance, reasoning_mask, attributed = (inputs.token_importance, inputs.reasoning_mask,
+                                                        inputs.attributed)
+        base = inputs.base_for(token_level_rewards, response_mask)
     out = compute_oar(token_level_rewards, response_mask, index, config, token_importance, reasoning_mask,
-                      attributed=attributed, **kwargs)
-    handoff.record_result(out)
+                      attributed=attributed, base=base, **kwargs)
+    if opened is not None:
+        opened.result = out
     return out.advantages, out.returns

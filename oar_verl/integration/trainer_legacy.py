@@ -1,14 +1,17 @@
 """OAR on verl's legacy ``RayPPOTrainer`` (``trainer.use_v1=false``).
 
 ``main_ppo`` hard-codes its legacy TaskRunner, so :mod:`oar_verl.main` runs :class:`OARTaskRunner`, which maps the
-OAR worker and builds :class:`OARRayPPOTrainer`. That trainer attributes right after the old-log-prob pass, hands
-the importance to the ``oar`` estimator for verl's own advantage step, and reports ``oar/*`` metrics and
-``timing_s/oar`` with the actor-update metrics (the legacy ``fit`` keeps its metric dicts local).
+OAR worker and builds :class:`OARRayPPOTrainer`. The legacy ``fit`` calls verl's module-level ``compute_advantage``
+inline, between two trainer methods, so the adapter opens the step (:meth:`~oar_verl.integration.step.OARStep.
+around_advantage`) at the end of ``_compute_old_log_prob`` and closes it at the start of ``_update_actor``; the
+legacy ``fit`` keeps its metric dicts local, so ``oar/*`` and ``timing_s/oar`` are reported with the actor-update
+metrics.
 """
 
 from __future__ import annotations
 
-import time
+import contextlib
+from typing import Any
 
 import numpy as np
 import ray
@@ -18,10 +21,37 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
-from oar_verl.integration import handoff
-from oar_verl.integration.trainer_common import (WORKER_FIELDS, StepAttribution, actor_dp_size, assemble,
-                                                 attribution_options, finish_step, select_rows, swap_actor_worker,
-                                                 uses_oar, validate_oar_setup)
+from oar_verl.integration.guard import uses_oar
+from oar_verl.integration.rows import BatchRows
+from oar_verl.integration.startup import validate_oar_setup
+from oar_verl.integration.step import TIMER, OARStep
+from oar_verl.integration.worker import OUTPUT_FIELDS, actor_dp_size, swap_actor_worker
+
+
+class LegacyIO:
+    """The step's view of one legacy batch (``DataProto``) and the trainer's actor worker group."""
+
+    def __init__(self, trainer: RayPPOTrainer, batch):
+        self.trainer = trainer
+        self.batch = batch
+
+    def rows(self, with_responses: bool) -> BatchRows:
+        tensors = self.batch.batch
+        response_mask = tensors["response_mask"]
+        uids = np.asarray(self.batch.non_tensor_batch["uid"], dtype=object)
+        eligible = torch.ones(response_mask.shape[0], dtype=torch.bool)  # the legacy trainer adds no padding rows
+        # rewards are in the batch before the old-log-prob pass (verl reads them with extract_reward there)
+        return BatchRows(response_mask, tensors["rm_scores"], uids, eligible,
+                         tensors["responses"] if with_responses else None)
+
+    def dp_size(self) -> int:
+        return actor_dp_size(self.trainer.actor_rollout_wg)
+
+    def compute_importance(self, rows: torch.Tensor, options: dict[str, Any]) -> dict[str, torch.Tensor]:
+        td = left_right_2_no_padding(self.batch.select_idxs(rows.numpy()).to_tensordict())
+        tu.assign_non_tensor(td, **options)
+        out = self.trainer.actor_rollout_wg.compute_token_importance(td)
+        return {k: (out[k].to_padded_tensor(0.0) if out[k].is_nested else out[k]) for k in OUTPUT_FIELDS}
 
 
 class OARRayPPOTrainer(RayPPOTrainer):
@@ -30,49 +60,38 @@ class OARRayPPOTrainer(RayPPOTrainer):
     _oar_trainer = True
 
     def __init__(self, config, *args, **kwargs):
-        self.oar_config = validate_oar_setup(config) if uses_oar(config) else None
-        self._oar_step: StepAttribution | None = None
-        self._oar_seconds = 0.0
+        cfg = validate_oar_setup(config) if uses_oar(config) else None
         super().__init__(config, *args, **kwargs)
+        self.oar_step = None if cfg is None else OARStep(cfg, config.algorithm, self.tokenizer,
+                                                         config.trainer.get("default_local_dir"))
+        self._oar_open: contextlib.ExitStack | None = None  # the step opened for the current batch
+        self._oar_metrics: dict = {}
+        self._oar_timing: dict = {}
 
     def _compute_old_log_prob(self, batch):
         result = super()._compute_old_log_prob(batch)
-        if self.oar_config is not None:
-            start = time.perf_counter()
-            self._oar_step = self._attribute(batch)
-            handoff.put(self._oar_step.pending)
-            self._oar_seconds = time.perf_counter() - start
+        if self.oar_step is not None:
+            self._close_oar_step()  # a step left open (no actor update during critic warm-up) reports nothing
+            self._oar_metrics, self._oar_timing = {}, {}
+            opened = contextlib.ExitStack()
+            opened.enter_context(self.oar_step.around_advantage(LegacyIO(self, batch), self.global_steps,
+                                                                self._oar_timing, self._oar_metrics))
+            self._oar_open = opened
         return result
 
-    def _attribute(self, batch) -> StepAttribution:
-        cfg = self.oar_config
-        response_mask = batch.batch["response_mask"]
-        B = response_mask.shape[0]
-        uids = np.asarray(batch.non_tensor_batch["uid"], dtype=object)
-        if "rm_scores" in batch.batch.keys():
-            scores = batch.batch["rm_scores"]
-            rows = select_rows(cfg, self.config.algorithm, scores, response_mask, uids, torch.ones(B, dtype=torch.bool),
-                               actor_dp_size(self.actor_rollout_wg))
-        else:  # reward not in the batch yet: attribute every row
-            scores, rows = torch.zeros_like(response_mask, dtype=torch.float32), torch.arange(B)
-        out = None
-        if len(rows):
-            td = left_right_2_no_padding(batch.select_idxs(rows.numpy()).to_tensordict())
-            tu.assign_non_tensor(td, **attribution_options(cfg, self.global_steps))
-            nested = self.actor_rollout_wg.compute_token_importance(td)
-            out = {k: (nested[k].to_padded_tensor(0.0) if nested[k].is_nested else nested[k]) for k in WORKER_FIELDS}
-        return assemble(out, rows, response_mask, scores.sum(-1), uids, batch.batch["responses"])
-
     def _update_actor(self, batch):
-        # the legacy fit() keeps its metric and timing dicts local: report ours with the actor-update metrics
+        if self.oar_step is not None:
+            self._close_oar_step()
         output = super()._update_actor(batch)
-        if self.oar_config is not None and self._oar_step is not None:
-            metrics = output.meta_info["metrics"]
-            metrics.update(finish_step(self.oar_config, self.global_steps, self._oar_step, self.tokenizer,
-                                       self.config.trainer.get("default_local_dir")))
-            metrics["timing_s/oar"] = self._oar_seconds
-            self._oar_step = None
+        if self._oar_metrics:
+            output.meta_info["metrics"].update({**self._oar_metrics, f"timing_s/{TIMER}": self._oar_timing[TIMER]})
+            self._oar_metrics = {}
         return output
+
+    def _close_oar_step(self) -> None:
+        opened, self._oar_open = self._oar_open, None
+        if opened is not None:
+            opened.close()
 
 
 class OARTaskRunnerImpl(BaseTaskRunner):

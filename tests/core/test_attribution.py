@@ -1,4 +1,4 @@
-"""OAR-P and OAR-G fast paths against a naive per-sequence, per-position reference written plainly here."""
+"""OAR-P and OAR-G fast paths against the per-sequence, per-position reference of oar_verl.core.reference."""
 
 from __future__ import annotations
 
@@ -6,84 +6,17 @@ import pytest
 import torch
 
 from oar_verl.core import OARConfig, response_importance
-from oar_verl.core.gradient import sequence_seeds
+from oar_verl.core import reference
+from oar_verl.core.gradient import collective_rounds as g_rounds
+from oar_verl.core.gradient import oar_g_importance, sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
+from oar_verl.core.perturbation import collective_rounds as p_rounds
 from oar_verl.core.perturbation import oar_p_importance
-from oar_verl.core.gradient import oar_g_importance
-from oar_verl.core.probes import AS_JOINT, AS_MEAN, LT_LOGITS
+from oar_verl.core.probes import ProbeKind
+
+LT_LOGITS, AS_MEAN, AS_JOINT = ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT
 
 MASK = 0
-
-
-# ----------------------------------------------------------------------------------------------- naive reference
-def _unpadded(prompts, prompt_mask, responses, response_mask, reasoning, answer, b):
-    """One row without padding: ids, and reasoning / answer positions in its own coordinates."""
-    p = prompts[b][prompt_mask[b].bool()]
-    r = responses[b][response_mask[b].bool()]
-    ids = torch.cat([p, r])
-    n_r = int(response_mask[b].sum())
-    reas = [len(p) + i for i in range(n_r) if reasoning[b, i]]
-    ans = [len(p) + i for i in range(n_r) if answer[b, i]]
-    return ids, reas, ans
-
-
-def _naive_probe(logits, ids, kind, reas, ans):
-    """(kind, value): ('dist', logp (V,)) or ('joint', phi) from full logits (L, V) of one unpadded row."""
-    if kind == LT_LOGITS or not ans:
-        pos = ans[0] - 1 if ans else (reas[-1] if reas else len(ids) - 1)
-        return "dist", torch.log_softmax(logits[pos].double(), -1)
-    if kind == AS_MEAN:
-        z = sum(logits[a - 1].double() for a in ans) / len(ans)
-        return "dist", torch.log_softmax(z, -1)
-    phi = sum(torch.log_softmax(logits[a - 1].double(), -1)[ids[a]] for a in ans) / len(ans)
-    return "joint", phi
-
-
-def _naive_shift(clean, pert):
-    if clean[0] == "joint":
-        return clean[1] - pert[1]
-    lp, lq = clean[1], pert[1]
-    return (lp.exp() * (lp - lq)).sum()
-
-
-def naive_oar_p(model, rows, kind):
-    B, T = rows[2].shape
-    out = torch.zeros(B, T, dtype=torch.float64)
-    for b in range(B):
-        ids, reas, ans = _unpadded(*rows, b)
-        n_p = int(rows[1][b].sum())
-        with torch.no_grad():
-            clean = _naive_probe(model(ids[None]).logits[0], ids, kind, reas, ans)
-            for t in reas:
-                masked = ids.clone()
-                masked[t] = MASK
-                pert = _naive_probe(model(masked[None]).logits[0], masked, kind, reas, ans)
-                out[b, t - n_p] = _naive_shift(clean, pert)
-    return out
-
-
-def naive_oar_g(model, rows, kind, sigma, seeds):
-    B, T = rows[2].shape
-    out = torch.zeros(B, T, dtype=torch.float64)
-    emb_layer = model.get_input_embeddings()
-    for b in range(B):
-        ids, reas, ans = _unpadded(*rows, b)
-        n_p = int(rows[1][b].sum())
-        if not reas:
-            continue
-        with torch.no_grad():
-            clean = _naive_probe(model(ids[None]).logits[0], ids, kind, reas, ans)
-            emb = emb_layer(ids[None])
-        gen = torch.Generator().manual_seed(int(seeds[b]))
-        delta = torch.randn(len(reas), emb.shape[-1], generator=gen, dtype=torch.float32) * sigma
-        noisy = emb.clone()
-        noisy[0, reas] += delta.to(emb.dtype)
-        noisy.requires_grad_(True)
-        student = _naive_probe(model(inputs_embeds=noisy).logits[0], ids, kind, reas, ans)
-        (g,) = torch.autograd.grad(_naive_shift(clean, student), noisy)
-        for t in reas:
-            out[b, t - n_p] = (g[0, t] * emb[0, t]).sum().abs()
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------- tests
@@ -93,7 +26,7 @@ def test_oar_p_matches_naive(lm64, make_batch, kind, chunk):
     rows = make_batch(B=4, P=5, T=9, seed=kind * 10 + chunk)
     batch = build_attribution_batch(*rows, torch.full((4,), kind))
     fast = oar_p_importance(lm64, batch, MASK, chunk_size=chunk, micro_batch_size=3)[:, batch.response_start:]
-    ref = naive_oar_p(lm64, rows, kind)
+    ref = reference.batch_oar_p(lm64, *rows, kind, MASK)
     assert (fast[~rows[4]] == 0).all()
     torch.testing.assert_close(fast.double(), ref, rtol=1e-5, atol=1e-9)
     assert ref.abs().sum() > 0  # the comparison is not vacuous
@@ -105,28 +38,9 @@ def test_oar_p_prefix_cache_matches_naive(lm64, make_batch, kind, chunk):
     rows = make_batch(B=4, P=5, T=9, seed=kind * 10 + chunk + 1)
     batch = build_attribution_batch(*rows, torch.full((4,), kind))
     fast = oar_p_importance(lm64, batch, MASK, chunk_size=chunk, prefix_cache=True)[:, batch.response_start:]
-    ref = naive_oar_p(lm64, rows, kind)
+    ref = reference.batch_oar_p(lm64, *rows, kind, MASK)
     torch.testing.assert_close(fast.double(), ref, rtol=1e-5, atol=1e-9)
     assert ref.abs().sum() > 0
-
-
-def naive_block_oar_p(model, rows, kind, span):
-    """Mask `span` consecutive reasoning tokens at once; each token of the block gets the block's score."""
-    B, T = rows[2].shape
-    out = torch.zeros(B, T, dtype=torch.float64)
-    for b in range(B):
-        ids, reas, ans = _unpadded(*rows, b)
-        n_p = int(rows[1][b].sum())
-        with torch.no_grad():
-            clean = _naive_probe(model(ids[None]).logits[0], ids, kind, reas, ans)
-            for k in range(0, len(reas), span):
-                block = reas[k: k + span]
-                masked = ids.clone()
-                masked[block] = MASK
-                score = _naive_shift(clean, _naive_probe(model(masked[None]).logits[0], masked, kind, reas, ans))
-                for t in block:
-                    out[b, t - n_p] = score
-    return out
 
 
 @pytest.mark.parametrize("prefix_cache", [False, True])
@@ -135,14 +49,13 @@ def test_oar_p_mask_span_matches_naive(lm64, make_batch, prefix_cache, span):
     rows = make_batch(B=4, P=4, T=10, seed=span)
     batch = build_attribution_batch(*rows, torch.full((4,), AS_MEAN))
     fast = oar_p_importance(lm64, batch, MASK, chunk_size=3, prefix_cache=prefix_cache, mask_span=span)
-    torch.testing.assert_close(fast[:, batch.response_start:].double(), naive_block_oar_p(lm64, rows, AS_MEAN, span),
+    ref = reference.batch_oar_p(lm64, *rows, AS_MEAN, MASK, span)
+    torch.testing.assert_close(fast[:, batch.response_start:].double(), ref,
                                rtol=1e-5, atol=1e-9)
 
 
 @pytest.mark.parametrize("prefix_cache", [False, True])
-def test_num_forwards_counts_every_forward(lm64, make_batch, prefix_cache):
-    from oar_verl.core.perturbation import num_forwards
-
+def test_collective_rounds_counts_every_forward(lm64, make_batch, prefix_cache):
     rows = make_batch(B=3, P=3, T=7, seed=9)
     batch = build_attribution_batch(*rows, torch.full((3,), LT_LOGITS))
     calls = []
@@ -152,7 +65,7 @@ def test_num_forwards_counts_every_forward(lm64, make_batch, prefix_cache):
             calls.clear()
             oar_p_importance(lm64, batch, MASK, chunk_size=2, micro_batch_size=2, prefix_cache=prefix_cache,
                              mask_span=span)
-            assert len(calls) == num_forwards(batch, 2, 2, prefix_cache, span)
+            assert len(calls) == p_rounds(batch, 2, 2, prefix_cache, span)
     finally:
         h.remove()
 
@@ -164,7 +77,7 @@ def test_oar_g_matches_naive(lm64, make_batch, kind, micro):
     seeds = sequence_seeds(7, 3, torch.arange(4))
     batch = build_attribution_batch(*rows, torch.full((4,), kind))
     fast = oar_g_importance(lm64, batch, 1e-3, seeds, micro_batch_size=micro)[:, batch.response_start:]
-    ref = naive_oar_g(lm64, rows, kind, 1e-3, seeds)
+    ref = reference.batch_oar_g(lm64, *rows, kind, 1e-3, seeds)
     torch.testing.assert_close(fast.double(), ref, rtol=1e-5, atol=1e-12)
     assert ref.abs().sum() > 0
 
@@ -244,21 +157,21 @@ def test_nan_logits_propagate_to_a_defined_fallback(make_lm, make_batch):
     assert not torch.isfinite(imp[rows[4]]).all()
 
 
-def test_pad_to_forwards_runs_extra_forwards(lm64, make_batch):
+def test_min_rounds_runs_extra_rounds(lm64, make_batch):
     rows = make_batch(B=2, P=3, T=4, seed=2)
     batch = build_attribution_batch(*rows, torch.full((2,), LT_LOGITS))
     calls = []
     h = lm64.register_forward_hook(lambda *a: calls.append(1))
     try:
-        from oar_verl.core.perturbation import num_forwards
-        n = num_forwards(batch, chunk_size=3, micro_batch_size=8)
+        n = p_rounds(batch, chunk_size=3, micro_batch_size=8)
         oar_p_importance(lm64, batch, MASK, chunk_size=3, micro_batch_size=8)
         assert len(calls) == n
         calls.clear()
-        oar_p_importance(lm64, batch, MASK, chunk_size=3, micro_batch_size=8, pad_to_forwards=n + 4)
+        oar_p_importance(lm64, batch, MASK, chunk_size=3, micro_batch_size=8, min_rounds=n + 4)
         assert len(calls) == n + 4
         calls.clear()
-        oar_g_importance(lm64, batch, 1e-3, torch.arange(2), micro_batch_size=1, pad_to_rounds=5)
+        assert g_rounds(batch, micro_batch_size=1) == 2
+        oar_g_importance(lm64, batch, 1e-3, torch.arange(2), micro_batch_size=1, min_rounds=5)
         assert len(calls) == 10  # clean + noisy forward per round
     finally:
         h.remove()
@@ -270,3 +183,29 @@ def test_missing_mask_token_and_seeds_are_clear_errors(lm64, make_batch):
         response_importance(lm64, *rows, OARConfig(mode="perturbation"), mask_token_id=None)
     with pytest.raises(ValueError, match="OAR-G needs per-sequence noise seeds"):
         response_importance(lm64, *rows, OARConfig(mode="gradient"), seeds=None)
+
+
+def test_reference_oar_p_batching_and_parameter_backward_give_the_same_scores(lm64, make_batch):
+    """The naive baseline's structure (all copies in one forward, the official J.backward() through the parameters)
+    computes the same numbers as the one-copy-per-forward reference."""
+    rows = make_batch(B=3, P=4, T=8, seed=31)
+    one = reference.batch_oar_p(lm64, *rows, AS_MEAN, MASK)
+    torch.testing.assert_close(reference.batch_oar_p(lm64, *rows, AS_MEAN, MASK, copies_per_forward=None), one,
+                               rtol=1e-9, atol=1e-12)
+    seeds = torch.arange(3) + 5
+    g = reference.batch_oar_g(lm64, *rows, AS_MEAN, 1e-3, seeds)
+    torch.testing.assert_close(reference.batch_oar_g(lm64, *rows, AS_MEAN, 1e-3, seeds, parameter_gradients=True), g,
+                               rtol=1e-9, atol=1e-15)
+    assert all(p.grad is None for p in lm64.parameters())
+
+
+def test_reference_token_weights_match_the_gate():
+    from oar_verl.core.gating import oar_token_weights
+
+    g = torch.Generator().manual_seed(3)
+    imp = torch.rand(4, 9, generator=g, dtype=torch.float64) * 3
+    mask = torch.ones(4, 9, dtype=torch.bool)
+    fast = oar_token_weights(imp, mask, mask.long(), tau=0.4, beta=2.0, floor=0.1).weights
+    for b in range(4):
+        torch.testing.assert_close(fast[b].double(), reference.token_weights(imp[b], 0.4, 2.0, 0.1), rtol=1e-6,
+                                   atol=1e-6)

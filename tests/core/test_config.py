@@ -49,7 +49,7 @@ def test_probe_schedule():
     ({"apply_to": "wrong"}, r"algorithm\.oar\.apply_to='wrong' is not allowed; choose one of: all, negative, positive"),
     ({"base_estimator": "oar"}, r"algorithm\.oar\.base_estimator cannot be 'oar'"),
     ({"answer_patterns": []}, r"algorithm\.oar\.answer_patterns must be a non-empty list"),
-    ({"answer_patterns": ["(unclosed"]}, r"neither a built-in pattern .* nor a valid regex"),
+    ({"answer_patterns": ["(unclosed"]}, r"neither a built-in pattern .* nor a usable answer regex"),
     ({"answer_patterns": [r"\d+"]}, r"needs a named group \(\?P<answer>"),
     ({"preset": "fast"}, r"algorithm\.oar\.preset='fast' is not allowed"),
     ({"mask_span": 0}, r"algorithm\.oar\.mask_span=0 is out of range"),

@@ -1,4 +1,5 @@
-"""Answer-span location: byte patterns, the token byte table and the token masks (oar_verl.core.spans)."""
+"""Answer-span location end to end: the token byte table (oar_verl.core.token_bytes), the byte patterns
+(oar_verl.core.answer_patterns) and the token masks (oar_verl.core.spans)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oar_verl.core.config import BUILTIN_PATTERNS
-from oar_verl.core.spans import AnswerSpans, find_answer_span, locate_answer_spans, token_byte_table
+from oar_verl.core.answer_patterns import BUILTIN_PATTERNS, compile_answer_pattern, find_answer_span
+from oar_verl.core.config import OARConfig, OARConfigError
+from oar_verl.core.spans import AnswerSpans, locate_answer_spans
+from oar_verl.core.token_bytes import token_byte_table
 
 
 TOKENIZERS = ("tiny_bpe_tokenizer", "qwen25_tokenizer")
@@ -237,10 +240,29 @@ def test_boxed_scanner_matches_naive_reference(parts):
 
 
 def test_custom_regex_needs_an_answer_group():
-    with pytest.raises(ValueError, match="named group 'answer'"):
+    with pytest.raises(ValueError, match=r"named group \(\?P<answer>"):
         find_answer_span(b"x = 3", (r"x = (\d+)",))
-    with pytest.raises(ValueError, match="valid regex"):
+    with pytest.raises(ValueError, match="not a valid regex on response bytes"):
         find_answer_span(b"x = 3", (r"x = (?P<answer>\d+",))
+
+
+@pytest.mark.parametrize("pattern", [r"(?u)answer: (?P<answer>\d+)", r"(?P<answer>\d+", r"answer: (\d+)"])
+def test_a_regex_refused_on_bytes_fails_at_start_up_naming_the_key(pattern):
+    """Validation and use compile through one function: what start-up accepts, every step can run (a str-mode check
+    once accepted (?u), which bytes patterns reject, and the run failed at its first attribution step)."""
+    with pytest.raises(OARConfigError, match=r"algorithm\.oar\.answer_patterns entry"):
+        OARConfig(answer_patterns=(pattern,))
+
+
+@pytest.mark.parametrize("pattern", [r"answer: (?P<answer>\d+)", r"(?i)ANSWER\s*=\s*(?P<answer>[-\w.]+)",
+                                     r"结果：(?P<answer>\d+)"])
+def test_a_regex_accepted_at_start_up_runs_on_bytes(pattern):
+    cfg = OARConfig(answer_patterns=(pattern,))
+    text = "so the answer: 12 ... Answer = 7.5 ... 结果：3".encode()
+    span = find_answer_span(text, cfg.answer_patterns)
+    assert span is not None and compile_answer_pattern(pattern).pattern == pattern.encode()
+    # byte mode: \d is ASCII only, so a fullwidth digit is not a number
+    assert find_answer_span("answer: ３ = ３".encode(), cfg.answer_patterns) is None
 
 
 @pytest.mark.parametrize(

@@ -62,8 +62,8 @@ def test_trainer_overrides_compose_against_the_oar_config(tmp_path):
     from oar_verl.cpu.tiny_assets import TinyAssets
 
     assets = TinyAssets(tmp_path, tmp_path / "model", tmp_path / "train.parquet", tmp_path / "test.parquet", 26)
-    overrides = quickstart.trainer_overrides(assets, tmp_path / "out", str(tmp_path / "ray"), mode="perturbation", steps=3,
-                                             extra=["algorithm.oar.chunk_size=16"])
+    overrides = quickstart.trainer_overrides(assets, tmp_path / "out", str(tmp_path / "ray"), mode="perturbation",
+                                             steps=3, extra=["algorithm.oar.chunk_size=16"])
     config_dir = os.path.join(os.path.dirname(integration.__file__), "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         cfg = compose(config_name="oar_trainer", overrides=overrides)

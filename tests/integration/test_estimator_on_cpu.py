@@ -52,20 +52,73 @@ def test_missing_importance_explains_how_to_run():
 
 
 def test_stock_verl_compute_advantage_gets_importance_through_the_handoff():
-    """verl's own compute_advantage (legacy path) reaches the estimator; the handoff supplies the importance."""
+    """verl's own compute_advantage (legacy path) reaches the estimator inside a scope; the scope supplies the
+    importance and receives the result."""
     rewards, mask, index = batch(seed=3)
     data = DataProto.from_dict(tensors={"token_level_rewards": rewards, "response_mask": mask},
                                non_tensors={"uid": index})
     imp = torch.rand(rewards.shape, generator=torch.Generator().manual_seed(0)) * mask
-    handoff.put(handoff.PendingImportance(imp, mask.bool(), torch.ones(len(mask), dtype=torch.bool), mask))
-    out = compute_advantage(data, adv_estimator="oar", num_repeat=3, config=algo())
+    attributed = torch.ones(len(mask), dtype=torch.bool)
+    with handoff.scope(handoff.EstimatorInputs(imp, mask.bool(), attributed, mask)) as opened:
+        out = compute_advantage(data, adv_estimator="oar", num_repeat=3, config=algo())
     expect = compute_oar(rewards, mask, index, algo(), imp, mask.bool())
     torch.testing.assert_close(out.batch["advantages"], expect.advantages)
-    assert handoff.pop_result() is not None
-    # a mismatched batch is refused instead of pairing the wrong rows
-    handoff.put(handoff.PendingImportance(imp, mask.bool(), torch.ones(len(mask), dtype=torch.bool), mask[:, :-1]))
-    with pytest.raises(RuntimeError, match="not the batch"):
+    assert opened.taken and opened.result is not None
+    torch.testing.assert_close(opened.result.advantages, expect.advantages)
+    assert handoff.current() is None  # closed on exit
+    # outside a scope the estimator explains how to run OAR
+    with pytest.raises(OARSetupError, match="python -m oar_verl.main"):
         compute_advantage(data, adv_estimator="oar", num_repeat=3, config=algo())
+
+
+def test_handoff_refuses_another_batch_and_nesting_and_closes_on_errors():
+    rewards, mask, index = batch(seed=4)
+    data = DataProto.from_dict(tensors={"token_level_rewards": rewards, "response_mask": mask},
+                               non_tensors={"uid": index})
+    ones = torch.ones(len(mask), dtype=torch.bool)
+    wider = torch.nn.functional.pad(mask, (0, 1), value=1.0)  # another batch: a different shape
+    with pytest.raises(RuntimeError, match="not the batch"):
+        with handoff.scope(handoff.EstimatorInputs(torch.zeros_like(wider), wider.bool(), ones, wider)):
+            compute_advantage(data, adv_estimator="oar", num_repeat=3, config=algo())
+    assert handoff.current() is None
+    shorter = mask.clone()
+    shorter[:, 0] = 0  # tokens the estimator sees that the importance was not computed for
+    with pytest.raises(RuntimeError, match="not the batch"):
+        with handoff.scope(handoff.EstimatorInputs(torch.zeros_like(mask), mask.bool(), ones, shorter)):
+            compute_advantage(data, adv_estimator="oar", num_repeat=3, config=algo())
+    with handoff.scope(handoff.EstimatorInputs(torch.zeros_like(mask), mask.bool(), ones, mask)):
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with handoff.scope(handoff.EstimatorInputs(torch.zeros_like(mask), mask.bool(), ones, mask)):
+                pass
+
+
+def test_rejected_tokens_still_pair_rows():
+    """verl's rollout rejection sampling may mask tokens out before the advantage step: a subset of the attributed
+    response mask is the same batch."""
+    rewards, mask, index = batch(seed=6)
+    data = DataProto.from_dict(tensors={"token_level_rewards": rewards, "response_mask": mask.clone()},
+                               non_tensors={"uid": index})
+    data.batch["response_mask"][1] = 0  # a rejected sequence
+    imp = torch.rand(rewards.shape, generator=torch.Generator().manual_seed(2)) * mask
+    ones = torch.ones(len(mask), dtype=torch.bool)
+    with handoff.scope(handoff.EstimatorInputs(imp, mask.bool(), ones, mask)) as opened:
+        out = compute_advantage(data, adv_estimator="oar", num_repeat=3, config=algo())
+    assert opened.taken and torch.equal(out.batch["advantages"][1], torch.zeros_like(mask[1]))
+
+
+def test_the_step_base_advantage_is_used_only_for_its_own_rewards():
+    rewards, mask, index = batch(seed=8)
+    imp = torch.rand(rewards.shape, generator=torch.Generator().manual_seed(5)) * mask
+    ones = torch.ones(len(mask), dtype=torch.bool)
+    base = core_algos.compute_grpo_outcome_advantage(rewards, mask, index)
+    inputs = handoff.EstimatorInputs(imp, mask.bool(), ones, mask, rewards, base[0] * 7, base[1] * 7)  # marked
+    with handoff.scope(inputs):
+        adv, _ = compute_oar_advantage(rewards, mask, index, algo())
+    expect = compute_oar(rewards, mask, index, algo(), imp, mask.bool(), base=(base[0] * 7, base[1] * 7))
+    torch.testing.assert_close(adv, expect.advantages)  # reused: no second base-estimator call
+    with handoff.scope(inputs):  # other rewards (e.g. a KL penalty added by verl): computed afresh
+        adv, _ = compute_oar_advantage(rewards * 0.5, mask, index, algo())
+    torch.testing.assert_close(adv, compute_oar(rewards * 0.5, mask, index, algo(), imp, mask.bool()).advantages)
 
 
 @pytest.mark.parametrize("apply_to", ["all", "negative", "positive"])

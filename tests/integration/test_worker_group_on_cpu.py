@@ -14,13 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from oar_verl.core.attribution import response_importance
+from oar_verl.core.attribution import run_attribution
 from oar_verl.core.config import OARConfig
-from oar_verl.core.gradient import sequence_seeds
-from oar_verl.core.layout import build_reference_responses
-from oar_verl.core.spans import locate_answer_spans
+from oar_verl.core.preprocess import prepare_attribution
 from oar_verl.cpu.launcher import cpu_env, new_ray_temp_dir
-from oar_verl.integration.worker import pad_rows, row_fingerprints
 
 JOB = Path(__file__).with_name("worker_group_job.py")
 
@@ -35,26 +32,19 @@ def run_job(model_dir, tmp_path, n_ranks, mode, target="response"):
 
 
 def core_reference(model_dir, res):
+    """The same rows through the core alone: prepare_attribution + run_attribution on the Hugging Face model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     cfg = OARConfig.from_mapping(res["config"])
-    prompts, prompt_mask = pad_rows(res["prompts"], tok.pad_token_id, left=True)
-    responses, response_mask = pad_rows(res["responses"], tok.pad_token_id, left=False)
-    spans = locate_answer_spans(responses, response_mask, tok, cfg.answer_patterns)
-    seeds = sequence_seeds(cfg.seed, 3, row_fingerprints(prompts, prompt_mask, responses, response_mask))
-    attr = (responses, response_mask, spans.reasoning_mask, spans.answer_mask)
-    if cfg.target == "reference":
-        attr = build_reference_responses(responses, response_mask, spans.reasoning_mask,
-                                         tok.encode(cfg.conclude_text, add_special_tokens=False),
-                                         [tok.encode(t, add_special_tokens=False) for t in res["truths"]],
-                                         tok.pad_token_id)
-    imp = response_importance(model, prompts, prompt_mask, *attr, cfg, global_step=3,
-                              mask_token_id=tok.pad_token_id, seeds=seeds)
-    T = responses.shape[1]
-    imp = torch.nn.functional.pad(imp, (0, max(0, T - imp.shape[1])))[:, :T]  # reasoning is a prefix of both
-    return imp * response_mask, spans
+    prepared = prepare_attribution(res["prompts"], res["responses"], tok, cfg, 3,
+                                   ground_truths=res["truths"] if cfg.target == "reference" else None)
+    importance = run_attribution(model, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
+                                 seeds=prepared.seeds)
+    ref = padded(prepared.response_importance(importance))
+    assert prepared.answer_probe.all()  # as_mean on a found span: every probe read answer tokens
+    return ref, prepared.spans
 
 
 def padded(rows):
@@ -73,6 +63,7 @@ def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
     torch.testing.assert_close(got, ref, rtol=2e-3, atol=1e-6 * float(ref.abs().max()))
     assert torch.equal(padded(two["reasoning"]).bool(), spans.reasoning_mask)
     assert two["span_found"].bool().tolist() == spans.found.tolist() == [True, True, True, True]
+    assert two["answer_probe"].bool().all()  # as_mean read answer tokens on every row
     # attribution leaves the policy as it was: the engine's log-probs are bit-identical before and after
     for a, b in zip(two["log_probs_before"], two["log_probs_after"]):
         assert torch.equal(a, b)

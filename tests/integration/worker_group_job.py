@@ -92,6 +92,7 @@ def main() -> None:
                     "reasoning": [t.clone() for t in out["oar_reasoning_mask"].unbind()],
                     "answer": [t.clone() for t in out["oar_answer_mask"].unbind()],
                     "span_found": out["oar_span_found"].clone(),
+                    "answer_probe": out["oar_answer_probe"].clone(),
                     "log_probs_before": [t.clone() for t in before.unbind()],
                     "log_probs_after": [t.clone() for t in after.unbind()]}, out_file)
     finally:

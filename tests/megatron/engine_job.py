@@ -51,7 +51,8 @@ def main(spec_path: str) -> None:
     from oar_verl.core.attribution import probe_kinds
     from oar_verl.core.config import OARConfig
     from oar_verl.core.layout import build_attribution_batch
-    from oar_verl.integration import megatron_attribution as ma
+    from oar_verl.integration import megatron as ma
+    from oar_verl.integration.megatron import drivers, engine as mengine
 
     tp, pp, sp = spec["tp"], spec["pp"], bool(spec.get("sp", False))
     rmpad = bool(spec.get("remove_padding", False))
@@ -88,7 +89,7 @@ def main(spec_path: str) -> None:
                                 "loss_mask": nj([torch.ones(len(x)) for x in ids])})
         tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=2, temperature=1.0,
                              use_fused_kernels=False, calculate_entropy=False)
-        with ma._padded_layout(engine), engine.eval_mode():
+        with mengine.padded_layout(engine), engine.eval_mode():
             out = engine.infer_batch(td)
         lp = out.get("model_output", {}).get("log_probs") if out else None
         return None if lp is None else [t.clone() for t in lp.unbind()]
@@ -102,7 +103,7 @@ def main(spec_path: str) -> None:
 
     # record the embedding output layout on the first stage: [s/tp, b, h] chunks under sequence parallelism
     shapes = []
-    emb = ma._embedding_module(engine)
+    emb = drivers.embedding_module(engine)
     rec = emb.register_forward_hook(lambda m, a, k, o: shapes.append((o.shape[0], k["input_ids"].shape[1])),
                                     with_kwargs=True) if emb is not None else None
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from oar_verl.integration.megatron_attribution import megatron_layout_error
+from oar_verl.integration.megatron import megatron_layout_error
 
 
 def test_layout_errors_name_the_setting():

@@ -81,7 +81,8 @@ def validate(cfg) -> None:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from oar_verl.integration.trainer_common import uses_oar, validate_oar_setup
+    from oar_verl.integration.guard import uses_oar
+    from oar_verl.integration.startup import validate_oar_setup
 
     if uses_oar(cfg):
         validate_oar_setup(cfg)
@@ -193,7 +194,7 @@ def test_megatron_layout_from_the_environment():
 
 def test_megatron_layout_oar_cannot_run_is_refused_before_start():
     """Context parallelism is not supported by OAR's attribution: the driver refuses it, naming the key."""
-    from oar_verl.integration.trainer_common import OARSetupError
+    from oar_verl.integration.estimator import OARSetupError
 
     cfg = compose(dry_run(ROOT / "recipes" / "gsm8k" / "run_oar_p_megatron.sh",
                           "actor_rollout_ref.actor.megatron.context_parallel_size=2"))

@@ -1,0 +1,131 @@
+"""From a rank's rows to what the attribution methods run on: spans → target → attribution batch → seeds.
+
+One function, :func:`prepare_attribution`, shared by the verl worker (after it has unpacked verl's batch into token
+rows) and by the tests that check the worker against the core. Everything here is verl-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from oar_verl.core.attribution import probe_kinds
+from oar_verl.core.config import OARConfig
+from oar_verl.core.gradient import sequence_seeds
+from oar_verl.core.layout import AttributionBatch, build_attribution_batch, build_reference_responses
+from oar_verl.core.spans import AnswerSpans, locate_answer_spans
+
+__all__ = ["PreparedAttribution", "pad_rows", "prepare_attribution", "row_fingerprints"]
+
+
+@dataclass(frozen=True)
+class PreparedAttribution:
+    """A batch of rows ready for :func:`oar_verl.core.attribution.run_attribution`.
+
+    Attributes:
+        batch: AttributionBatch (B, L): each prompt followed by its response, or with ``target=reference`` by the
+            response's reasoning + the conclusion text + the ground-truth answer.
+        seeds: (B,) int64 OAR-G noise seeds, from (seed, step, the row's content).
+        mask_token_id: OAR-P's replacement token (None when neither the config nor the tokenizer has one).
+        spans: AnswerSpans (B, T) of the responses themselves (what the estimator reshapes and the dumps show).
+        response_lengths: (B,) tokens of each response.
+    """
+
+    batch: AttributionBatch
+    seeds: torch.Tensor
+    mask_token_id: int | None
+    spans: AnswerSpans
+    response_lengths: list[int]
+
+    @property
+    def answer_probe(self) -> torch.Tensor:
+        """(B,) bool: the probe read answer tokens (AS-Mean / AS-Joint on a span), the response's own or, with
+        ``target=reference``, the ground truth's; False where it read LT-Logits."""
+        return self.batch.probe.reads_span.cpu()
+
+    def response_importance(self, importance: torch.Tensor) -> list[torch.Tensor]:
+        """Per row, the (n_i,) float32 CPU importance of its response tokens from (B, L) full-sequence scores.
+
+        With ``target=reference`` the attributed response is reasoning + conclusion + ground truth; the reasoning is a
+        prefix of both it and the real response, so the scores map back position by position (0 beyond).
+        """
+        start = self.batch.response_start
+        scores = importance[:, start:].float().cpu()
+        width = scores.shape[1]
+        return [scores[i, :n] if n <= width else torch.cat([scores[i], scores.new_zeros(n - width)])
+                for i, n in enumerate(self.response_lengths)]
+
+
+def pad_rows(rows: Sequence[torch.Tensor], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, N) padded ids and (B, N) 0/1 mask from a list of 1-D tensors (left or right padding)."""
+    n = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    for i, r in enumerate(rows):  # per row; the copy itself is a slice assignment
+        if len(r):
+            sl = slice(n - len(r), n) if left else slice(0, len(r))
+            ids[i, sl] = r.long()
+            mask[i, sl] = 1
+    return ids, mask
+
+
+def row_fingerprints(prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
+                     response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 content hash of each unpadded (prompt, response): a sequence id that does not depend on padding,
+    micro-batching or the data-parallel layout.
+
+    Args:
+        prompts: (B, P) ids.
+        prompt_mask: (B, P) 0/1.
+        responses: (B, T) ids.
+        response_mask: (B, T) 0/1.
+    """
+    ids = torch.cat([prompts, responses], dim=1).long()
+    mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    pos = mask.cumsum(-1)  # 1-based position among the real tokens
+    return (mask * (ids + 1) * (pos * 0x9E3779B1 + 7)).sum(-1)  # wrapping int64 arithmetic
+
+
+def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], tokenizer,
+                        cfg: OARConfig, global_step: int, *, ground_truths: Sequence[str] | None = None,
+                        device: torch.device | str | None = None) -> PreparedAttribution:
+    """Build the attribution inputs of a batch of (prompt, response) token rows.
+
+    Args:
+        prompts: B unpadded 1-D prompt id tensors.
+        responses: B unpadded 1-D response id tensors.
+        tokenizer: the policy's tokenizer (answer spans via its byte table; conclusion and ground truths encoded
+            with it; pad and mask tokens).
+        cfg: OARConfig.
+        global_step: selects the probe (``probe=auto``) and seeds the OAR-G noise.
+        ground_truths: B answer strings, required with ``target=reference``.
+        device: where the attribution batch goes (the model's device).
+
+    Returns:
+        PreparedAttribution.
+
+    Raises:
+        ValueError: ``target=reference`` without one ground truth per row.
+    """
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prompt_ids, prompt_mask = pad_rows(prompts, pad_id, left=True)
+    response_ids, response_mask = pad_rows(responses, pad_id, left=False)
+    spans = locate_answer_spans(response_ids, response_mask, tokenizer, cfg.answer_patterns)
+    target = (response_ids, response_mask, spans.reasoning_mask, spans.answer_mask)
+    if cfg.target == "reference":
+        if ground_truths is None or len(ground_truths) != len(responses) or any(t is None for t in ground_truths):
+            raise ValueError(f"{cfg.prefix}.target=reference needs a ground-truth answer for every sample "
+                             "(reward_model.ground_truth in the data set, as verl's RL parquet format has it)")
+        conclude = tokenizer.encode(cfg.conclude_text, add_special_tokens=False)
+        answers = [tokenizer.encode(str(t), add_special_tokens=False) for t in ground_truths]
+        target = build_reference_responses(response_ids, response_mask, spans.reasoning_mask, conclude, answers,
+                                           pad_id)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    kinds = probe_kinds(cfg, global_step, len(responses))
+    batch = build_attribution_batch(*(t.to(device) for t in (prompt_ids, prompt_mask, *target, kinds)))
+    seeds = sequence_seeds(cfg.seed, global_step, row_fingerprints(prompt_ids, prompt_mask, response_ids,
+                                                                    response_mask)).to(device)
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.pad_token_id
+    return PreparedAttribution(batch, seeds, mask_id, spans, [len(r) for r in responses])

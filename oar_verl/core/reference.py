@@ -1,0 +1,198 @@
+"""OAR in one sitting: a plain, per-sequence, per-position reference of the whole method (docs/method.md).
+
+Nothing here is fast or batched on purpose. Each function is the method's definition written as directly as torch
+allows -- one unpadded sequence at a time, one masked copy per reasoning position, full-vocabulary logits, float64
+where a model runs in float64 -- so that it can be read against the paper and trusted. The fast paths of
+:mod:`oar_verl.core` (chunked copies, probe-only logits, prefix key/value reuse, fused micro-batches, Megatron's
+vocab-parallel probes) are tested against these functions, and the attribution benchmark uses them as its naive
+baseline.
+
+A sequence is given as its token ids ``ids`` (L,) with no padding, the positions of its reasoning tokens and of its
+answer tokens (the probe's teacher-forced answer), and a :class:`~oar_verl.core.probes.ProbeKind`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oar_verl.core.probes import ProbeKind
+
+__all__ = ["Outcome", "outcome", "shift", "oar_p", "oar_g", "token_weights", "batch_oar_p", "batch_oar_g"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A probe's read-out: a distribution (``logp``: (V,) log-probabilities) or the AS-Joint scalar (``phi``)."""
+
+    logp: torch.Tensor | None = None
+    phi: torch.Tensor | None = None
+
+
+def outcome(logits: torch.Tensor, ids: torch.Tensor, kind: ProbeKind, reasoning: list[int],
+            answer: list[int]) -> Outcome:
+    """The outcome probe of one sequence from its full logits (docs/method.md §2).
+
+    Args:
+        logits: (L, V) logits of the sequence; position j predicts token j + 1.
+        ids: (L,) token ids.
+        kind: the probe. Without answer tokens every kind reads LT-Logits.
+        reasoning: reasoning positions.
+        answer: answer positions a_1..a_A.
+
+    LT-Logits: the distribution predicting the first answer token (no answer: after the last reasoning token, or the
+    last token). AS-Mean: softmax of the mean *raw logits* over the positions predicting the answer tokens. AS-Joint:
+    φ = mean_k log p(a_k | prefix, a_<k).
+    """
+    if kind == ProbeKind.LT_LOGITS or not answer:
+        position = answer[0] - 1 if answer else (reasoning[-1] if reasoning else len(ids) - 1)
+        return Outcome(logp=torch.log_softmax(logits[position].double(), -1))
+    if kind == ProbeKind.AS_MEAN:
+        mean_logits = sum(logits[a - 1].double() for a in answer) / len(answer)
+        return Outcome(logp=torch.log_softmax(mean_logits, -1))
+    phi = sum(torch.log_softmax(logits[a - 1].double(), -1)[ids[a]] for a in answer) / len(answer)
+    return Outcome(phi=phi)
+
+
+def shift(clean: Outcome, perturbed: Outcome) -> torch.Tensor:
+    """How far the outcome moved: KL(P_clean ‖ P_perturbed), or φ_clean − φ_perturbed (signed) for AS-Joint."""
+    if clean.phi is not None:
+        return clean.phi - perturbed.phi
+    return (clean.logp.exp() * (clean.logp - perturbed.logp)).sum()
+
+
+def oar_p(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int], kind: ProbeKind,
+          mask_token_id: int, span: int = 1, copies_per_forward: int | None = 1) -> torch.Tensor:
+    """OAR-P of one sequence (docs/method.md §3): mask each block of ``span`` consecutive reasoning tokens with the
+    mask token (length unchanged) and score the block by the outcome shift; every token of a block gets its score.
+
+    Args:
+        model: causal LM (eval mode).
+        ids: (L,) token ids.
+        reasoning: reasoning positions.
+        answer: answer positions.
+        kind: the probe.
+        mask_token_id: the replacement token.
+        span: reasoning tokens masked together (1 = exact OAR-P).
+        copies_per_forward: masked copies per forward pass; None = all of them in one batch, as the official code
+            runs them (full [copies, L, V] logits: the naive baseline's memory).
+
+    Returns:
+        (L,) float64 importance, 0 off the reasoning positions.
+    """
+    importance = torch.zeros(len(ids), dtype=torch.float64)
+    blocks = [reasoning[k: k + span] for k in range(0, len(reasoning), span)]
+    copies = []
+    for block in blocks:
+        masked = ids.clone()
+        masked[block] = mask_token_id
+        copies.append(masked)
+    per_forward = copies_per_forward or max(len(copies), 1)
+    with torch.no_grad():
+        clean = outcome(model(ids[None]).logits[0], ids, kind, reasoning, answer)
+        for start in range(0, len(copies), per_forward):
+            chunk = torch.stack(copies[start: start + per_forward])
+            logits = model(chunk).logits
+            for k, row in enumerate(chunk):
+                score = shift(clean, outcome(logits[k], row, kind, reasoning, answer))
+                importance[blocks[start + k]] = score.double()
+    return importance
+
+
+def oar_g(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int], kind: ProbeKind,
+          noise_std: float, seed: int, parameter_gradients: bool = False) -> torch.Tensor:
+    """OAR-G of one sequence (docs/method.md §4): gradient × input of the outcome shift under embedding noise.
+
+    p0 = the clean outcome; the k-th reasoning token's embedding gets draw k of N(0, σ²) from a generator seeded with
+    ``seed``; J = shift(p0, p_noisy); the score is |⟨∂J/∂e_t, e_t⟩| with the clean embedding e_t.
+
+    Args:
+        model: causal LM (eval mode) with ``get_input_embeddings()``.
+        ids: (L,) token ids.
+        reasoning: reasoning positions.
+        answer: answer positions.
+        kind: the probe.
+        noise_std: σ (absolute).
+        seed: the sequence's noise seed.
+        parameter_gradients: backpropagate through every parameter and clear the gradients after, as the official
+            code's ``J.backward()`` does (the naive baseline's cost; the scores are the same).
+
+    Returns:
+        (L,) float64 importance, 0 off the reasoning positions.
+    """
+    importance = torch.zeros(len(ids), dtype=torch.float64)
+    if not reasoning:
+        return importance
+    with torch.no_grad():
+        clean = outcome(model(ids[None]).logits[0], ids, kind, reasoning, answer)
+        embeddings = model.get_input_embeddings()(ids[None])
+    generator = torch.Generator().manual_seed(int(seed))
+    noise = torch.randn(len(reasoning), embeddings.shape[-1], generator=generator, dtype=torch.float32) * noise_std
+    noisy = embeddings.clone()
+    noisy[0, reasoning] += noise.to(embeddings.dtype)
+    noisy.requires_grad_(True)
+    J = shift(clean, outcome(model(inputs_embeds=noisy).logits[0], ids, kind, reasoning, answer))
+    if parameter_gradients:
+        J.backward()
+        grad = noisy.grad
+        model.zero_grad(set_to_none=True)
+    else:
+        (grad,) = torch.autograd.grad(J, noisy)
+    for t in reasoning:
+        importance[t] = (grad[0, t].double() * embeddings[0, t].double()).sum().abs()
+    return importance
+
+
+def token_weights(importance: torch.Tensor, tau: float, beta: float, floor: float = 0.1) -> torch.Tensor:
+    """OAR weights of one sequence's R reasoning tokens from their raw importance (docs/method.md §5).
+
+    u = log1p(max(I, 0)); n = min-max of u (0 when constant); θ = the τ-quantile of n (linear interpolation);
+    w = max(n / θ, floor) below θ, 1 + β (n − θ) / (1 − θ) from θ up; then w · R / Σw so that Σw = R.
+    """
+    u = torch.log1p(importance.double().clamp(min=0))
+    n = (u - u.min()) / (u.max() - u.min()) if u.max() > u.min() else torch.zeros_like(u)
+    theta = torch.quantile(n, tau)
+    w = torch.where(n < theta, (n / (theta + 1e-8)).clamp(min=floor), 1 + beta * (n - theta) / (1 - theta + 1e-8))
+    return w * len(w) / w.sum()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# verl's padded batch layout, one row at a time
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _row(prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask, b: int):
+    """Row ``b`` without padding: ids, reasoning and answer positions in its own coordinates, and the prompt length."""
+    prompt = prompts[b][prompt_mask[b].bool()]
+    response = responses[b][response_mask[b].bool()]
+    ids = torch.cat([prompt, response])
+    n = int(response_mask[b].sum())
+    reasoning = [len(prompt) + i for i in range(n) if reasoning_mask[b, i]]
+    answer = [len(prompt) + i for i in range(n) if answer_mask[b, i]]
+    return ids, reasoning, answer, len(prompt)
+
+
+def batch_oar_p(model, prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask, kind: ProbeKind,
+                mask_token_id: int, span: int = 1, copies_per_forward: int | None = 1) -> torch.Tensor:
+    """(B, T) float64 response-aligned OAR-P of a verl-layout batch (left-padded prompts (B, P), right-padded
+    responses (B, T), (B, T) masks), row by row with :func:`oar_p`."""
+    out = torch.zeros(responses.shape, dtype=torch.float64)
+    for b in range(responses.shape[0]):
+        ids, reasoning, answer, p = _row(prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,
+                                         b)
+        scores = oar_p(model, ids, reasoning, answer, kind, mask_token_id, span, copies_per_forward)
+        out[b, : len(ids) - p] = scores[p:]
+    return out
+
+
+def batch_oar_g(model, prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask, kind: ProbeKind,
+                noise_std: float, seeds: torch.Tensor, parameter_gradients: bool = False) -> torch.Tensor:
+    """(B, T) float64 response-aligned OAR-G of a verl-layout batch, row by row with :func:`oar_g` (seeds: (B,))."""
+    out = torch.zeros(responses.shape, dtype=torch.float64)
+    for b in range(responses.shape[0]):
+        ids, reasoning, answer, p = _row(prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,
+                                         b)
+        scores = oar_g(model, ids, reasoning, answer, kind, noise_std, int(seeds[b]), parameter_gradients)
+        out[b, : len(ids) - p] = scores[p:]
+    return out

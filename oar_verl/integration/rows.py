@@ -1,0 +1,119 @@
+"""Which rows of a batch are attributed, and how the worker's per-row results come back into batch tensors.
+
+Pure tensor functions (no verl import), so row selection and assembly are unit-tested on their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from oar_verl.integration.handoff import EstimatorInputs
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """What the OAR step reads of verl's batch, in the batch's row order.
+
+    Attributes:
+        response_mask: (B, T) 0/1.
+        scores: (B, T) token-level outcome scores (verl's ``rm_scores``: the reward on the last token).
+        uids: (B,) prompt uids (numpy object array; a prompt's rollouts share one).
+        eligible: (B,) bool rows that may be attributed (not verl's synthetic padding rows).
+        responses: (B, T) token ids, when a token dump is due (None otherwise).
+    """
+
+    response_mask: torch.Tensor
+    scores: torch.Tensor
+    uids: np.ndarray
+    eligible: torch.Tensor
+    responses: torch.Tensor | None = None
+
+
+def select_rows(wanted: torch.Tensor, eligible: torch.Tensor, dp_size: int) -> torch.Tensor:
+    """Rows to attribute: the wanted ones, topped up to a multiple of the data-parallel size.
+
+    verl splits the selection into ``dp_size`` equal shards, so its length must be a multiple of it. The top-up takes
+    other eligible rows first, then padding rows, then any rows (their results are not used: only wanted rows are
+    reshaped).
+
+    Args:
+        wanted: (B,) bool rows whose importance is needed.
+        eligible: (B,) bool rows that may be attributed.
+        dp_size: the actor's data-parallel size, >= 1.
+
+    Returns:
+        (N,) long sorted row indices, N a multiple of ``dp_size`` (empty when no row is wanted).
+    """
+    wanted = wanted & eligible
+    idx = wanted.nonzero().squeeze(1)
+    if len(idx) == 0:
+        return idx
+    short = (-len(idx)) % dp_size
+    if short:
+        fill = ((~wanted) & eligible).nonzero().squeeze(1)
+        fill = torch.cat([fill, ((~wanted) & ~eligible).nonzero().squeeze(1)])[:short]
+        if len(fill) < short:  # fewer rows than one per rank: repeat rows (a rank attributes a duplicate)
+            fill = torch.cat([fill, idx.repeat(short)])[:short]
+        idx = torch.cat([idx, fill]).sort().values
+    return idx
+
+
+def scatter_rows(values: torch.Tensor, rows: torch.Tensor, n_rows: int, width: int, fill=0.0) -> torch.Tensor:
+    """(n_rows, width) tensor with ``values`` (len(rows), w <= width) placed at ``rows``; ``fill`` elsewhere."""
+    out = torch.full((n_rows, width), fill, dtype=values.dtype)
+    out[rows, : values.shape[1]] = values
+    return out
+
+
+@dataclass(frozen=True)
+class StepAttribution:
+    """One step's attribution, in the batch's row order.
+
+    Attributes:
+        estimator: what the ``oar`` estimator takes through the handoff, (B, T) / (B,).
+        rows: (N,) attributed row indices.
+        answer: (B, T) bool answer-span tokens of each response.
+        found: (B,) bool an answer span was found in the response.
+        answer_probe: (B,) bool the probe read answer tokens (the response's or, with ``target=reference``, the
+            ground truth's) rather than LT-Logits.
+        batch: the batch rows the step read.
+    """
+
+    estimator: EstimatorInputs
+    rows: torch.Tensor
+    answer: torch.Tensor
+    found: torch.Tensor
+    answer_probe: torch.Tensor
+    batch: BatchRows
+
+
+def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: BatchRows,
+             base: tuple[torch.Tensor, torch.Tensor] | None) -> StepAttribution:
+    """Scatter the worker's padded (N, T') outputs for ``rows`` into (B, T) batch tensors.
+
+    Args:
+        out: the worker's outputs, padded: ``token_importance`` (N, T') float, ``oar_reasoning_mask`` and
+            ``oar_answer_mask`` (N, T') 0/1, ``oar_span_found`` and ``oar_answer_probe`` (N,) 0/1; None when no row
+            was attributed.
+        rows: (N,) the rows ``out`` belongs to (duplicates allowed: the last write wins, with identical values).
+        batch: the batch rows.
+        base: the base estimator's (advantages, returns), (B, T) each, or None.
+    """
+    B, T = batch.response_mask.shape
+    attributed = torch.zeros(B, dtype=torch.bool)
+    importance, reasoning = torch.zeros(B, T), torch.zeros(B, T, dtype=torch.bool)
+    answer = torch.zeros(B, T, dtype=torch.bool)
+    found, probe = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
+    if out is not None and len(rows):
+        importance = scatter_rows(out["token_importance"].float(), rows, B, T)
+        reasoning = scatter_rows(out["oar_reasoning_mask"].bool(), rows, B, T, fill=False)
+        answer = scatter_rows(out["oar_answer_mask"].bool(), rows, B, T, fill=False)
+        found[rows], probe[rows] = out["oar_span_found"].bool(), out["oar_answer_probe"].bool()
+        attributed[rows] = True
+    base_adv, base_ret = base if base is not None else (None, None)
+    inputs = EstimatorInputs(importance, reasoning & batch.response_mask.bool(), attributed, batch.response_mask,
+                             batch.scores if base is not None else None, base_adv, base_ret)
+    return StepAttribution(inputs, rows, answer, found, probe, batch)

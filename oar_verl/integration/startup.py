@@ -1,0 +1,47 @@
+"""Start-up checks: everything OAR needs from the configuration, validated in the driver before Ray starts.
+
+A bad ``algorithm.oar.*`` value or a verl setting OAR cannot run with fails in seconds, naming the key and the allowed
+values, instead of after a full rollout.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from oar_verl.core.config import OARConfig, OARConfigError
+from oar_verl.integration.estimator import OARSetupError, read_oar_config
+
+SUPPORTED_STRATEGIES = ("fsdp", "fsdp2", "megatron")
+
+
+def validate_oar_setup(config: DictConfig) -> OARConfig:
+    """Check a full verl config for OAR; returns the validated OARConfig.
+
+    Raises:
+        OARConfigError: an invalid ``algorithm.oar.*`` value (the message names the key and the allowed range).
+        OARSetupError: a verl setting OAR cannot run with: an actor strategy other than FSDP/FSDP2/Megatron, a
+            Megatron layout the attribution does not support, or rollout-correction bypass mode.
+    """
+    cfg = read_oar_config(config.algorithm)
+    actor = config.actor_rollout_ref.actor
+    strategy = actor.get("strategy", "fsdp")
+    if strategy not in SUPPORTED_STRATEGIES:
+        raise OARSetupError(f"actor_rollout_ref.actor.strategy={strategy!r} is not supported by OAR yet (supported: "
+                            f"{', '.join(SUPPORTED_STRATEGIES)})")
+    if strategy == "megatron":
+        from oar_verl.integration.megatron.layout_checks import megatron_layout_error
+
+        model = config.actor_rollout_ref.model
+        msg = megatron_layout_error(actor.get("megatron", {}),
+                                    mtp_enabled=bool(model.get("mtp", {}).get("enable", False)),
+                                    use_fused_kernels=bool(model.get("use_fused_kernels", False)))
+        if msg is not None:
+            raise OARSetupError(msg)
+    if cfg.base_estimator in ("gae",):
+        raise OARConfigError(f"{cfg.prefix}.base_estimator='gae' needs a critic; OAR reshapes outcome advantages "
+                             "(grpo, rloo, reinforce_plus_plus, ...)")
+    rollout_corr = config.algorithm.get("rollout_correction", None)
+    if rollout_corr is not None and rollout_corr.get("bypass_mode", False):
+        raise OARSetupError("algorithm.rollout_correction.bypass_mode=true skips the old-log-prob pass that OAR "
+                            "attributes after; set it to false")
+    return cfg

@@ -1,0 +1,122 @@
+"""One OAR training step, top to bottom, for every trainer.
+
+verl computes the old log-probs, then runs its advantage step. OAR wraps that advantage step::
+
+    with step.around_advantage(io, global_step, timing_raw, metrics):
+        <verl's own advantage step>
+
+which reads, in order:
+
+1. **rows** -- the batch's response mask, rewards, prompt uids and which rows are real (``io.rows()``);
+2. **base advantage** -- the base estimator (GRPO by default) on those rewards, computed once here;
+3. **selection** -- rows with a non-zero base advantage (and ``apply_to``), topped up to a multiple of the
+   data-parallel size (:func:`oar_verl.integration.rows.select_rows`); groups whose rewards all agree are skipped;
+4. **attribution** -- the actor workers' ``compute_token_importance`` RPC on the selected rows
+   (``io.compute_importance``; :mod:`oar_verl.integration.worker`), timed as ``timing_s/oar``;
+5. **assembly** -- the per-row results scattered back into (B, T) batch tensors (:func:`~oar_verl.integration.rows.
+   assemble`);
+6. **advantage** -- verl's advantage step runs with the handoff open (:mod:`oar_verl.integration.handoff`): the
+   ``oar`` estimator takes the importance and the base advantage and reshapes it (:mod:`~oar_verl.integration.
+   estimator`);
+7. **report** -- ``oar/*`` metrics of what the estimator did, and the token dump when one is due.
+
+The trainers (``trainer_v1``, ``trainer_legacy``) only adapt verl's batch to :class:`TrainerIO`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from verl.utils.profiler import marked_timer
+
+from oar_verl.core.config import OARConfig
+from oar_verl.core.metrics import oar_metrics
+from oar_verl.integration import dumps, handoff
+from oar_verl.integration.estimator import base_advantage, rows_to_reshape, sequence_advantage
+from oar_verl.integration.rows import BatchRows, StepAttribution, assemble, select_rows
+from oar_verl.integration.worker import CONFIG_KEY, STEP_KEY
+
+TIMER = "oar"  # -> timing_s/oar, inside timing_s/adv
+
+
+class TrainerIO(Protocol):
+    """What a trainer adapter gives the step: its batch, its actor's data-parallel size and the worker RPC."""
+
+    def rows(self, with_responses: bool) -> BatchRows:
+        """The batch's rows (responses only when ``with_responses``: a token dump is due)."""
+
+    def dp_size(self) -> int:
+        """The actor's data-parallel size."""
+
+    def compute_importance(self, rows: torch.Tensor, options: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Run the workers' ``compute_token_importance`` on ``rows`` (N,) with these per-call options; return its
+        outputs padded to (N, T') / (N,)."""
+
+
+class OARStep:
+    """The OAR part of every training step of one run.
+
+    Args:
+        cfg: the validated OAR configuration.
+        algorithm: verl's ``algorithm`` config (base estimator settings, KL-in-reward).
+        tokenizer: the policy's tokenizer (token dumps).
+        default_local_dir: ``trainer.default_local_dir`` (where dumps go unless ``algorithm.oar.dump_dir``).
+    """
+
+    def __init__(self, cfg: OARConfig, algorithm: Any, tokenizer, default_local_dir: str | None):
+        self.cfg = cfg
+        self.algorithm = algorithm
+        self.tokenizer = tokenizer
+        self.default_local_dir = default_local_dir
+
+    @contextlib.contextmanager
+    def around_advantage(self, io: TrainerIO, global_step: int, timing_raw: dict,
+                         metrics: dict) -> Iterator[StepAttribution]:
+        """Attribute, open the handoff for verl's advantage step (the with-block), then report into ``metrics``."""
+        with marked_timer(TIMER, timing_raw, color="purple"):
+            att = self.attribute(io, global_step)
+        with handoff.scope(att.estimator) as opened:
+            yield att
+        metrics.update(self.report(att, opened.result, global_step))
+
+    def attribute(self, io: TrainerIO, global_step: int) -> StepAttribution:
+        """Steps 1-5: rows → base advantage → selection → worker RPC → assembly."""
+        batch = io.rows(with_responses=dumps.due(self.cfg, global_step))
+        base = self.base_advantage(batch)
+        rows = select_rows(self.wanted(batch, base), batch.eligible, io.dp_size())
+        out = io.compute_importance(rows, self.worker_options(global_step)) if len(rows) else None
+        return assemble(out, rows, batch, base)
+
+    def base_advantage(self, batch: BatchRows) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The base estimator's (advantages, returns) on the batch's rewards, or None when verl will change the
+        rewards first (a KL penalty in the reward): the estimator then computes them itself."""
+        if self.algorithm.get("use_kl_in_reward", False):
+            return None
+        return base_advantage(batch.scores, batch.response_mask, batch.uids, self.algorithm, self.cfg)
+
+    def wanted(self, batch: BatchRows, base: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """(B,) rows whose importance is needed: every row unless zero-advantage rows are skipped and the base
+        advantage is known (with a KL penalty in the reward every row has a non-zero advantage)."""
+        if not self.cfg.skip_zero_advantage or base is None:
+            return batch.eligible.clone()
+        return rows_to_reshape(sequence_advantage(base[0], batch.response_mask), self.cfg.apply_to)
+
+    def worker_options(self, global_step: int) -> dict[str, Any]:
+        """Per-call options of the worker RPC (verl fixes the workers' init arguments)."""
+        return {CONFIG_KEY: self.cfg.to_dict(), STEP_KEY: int(global_step)}
+
+    def report(self, att: StepAttribution, result, global_step: int) -> dict[str, float]:
+        """Step 7: ``oar/*`` metrics from the estimator's result, and the token dump when one is due."""
+        if result is None:
+            raise RuntimeError("oar: the advantage step did not run the `oar` estimator (algorithm.adv_estimator was "
+                               "changed after start-up?)")
+        response_mask = att.estimator.response_mask
+        metrics = oar_metrics(result.token_weights, result.base_advantages, result.advantages, response_mask,
+                              span_found=att.found[att.rows], answer_probe=att.answer_probe[att.rows])
+        metrics["oar/attributed_seq_frac"] = len(att.rows.unique()) / max(int(response_mask.shape[0]), 1)
+        if dumps.due(self.cfg, global_step) and att.batch.responses is not None and len(att.rows):
+            dumps.dump_step(self.cfg, global_step, att, result, self.tokenizer, self.default_local_dir)
+        return metrics

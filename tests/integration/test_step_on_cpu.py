@@ -1,0 +1,159 @@
+"""One OAR step (oar_verl.integration.step) around verl's real advantage step, with an in-process TrainerIO.
+
+The IO runs the same preparation and attribution as the worker RPC, on a tiny model in this process (the RPC itself is
+covered by test_worker_group_on_cpu and the e2e runs); verl's own legacy ``compute_advantage`` runs inside the step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import verl  # noqa: F401  loads the plugin (estimator registration)
+from verl.protocol import DataProto
+from verl.trainer.ppo.ray_trainer import compute_advantage
+
+from oar_verl.core import OARConfig, prepare_attribution, run_attribution
+from oar_verl.cpu.tokenizers import train_tiny_bpe
+from oar_verl.integration import handoff
+from oar_verl.integration.rows import BatchRows
+from oar_verl.integration.step import OARStep
+from oar_verl.integration.worker import CONFIG_KEY, STEP_KEY
+
+PROMPTS = ["What is 3 plus 4?", "What is 3 plus 4?", "What is 5 plus 1?", "What is 5 plus 1?"]
+RESPONSES = ["3 plus 4 is 7. The answer is 7.", "3 plus 4 is 8. The answer is 8.", "5 plus 1 is 6. #### 6",
+             "5 plus 1 is 6. #### 6"]
+SCORES = [1.0, 0.0, 1.0, 1.0]  # the second group agrees: zero advantage, never attributed
+
+
+class InProcessIO:
+    """TrainerIO over a padded batch: the worker's preparation and attribution, run here."""
+
+    def __init__(self, tok, model, prompts, responses, scores, dp_size=2):
+        self.tok, self.model, self.prompts, self.responses = tok, model, prompts, responses
+        T = max(len(r) for r in responses)
+        self.response_mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in responses])
+        self.response_ids = torch.tensor([r.tolist() + [tok.pad_token_id] * (T - len(r)) for r in responses])
+        self.scores = torch.zeros(len(responses), T)
+        self.scores[torch.arange(len(responses)), self.response_mask.sum(-1) - 1] = torch.tensor(scores)
+        self.uids = np.array([f"p{i // 2}" for i in range(len(responses))], dtype=object)
+        self.calls: list[tuple[list[int], dict]] = []
+        self._dp = dp_size
+
+    def rows(self, with_responses):
+        return BatchRows(self.response_mask, self.scores, self.uids, torch.ones(len(self.uids), dtype=torch.bool),
+                         self.response_ids if with_responses else None)
+
+    def dp_size(self):
+        return self._dp
+
+    def compute_importance(self, rows, options):
+        self.calls.append((rows.tolist(), options))
+        cfg = OARConfig.from_mapping(json.loads(json.dumps(options[CONFIG_KEY])))
+        idx = rows.tolist()
+        prepared = prepare_attribution([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.tok,
+                                       cfg, options[STEP_KEY])
+        imp = run_attribution(self.model, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
+                              seeds=prepared.seeds)
+
+        def pad(xs):
+            return torch.nested.as_nested_tensor(xs, layout=torch.jagged).to_padded_tensor(0.0)
+
+        spans, lens = prepared.spans, prepared.response_lengths
+        return {"token_importance": pad(prepared.response_importance(imp)),
+                "oar_reasoning_mask": pad([spans.reasoning_mask[i, :n].float() for i, n in enumerate(lens)]),
+                "oar_answer_mask": pad([spans.answer_mask[i, :n].float() for i, n in enumerate(lens)]),
+                "oar_span_found": spans.found.float(), "oar_answer_probe": prepared.answer_probe.float()}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = train_tiny_bpe([*PROMPTS, *RESPONSES] * 40, vocab_size=300)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(20.0)
+    enc = lambda t: torch.tensor(tok.encode(t, add_special_tokens=False))  # noqa: E731
+    prompts = [enc(p) for p in PROMPTS]
+    responses = [torch.cat([enc(r), torch.tensor([tok.eos_token_id])]) for r in RESPONSES]
+    return tok, model, prompts, responses
+
+
+def algorithm(**oar):
+    return OmegaConf.create({"adv_estimator": "oar", "norm_adv_by_std_in_grpo": True, "use_kl_in_reward": False,
+                             "oar": oar})
+
+
+def run_step(step, io, global_step=3):
+    timing, metrics = {}, {}
+    data = DataProto.from_dict(tensors={"token_level_rewards": io.scores, "response_mask": io.response_mask},
+                               non_tensors={"uid": io.uids})
+    with step.around_advantage(io, global_step, timing, metrics) as att:
+        out = compute_advantage(data, adv_estimator="oar", num_repeat=2, config=step.algorithm)
+    return out, att, timing, metrics
+
+
+@pytest.mark.parametrize("mode", ["gradient", "perturbation"])
+def test_one_step_reads_top_to_bottom(setup, tmp_path, mode):
+    tok, model, prompts, responses = setup
+    alg = algorithm(mode=mode, probe="as_mean", dump_every=3, dump_dir=str(tmp_path))
+    step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, str(tmp_path))
+    io = InProcessIO(tok, model, prompts, responses, SCORES)
+    out, att, timing, metrics = run_step(step, io)
+    # selection: only the mixed group (rows 0, 1) has non-zero advantages; DP=2 needs no top-up
+    assert [c[0] for c in io.calls] == [[0, 1]]
+    assert timing["oar"] > 0 and handoff.current() is None
+    adv = out.batch["advantages"]
+    assert torch.equal(adv[2:], torch.zeros_like(adv[2:]))  # zero-advantage rows untouched
+    mask = io.response_mask.bool()
+    seq = (adv * mask).sum(-1) / mask.sum(-1)
+    reasoning = att.estimator.reasoning_mask
+    for b in (0, 1):  # mass preserved, non-uniform weights
+        w = adv[b][reasoning[b]] / adv[b][mask[b]][-1]
+        assert abs(float(w.sum()) - int(reasoning[b].sum())) < 1e-3 and float(w.std()) > 1e-3
+    assert seq[0] > 0 > seq[1]
+    assert metrics["oar/attributed_seq_frac"] == 0.5 and metrics["oar/answer_probe_frac"] == 1.0
+    assert metrics["oar/adv_mass_rel_err"] < 1e-6 and metrics["oar/span_found_frac"] == 1.0
+    dumped = [json.loads(line) for line in (tmp_path / "step_3.jsonl").read_text().splitlines()]
+    assert {d["uid"] for d in dumped} == {"p0"}
+
+
+def test_top_up_and_kl_in_reward_and_no_work(setup, tmp_path):
+    tok, model, prompts, responses = setup
+    alg = algorithm(mode="gradient")
+    step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None)
+    io = InProcessIO(tok, model, prompts, responses, SCORES, dp_size=4)
+    run_step(step, io)
+    assert io.calls[0][0] == [0, 1, 2, 3]  # topped up to a multiple of DP=4 with the other rows
+    # with a KL penalty in the reward every row has an advantage: all rows attributed, base computed by the estimator
+    kl = algorithm(mode="gradient")
+    kl.use_kl_in_reward = True
+    io_kl = InProcessIO(tok, model, prompts, responses, SCORES)
+    _, att, _, _ = run_step(OARStep(OARConfig.from_mapping(kl.oar), kl, tok, None), io_kl)
+    assert io_kl.calls[0][0] == [0, 1, 2, 3] and att.estimator.base_advantages is None
+    # every group agrees: nothing to attribute, no RPC, still every metric
+    io_none = InProcessIO(tok, model, prompts, responses, [1.0, 1.0, 0.0, 0.0])
+    out, _, _, metrics = run_step(step, io_none)
+    assert io_none.calls == [] and metrics["oar/attributed_seq_frac"] == 0.0 and metrics["oar/ess_ratio"] == 1.0
+    assert torch.equal(out.batch["advantages"], torch.zeros_like(out.batch["advantages"]))
+
+
+def test_a_failing_advantage_step_closes_the_handoff(setup):
+    tok, model, prompts, responses = setup
+    alg = algorithm(mode="gradient")
+    step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None)
+    io = InProcessIO(tok, model, prompts, responses, SCORES)
+    with pytest.raises(ZeroDivisionError):
+        with step.around_advantage(io, 1, {}, {}):
+            1 / 0
+    assert handoff.current() is None
+    with pytest.raises(RuntimeError, match="did not run the `oar` estimator"):
+        with step.around_advantage(io, 1, {}, {}):
+            pass

@@ -1,0 +1,28 @@
+"""The layers stay apart: the core imports no verl, and the verl glue never imports the CPU development tooling."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+CHECK = """
+import importlib, pkgutil, sys
+import {package}
+for info in pkgutil.walk_packages({package}.__path__, "{package}."):
+    importlib.import_module(info.name)
+leaked = sorted(m for m in sys.modules if m == "{forbidden}" or m.startswith("{forbidden}."))
+print("LEAKED", leaked)
+sys.exit(1 if leaked else 0)
+"""
+
+
+@pytest.mark.parametrize("package,forbidden", [
+    ("oar_verl.core", "verl"),  # the maths runs without verl
+    ("oar_verl.integration", "oar_verl.cpu"),  # the glue that runs on GPU clusters never loads the CPU shims
+])
+def test_package_does_not_import(package, forbidden):
+    proc = subprocess.run([sys.executable, "-c", CHECK.format(package=package, forbidden=forbidden)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
