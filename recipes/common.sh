@@ -9,7 +9,7 @@
 # Paths go to Hydra unquoted (VAL_FILES may be a list [a,b]): keep spaces, commas and quotes out of them.
 #
 # The GRPO baseline and the OAR runs get every setting from here; a recipe adds only its estimator, so a comparison
-# is fair. The loss set-up is the one OAR was published with (oar-method §11): seq-mean-token-mean aggregation, no KL
+# is fair. The loss set-up is the one OAR was published with (docs/method.md §6): seq-mean-token-mean aggregation, no KL
 # loss, no KL in the reward, no entropy bonus, dual-clip off (clip_ratio_c=1e9).
 # shellcheck disable=SC2034  # variables here are read by the recipes that source this file
 
