@@ -32,6 +32,7 @@ import torch
 
 from benchmarks import REPO
 from oar_verl.core import reference
+from oar_verl.core.budget import PassLimits
 from oar_verl.core.gradient import oar_g_importance, sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.perturbation import oar_p_importance
@@ -102,6 +103,11 @@ def naive_oar_g(model, rows, sigma: float, seeds: torch.Tensor) -> torch.Tensor:
     return reference.batch_oar_g(model, *rows, ProbeKind.AS_MEAN, sigma, seeds.cpu(), parameter_gradients=True)
 
 
+def counts(copies: int | None, rows: int | None) -> PassLimits:
+    """Passes sized by counts (``chunk`` copies, ``micro`` rows), as this benchmark's tables are: no token budget."""
+    return PassLimits(2**40, rows=rows, copies=copies)
+
+
 def max_rel_err(ours: torch.Tensor, naive: torch.Tensor) -> float:
     """max |ours − naive| / max |naive| over the response positions."""
     return float((ours.double().cpu() - naive).abs().max() / naive.abs().max().clamp(min=1e-30))
@@ -125,8 +131,8 @@ def speedup_table(model, device, B, prompt, reasoning, answer, chunk, micro) -> 
                          ("OAR-P prefix cache", chunk, dict(prefix_cache=True)),
                          ("OAR-P prefix cache", small, dict(prefix_cache=True)),
                          ("OAR-P span 4 (approx.)", chunk, dict(prefix_cache=True, mask_span=4))]:
-        t = timed(lambda: oar_p_importance(model, batch, 0, c, micro, **kw), device, repeat=3)
-        err = max_rel_err(oar_p_importance(model, batch, 0, c, micro, **kw)[:, P:], naive_p) \
+        t = timed(lambda: oar_p_importance(model, batch, 0, counts(c, micro), **kw), device, repeat=3)
+        err = max_rel_err(oar_p_importance(model, batch, 0, counts(c, micro), **kw)[:, P:], naive_p) \
             if kw.get("mask_span", 1) == 1 else float("nan")  # k > 1 approximates k = 1 by design
         rows.append({"method": label, "chunk": c, "naive_s": t_naive_p, "ours_s": t, "speedup": t_naive_p / t,
                      "max_rel_err": err})
@@ -134,9 +140,10 @@ def speedup_table(model, device, B, prompt, reasoning, answer, chunk, micro) -> 
         p.requires_grad_(True)
     naive_g = naive_oar_g(model, inputs, 1e-3, seeds)
     t_naive_g = timed(lambda: naive_oar_g(model, inputs, 1e-3, seeds), device, repeat=3)
-    t_g = timed(lambda: oar_g_importance(model, batch, 1e-3, seeds, micro), device, repeat=3)
-    err = max_rel_err(oar_g_importance(model, batch, 1e-3, seeds, micro)[:, P:], naive_g) if device == "cpu" \
-        else float("nan")  # on CUDA the fast path draws its noise on the device
+    t_g = timed(lambda: oar_g_importance(model, batch, 1e-3, seeds, counts(None, micro)), device, repeat=3)
+    ours_g = oar_g_importance(model, batch, 1e-3, seeds, counts(None, micro))[:, P:]
+    # on CUDA the fast path draws its noise on the device, the reference on the CPU: no comparison there
+    err = max_rel_err(ours_g, naive_g) if device == "cpu" else float("nan")
     rows.append({"method": "OAR-G", "chunk": "-", "naive_s": t_naive_g, "ours_s": t_g, "speedup": t_naive_g / t_g,
                  "max_rel_err": err})
     return rows
@@ -157,11 +164,11 @@ def train_step_ratio(model, device, B, prompt, reasoning, answer, chunk, micro) 
 
     t_train = timed(train_step, device)
     out = []
-    for label, fn in [("OAR-G", lambda: oar_g_importance(model, batch, 1e-3, seeds, micro)),
-                      ("OAR-P (prefix cache)", lambda: oar_p_importance(model, batch, 0, chunk, micro,
+    for label, fn in [("OAR-G", lambda: oar_g_importance(model, batch, 1e-3, seeds, counts(None, micro))),
+                      ("OAR-P (prefix cache)", lambda: oar_p_importance(model, batch, 0, counts(chunk, micro),
                                                                          prefix_cache=True)),
-                      ("OAR-P span 4", lambda: oar_p_importance(model, batch, 0, chunk, micro, prefix_cache=True,
-                                                                mask_span=4))]:
+                      ("OAR-P span 4", lambda: oar_p_importance(model, batch, 0, counts(chunk, micro),
+                                                                prefix_cache=True, mask_span=4))]:
         t = timed(fn, device)
         out.append({"method": label, "attribution_s": t, "train_fwd_bwd_s": t_train, "ratio": t / t_train})
     return out
@@ -172,7 +179,7 @@ def memory_point(args) -> dict:
     device, dtype = args.device, getattr(torch, args.dtype)
     model = build_model(args.shape, device, dtype)
     inputs, batch = make_batch(1, args.prompt, args.point, args.answer, model.config.vocab_size, device)
-    fn = {"ours": lambda: oar_p_importance(model, batch, 0, args.chunk, 1, prefix_cache=True),
+    fn = {"ours": lambda: oar_p_importance(model, batch, 0, counts(args.chunk, 1), prefix_cache=True),
           "naive": lambda: naive_oar_p(model, inputs, 0)}[args.path]
     if device == "cuda":
         torch.cuda.synchronize()

@@ -20,11 +20,11 @@ REPO_DIR=$(dirname "$RECIPES_DIR")
 MODEL=${MODEL:-qwen2.5-1.5b}
 case "$MODEL" in
   qwen2.5-1.5b)
-    _model_path=Qwen/Qwen2.5-1.5B; _tp=1; _mcore_tp=1; _token_len=32768; _oar_micro=4; _oar_chunk=32 ;;
+    _model_path=Qwen/Qwen2.5-1.5B; _tp=1; _mcore_tp=1; _token_len=32768 ;;
   qwen2.5-7b)
-    _model_path=Qwen/Qwen2.5-7B; _tp=2; _mcore_tp=2; _token_len=16384; _oar_micro=2; _oar_chunk=16 ;;
+    _model_path=Qwen/Qwen2.5-7B; _tp=2; _mcore_tp=2; _token_len=16384 ;;
   qwen2.5-math-7b)  # max_position_embeddings 4096: MAX_PROMPT_LEN + MAX_RESPONSE_LEN must stay <= 4096
-    _model_path=Qwen/Qwen2.5-Math-7B; _tp=2; _mcore_tp=2; _token_len=16384; _oar_micro=2; _oar_chunk=16 ;;
+    _model_path=Qwen/Qwen2.5-Math-7B; _tp=2; _mcore_tp=2; _token_len=16384 ;;
   *)
     echo "recipes: unknown MODEL=$MODEL (qwen2.5-1.5b | qwen2.5-7b | qwen2.5-math-7b; MODEL_PATH overrides the path)" >&2
     exit 2 ;;
@@ -77,10 +77,10 @@ VAL_N=${VAL_N:-1}                                  # >1: sampled validation with
 VAL_TEMPERATURE=${VAL_TEMPERATURE:-0}
 VAL_DO_SAMPLE=${VAL_DO_SAMPLE:-False}
 
-# --- OAR (ignored by the GRPO recipes); attribution memory grows with OAR_MICRO_BATCH (OAR-G) / OAR_CHUNK (OAR-P)
+# --- OAR (ignored by the GRPO recipes). Attribution passes are packed by the actor's own token budget
+# (PPO_MAX_TOKEN_LEN_PER_GPU, OAR-G under the actor's gradient checkpointing); OAR_MAX_TOKEN_LEN overrides it.
 OAR_PRESET=${OAR_PRESET:-paper}                    # paper: tau=0.4 beta=2.0 | official_code: tau=0.25 beta=1.0
-OAR_MICRO_BATCH=${OAR_MICRO_BATCH:-$_oar_micro}
-OAR_CHUNK=${OAR_CHUNK:-$_oar_chunk}
+OAR_MAX_TOKEN_LEN=${OAR_MAX_TOKEN_LEN:-null}       # null: the actor's budget
 OAR_DUMP_EVERY=${OAR_DUMP_EVERY:-10}               # token dumps for heatmaps every N steps (0 = off)
 
 # --- logging, outputs
@@ -98,8 +98,7 @@ export VERL_FILE_LOGGER_ROOT=${VERL_FILE_LOGGER_ROOT:-$OUTPUT_DIR/metrics}
 oar_args() {
   OAR_ARGS=(
     algorithm.oar.preset="$OAR_PRESET"
-    algorithm.oar.micro_batch_size="$OAR_MICRO_BATCH"
-    algorithm.oar.chunk_size="$OAR_CHUNK"
+    algorithm.oar.max_token_len_per_gpu="$OAR_MAX_TOKEN_LEN"
     algorithm.oar.dump_every="$OAR_DUMP_EVERY"
     algorithm.oar.dump_dir="$OUTPUT_DIR/oar_dumps"
   )

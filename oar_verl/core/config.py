@@ -53,12 +53,16 @@ class OARConfig:
         noise_std: OAR-G Gaussian noise std (absolute) on reasoning-token embeddings, > 0.
         seed: base seed of the OAR-G noise; per-sequence generators derive from (seed, step, sequence id).
         mask_token_id: OAR-P replacement token; None = the tokenizer's pad token.
-        chunk_size: OAR-P masked copies per forward pass, >= 1 (peak memory is set by it, not by the number of copies).
+        max_token_len_per_gpu: token budget of one attribution pass (rows × columns it holds), >= 1; None = the actor's
+            own (``log_prob_max_token_len_per_gpu`` / ``ppo_max_token_len_per_gpu`` with dynamic batch sizes, else the
+            micro-batch size × the longest sequence).
+        chunk_size: optional cap on OAR-P's masked copies per pass, >= 1 (None: the token budget alone).
         prefix_cache: OAR-P reuses each sequence's clean key/value cache for the unchanged prefix of its masked
             copies (same numbers, less compute; needs a model that supports ``past_key_values``).
         mask_span: OAR-P masks this many consecutive reasoning tokens per copy, >= 1; 1 is the exact method, k > 1
             is a k-times cheaper approximation.
-        micro_batch_size: sequences per OAR-G forward/backward and per clean probe pass, >= 1.
+        micro_batch_size: optional cap on the sequences of one OAR-G round or clean probe pass, >= 1 (None: the
+            token budget alone).
         apply_to: reshape ``all`` sequences, or only those with ``negative`` / ``positive`` advantage.
         base_estimator: registered verl outcome estimator giving the sequence advantage (default ``grpo``).
         skip_zero_advantage: attribute only sequences with non-zero base advantage (others keep w = 1).
@@ -81,10 +85,11 @@ class OARConfig:
     noise_std: float = 1e-3
     seed: int = 0
     mask_token_id: int | None = None
-    chunk_size: int = 64
+    max_token_len_per_gpu: int | None = None
+    chunk_size: int | None = None
     prefix_cache: bool = True
     mask_span: int = 1
-    micro_batch_size: int = 8
+    micro_batch_size: int | None = None
     apply_to: str = "all"
     base_estimator: str = "grpo"
     skip_zero_advantage: bool = True
@@ -115,11 +120,14 @@ class OARConfig:
         _integer(p, "seed", self.seed, lo=0)
         if self.mask_token_id is not None:
             _integer(p, "mask_token_id", self.mask_token_id, lo=0)
-        _integer(p, "chunk_size", self.chunk_size, lo=1)
+        for key in ("max_token_len_per_gpu", "chunk_size"):
+            if getattr(self, key) is not None:
+                _integer(p, key, getattr(self, key), lo=1)
         if not isinstance(self.prefix_cache, bool):
             raise OARConfigError(f"{p}.prefix_cache must be true or false, got {self.prefix_cache!r}")
         _integer(p, "mask_span", self.mask_span, lo=1)
-        _integer(p, "micro_batch_size", self.micro_batch_size, lo=1)
+        if self.micro_batch_size is not None:
+            _integer(p, "micro_batch_size", self.micro_batch_size, lo=1)
         _choice(p, "apply_to", self.apply_to, APPLY_TO)
         if not isinstance(self.base_estimator, str) or not self.base_estimator:
             raise OARConfigError(f"{p}.base_estimator must be a registered estimator name, got {self.base_estimator!r}")

@@ -1,27 +1,38 @@
 """OAR-G: gradient x input saliency of the outcome (docs/method.md §4, with the official code's gradient leak and
 LT-Logits position fixed, §7).
 
-Per micro-batch: a clean no-grad pass gives the teacher p0 (or φ0); the student pass adds seeded Gaussian noise of std σ
-to the reasoning-token embeddings, J = KL(p0 ‖ p_noisy) (or φ0 − φ_noisy), and the score is |⟨∂J/∂e_t, e_t⟩| with the
-clean embedding e_t.
+Per round (rows packed under the token budget, :mod:`oar_verl.core.budget`): a clean no-grad pass gives the teacher
+p0 (or φ0); the student pass adds seeded Gaussian noise of std σ to the reasoning-token embeddings,
+J = KL(p0 ‖ p_noisy) (or φ0 − φ_noisy), and the score is |⟨∂J/∂e_t, e_t⟩| with the clean embedding e_t.
 
 The noise is what makes the gradient non-zero: at p_noisy = p0 the KL sits at its minimum. Gradients are taken with
 respect to the embedding output only: the embedding module's forward hook returns a detached leaf, and every model
 parameter is frozen for the pass, so no parameter gradient is created (no leak into the policy update, no optimizer
 or FSDP reduce-scatter work) and the backward skips all weight-gradient matmuls.
+
+Memory: under gradient checkpointing (the actor's setting) the student pass keeps only each layer's input and
+recomputes one layer at a time in the backward, like the training step; it still runs with eval numerics (no
+dropout), because only the decoder layers' own ``training`` flags are raised, which Hugging Face reads to decide on
+checkpointing, not their submodules', which decide on dropout. Logits exist only at probe positions.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.utils.checkpoint
 
+from oar_verl.core.budget import PassLimits, pack_rows
 from oar_verl.core.layout import AttributionBatch
+from oar_verl.core.memory import PassKind
 from oar_verl.core.perturbation import column_window
 from oar_verl.core.probes import logits_at, outcome_shift, probe_forward, probe_from_logits, probe_keep_positions
+
+logger = logging.getLogger("oar_verl")
 
 _SEED_MOD = 2**63 - 1
 _MIX = tuple(c - 2**64 if c >= 2**63 else c for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
@@ -48,6 +59,19 @@ def _s64(c: int) -> int:
     return c - 2**64 if c >= 2**63 else c
 
 
+def _noise_rows(reasoning_mask: torch.Tensor, hidden_size: int, noise_std: float, seeds: torch.Tensor) -> torch.Tensor:
+    """(n, H) float32 noise for the n reasoning tokens of a (b, L) mask, in row-major order: the k-th reasoning token of
+    row i gets draw k of a generator seeded with ``seeds[i]``."""
+    device = reasoning_mask.device
+    counts = reasoning_mask.sum(-1).tolist()  # host metadata, once per round
+    seed_list = seeds.tolist()
+    draws = [torch.randn(n, hidden_size, generator=torch.Generator(device=device).manual_seed(int(seed_list[i])),
+                         device=device) for i, n in enumerate(counts) if n]  # one generator per row, not per token
+    if not draws:
+        return torch.zeros(0, hidden_size, device=device)
+    return torch.cat(draws) * noise_std
+
+
 def reasoning_noise(reasoning_mask: torch.Tensor, hidden_size: int, noise_std: float, seeds: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
     """(b, L, H) noise: the k-th reasoning token of row i gets draw k of a generator seeded with ``seeds[i]``.
@@ -55,15 +79,9 @@ def reasoning_noise(reasoning_mask: torch.Tensor, hidden_size: int, noise_std: f
     Noise therefore depends only on (seed, the row's reasoning tokens), not on padding, micro-batch or rank.
     """
     b, L = reasoning_mask.shape
-    device = reasoning_mask.device
-    noise = torch.zeros(b, L, hidden_size, device=device, dtype=torch.float32)
-    counts = reasoning_mask.sum(-1).tolist()  # host metadata, once per micro-batch
-    seed_list = seeds.tolist()
-    for i in range(b):  # one generator per sequence (per row, not per token)
-        if counts[i]:
-            gen = torch.Generator(device=device).manual_seed(int(seed_list[i]))
-            noise[i][reasoning_mask[i]] = torch.randn(counts[i], hidden_size, generator=gen, device=device)
-    return (noise * noise_std).to(dtype)
+    noise = torch.zeros(b, L, hidden_size, device=reasoning_mask.device, dtype=dtype)
+    noise[reasoning_mask] = _noise_rows(reasoning_mask, hidden_size, noise_std, seeds).to(dtype)
+    return noise
 
 
 @contextlib.contextmanager
@@ -80,17 +98,61 @@ def frozen_parameters(params: torch.nn.Module | Iterable[torch.nn.Parameter]) ->
             p.requires_grad_(f)
 
 
-def collective_rounds(batch: AttributionBatch, micro_batch_size: int) -> int:
-    """Micro-batch rounds (clean forward + noisy forward/backward) :func:`oar_g_importance` runs on this batch.
+@contextlib.contextmanager
+def layer_checkpointing(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Gradient checkpointing of the decoder layers for the duration, with eval numerics.
+
+    Hugging Face decoder layers (``GradientCheckpointingLayer``) checkpoint when their ``gradient_checkpointing`` and
+    ``training`` flags are both set; dropout reads the flags of their submodules. So the layers' own ``training`` flags
+    are raised (and checkpointing switched on where the model did not enable it), nothing else, and all is restored
+    after. Models without such layers run unchanged (logged once).
+    """
+    if not enabled:
+        yield
+        return
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        _warn_once("oar: the model has no Hugging Face checkpointing layers; OAR-G runs without gradient checkpointing")
+    saved = [(m, m.training, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in layers]
+    try:
+        for m in layers:
+            if not m.gradient_checkpointing:
+                m.gradient_checkpointing = True
+                m._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
+                                                                   use_reentrant=False)
+            m.training = True  # this module only: its submodules (dropout) stay in eval
+        yield
+    finally:
+        for m, training, checkpointing, func in saved:
+            m.training, m.gradient_checkpointing = training, checkpointing
+            if func is None:
+                m.__dict__.pop("_gradient_checkpointing_func", None)
+            else:
+                m._gradient_checkpointing_func = func
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
+
+def collective_rounds(batch: AttributionBatch, limits: PassLimits) -> int:
+    """Rounds (clean forward + noisy forward/backward) :func:`oar_g_importance` runs on this batch.
 
     Data-parallel ranks must run equally many rounds (sharded parameters are all-gathered in the forward and again
     in the backward); the worker all-reduces the max of this number and passes it as ``min_rounds``.
     """
-    return math.ceil(batch.input_ids.shape[0] / micro_batch_size)
+    return len(pack_rows(batch.attention_mask, limits, PassKind.INPUT_GRADIENT))
 
 
 def oar_g_importance(model: torch.nn.Module, batch: AttributionBatch, noise_std: float, seeds: torch.Tensor,
-                     micro_batch_size: int = 8, min_rounds: int = 0) -> torch.Tensor:
+                     limits: PassLimits, min_rounds: int = 0, checkpointing: bool = False) -> torch.Tensor:
     """OAR-G importance of every reasoning token.
 
     Args:
@@ -98,34 +160,33 @@ def oar_g_importance(model: torch.nn.Module, batch: AttributionBatch, noise_std:
         batch: AttributionBatch (B, L), B >= 1 when ``min_rounds`` > 0.
         noise_std: σ of the Gaussian embedding noise (absolute).
         seeds: (B,) int64 per-sequence seeds (see :func:`sequence_seeds`).
-        micro_batch_size: rows per forward/backward.
+        limits: the token budget of one round (and optional caps and memory guard).
         min_rounds: run at least this many rounds (the max of :func:`collective_rounds` over data-parallel ranks, so
             that every rank issues the same collectives); extra rounds repeat the first row's and are discarded.
+        checkpointing: checkpoint the decoder layers in the student pass (see :func:`layer_checkpointing`).
 
     Returns:
         (B, L) float32 |⟨∂J/∂e_t, e_t⟩| at reasoning positions, 0 elsewhere. No parameter of ``model`` has a
         gradient or a changed requires_grad flag afterwards.
     """
     device = batch.input_ids.device
-    B = batch.input_ids.shape[0]
     scores = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
-    n_rounds = collective_rounds(batch, micro_batch_size)
-    if min_rounds > n_rounds and B == 0:
+    packs = pack_rows(batch.attention_mask, limits, PassKind.INPUT_GRADIENT)
+    if min_rounds > len(packs) and batch.input_ids.shape[0] == 0:
         raise ValueError("min_rounds needs at least one local row to repeat")
-    with frozen_parameters(model):
-        for r in range(max(n_rounds, min_rounds)):
-            s = r * micro_batch_size if r < n_rounds else 0
-            e = min(s + micro_batch_size, B) if r < n_rounds else 1
-            rows = torch.arange(s, e, device=device)
+    filler = torch.zeros(1, dtype=torch.long, device=device)
+    with frozen_parameters(model), layer_checkpointing(model, checkpointing):
+        for r in range(max(len(packs), min_rounds)):
+            rows = packs[r] if r < len(packs) else filler
             lo, hi, sal = _saliency_round(model, batch, rows, noise_std, seeds)
-            if r < n_rounds:
+            if r < len(packs):
                 scores[rows, lo:hi] = sal
     return scores
 
 
 def _saliency_round(model: torch.nn.Module, batch: AttributionBatch, rows: torch.Tensor, noise_std: float,
                     seeds: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-    """One micro-batch: returns the column window [lo, hi) and the (b, hi - lo) saliency (0 off reasoning)."""
+    """One round: returns the column window [lo, hi) and the (b, hi - lo) saliency (0 off reasoning)."""
     lo, hi = column_window(batch.attention_mask, rows)
     inputs = batch.model_inputs(rows, lo, hi)
     spec = batch.probe.index(rows).columns(lo, hi)
@@ -136,7 +197,8 @@ def _saliency_round(model: torch.nn.Module, batch: AttributionBatch, rows: torch
 
     def add_noise(module, args, out):
         clean = out.detach()
-        leaf = (clean + reasoning_noise(mask, clean.shape[-1], noise_std, seeds[rows], clean.dtype))
+        leaf = clean.clone()
+        leaf[mask] += _noise_rows(mask, clean.shape[-1], noise_std, seeds[rows]).to(clean.dtype)
         leaf.requires_grad_(True)
         captured["clean"], captured["leaf"] = clean, leaf
         return leaf
@@ -156,5 +218,6 @@ def _saliency_round(model: torch.nn.Module, batch: AttributionBatch, rows: torch
         handle.remove()
     leaf, clean = captured["leaf"], captured["clean"]
     acc = torch.promote_types(clean.dtype, torch.float32)  # bf16 products would cancel badly in the sum
-    sal = (leaf.grad.to(acc) * clean.to(acc)).sum(-1).abs().float()
+    # one row at a time: the fp32 product of a whole round would be another (b, L, H) buffer
+    sal = torch.stack([(g.to(acc) * c.to(acc)).sum(-1) for g, c in zip(leaf.grad, clean)]).abs().float()
     return lo, hi, torch.where(mask, sal, 0.0)

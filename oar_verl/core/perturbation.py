@@ -2,17 +2,18 @@
 
 For every reasoning position t, replace y_t by the mask token (length unchanged) and score
 I_t = KL(P_clean ‖ P^(t)) (or φ_clean − φ^(t) with AS-Joint). Full-vocabulary logits are computed only at the probe
-positions, and the masked copies stream through the model in chunks of ``chunk_size`` rows, so peak memory depends on
-the chunk size, not on the reasoning length R.
+positions, and the masked copies stream through the model in passes packed under a token budget
+(:mod:`oar_verl.core.budget`: a copy holds its whole row, so a pass of c copies of an n-token row holds c × n tokens),
+so peak memory is set by the budget, not by the reasoning length R.
 
 Two execution paths, same numbers:
 
-* **batched** (default): copies of all sequences are packed into chunks, each chunk trimmed to the columns its rows
-  use;
-* **prefix cache** (``prefix_cache=True``): a copy masked at t shares tokens [0, t) with the clean sequence, so each
-  sequence runs one clean forward that keeps its key/value cache, and each chunk of its copies (consecutive positions
-  from t_first on) recomputes only the suffix [t_first, n) on top of the cached prefix. This saves the prompt and
-  the reasoning before each chunk: roughly half the OAR-P compute for typical prompt/response lengths.
+* **batched**: copies of all sequences are packed into passes, each trimmed to the columns its rows use;
+* **prefix cache** (``prefix_cache=True``, the default): a copy masked at t shares tokens [0, t) with the clean
+  sequence, so each sequence runs one clean forward that keeps its key/value cache, and each pass of its copies
+  (consecutive positions from t_first on) recomputes only the suffix [t_first, n) on top of the cached prefix, which
+  is read in place, never copied per copy. This saves the prompt and the reasoning before each pass: roughly half the
+  OAR-P compute for typical prompt/response lengths.
 
 ``mask_span`` = k > 1 masks k consecutive reasoning tokens per copy (each token of the block gets the block's score):
 k times fewer forwards, an approximation of k = 1 (the exact method).
@@ -20,28 +21,31 @@ k times fewer forwards, an approximation of k = 1 (the exact method).
 
 from __future__ import annotations
 
-import copy
-import math
-
 import torch
 
+from oar_verl.core.budget import PassLimits, copies_per_pass, pack_copies, pack_rows, row_spans
 from oar_verl.core.layout import AttributionBatch
+from oar_verl.core.memory import PassKind
+from oar_verl.core.prefix_cache import shared_prefix_cache
 from oar_verl.core.probes import ProbeOutput, outcome_shift, probe_forward, probe_from_logits
 
 
-def clean_probe(model: torch.nn.Module, batch: AttributionBatch, micro_batch_size: int) -> ProbeOutput:
-    """Outcome probe of the unperturbed rows, (B, V) / (B,), computed ``micro_batch_size`` rows at a time."""
+def clean_probe(model: torch.nn.Module, batch: AttributionBatch, limits: PassLimits) -> tuple[ProbeOutput, int]:
+    """Outcome probe of the unperturbed rows, (B, V) / (B,), in passes packed under the budget; and the pass count."""
     B = batch.input_ids.shape[0]
-    outs = []
-    for s in range(0, B, micro_batch_size):
-        rows = torch.arange(s, min(s + micro_batch_size, B), device=batch.input_ids.device)
+    logp, phi = None, None
+    packs = pack_rows(batch.attention_mask, limits, PassKind.FORWARD)
+    for rows in packs:
         lo, hi = column_window(batch.attention_mask, rows)
-        spec = batch.probe.index(rows).columns(lo, hi)
-        outs.append(probe_forward(model, spec, **batch.model_inputs(rows, lo, hi)))
-    if not outs:
+        out = probe_forward(model, batch.probe.index(rows).columns(lo, hi), **batch.model_inputs(rows, lo, hi))
+        if logp is None:
+            logp = out.logp.new_zeros(B, out.logp.shape[-1])
+            phi = out.phi.new_zeros(B)
+        logp[rows], phi[rows] = out.logp, out.phi
+    if logp is None:
         dev = batch.input_ids.device
-        return ProbeOutput(torch.zeros(0, 0, device=dev), torch.zeros(0, device=dev))
-    return ProbeOutput(torch.cat([o.logp for o in outs]), torch.cat([o.phi for o in outs]))
+        return ProbeOutput(torch.zeros(B, 0, device=dev), torch.zeros(B, device=dev)), 0
+    return ProbeOutput(logp, phi), len(packs)
 
 
 def mask_blocks(reasoning_mask: torch.Tensor, span: int) -> torch.Tensor:
@@ -77,28 +81,29 @@ def copy_masks(blocks: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     return blocks == blocks.gather(1, first[:, None])
 
 
-def collective_rounds(batch: AttributionBatch, chunk_size: int, micro_batch_size: int, prefix_cache: bool = False,
+def collective_rounds(batch: AttributionBatch, limits: PassLimits, prefix_cache: bool = True,
                       mask_span: int = 1) -> int:
     """Forward passes :func:`oar_p_importance` runs on this batch (each a collective round under sharding)."""
-    B = batch.input_ids.shape[0]
-    n_copies = (batch.reasoning_mask.sum(-1) + mask_span - 1) // mask_span  # (B,)
+    rows, _, _ = masked_copies(batch.reasoning_mask, mask_span)
     if prefix_cache:
-        return int((n_copies > 0).sum()) + int(((n_copies + chunk_size - 1) // chunk_size).sum())
-    return math.ceil(B / micro_batch_size) + math.ceil(int(n_copies.sum()) / chunk_size)
+        src, counts = torch.unique_consecutive(rows.cpu(), return_counts=True)
+        start, end = _spans(batch)
+        return sum(1 + -(-n // copies_per_pass(end[b] - start[b], limits, PassKind.FORWARD_CACHED))
+                   for b, n in zip(src.tolist(), counts.tolist()))
+    clean = len(pack_rows(batch.attention_mask, limits, PassKind.FORWARD))
+    return clean + len(pack_copies(rows, batch.attention_mask, limits, PassKind.FORWARD))
 
 
 @torch.no_grad()
-def oar_p_importance(model: torch.nn.Module, batch: AttributionBatch, mask_token_id: int, chunk_size: int = 64,
-                     micro_batch_size: int = 8, min_rounds: int = 0, prefix_cache: bool = False,
-                     mask_span: int = 1) -> torch.Tensor:
+def oar_p_importance(model: torch.nn.Module, batch: AttributionBatch, mask_token_id: int, limits: PassLimits,
+                     min_rounds: int = 0, prefix_cache: bool = True, mask_span: int = 1) -> torch.Tensor:
     """OAR-P importance of every reasoning token.
 
     Args:
         model: Hugging Face causal LM (or a sharded wrapper), in eval mode.
         batch: AttributionBatch (B, L).
         mask_token_id: the replacement token (the tokenizer's pad token by default).
-        chunk_size: masked copies per forward.
-        micro_batch_size: rows per clean forward (batched path).
+        limits: the token budget of one pass (and optional caps and memory guard).
         min_rounds: run at least this many forwards (the max of :func:`collective_rounds` over data-parallel ranks,
             so that every rank issues the same collectives); extra rounds repeat the first row's clean forward and
             are discarded; needs B >= 1.
@@ -111,27 +116,33 @@ def oar_p_importance(model: torch.nn.Module, batch: AttributionBatch, mask_token
         NaN/inf; the gating turns such rows into uniform weights.
     """
     if prefix_cache:
-        importance, ran = _prefix_cached(model, batch, mask_token_id, chunk_size, mask_span)
+        importance, ran = _prefix_cached(model, batch, mask_token_id, limits, mask_span)
     else:
-        importance, ran = _batched(model, batch, mask_token_id, chunk_size, micro_batch_size, mask_span)
+        importance, ran = _batched(model, batch, mask_token_id, limits, mask_span)
     if min_rounds > ran:
         if batch.input_ids.shape[0] == 0:
             raise ValueError("min_rounds needs at least one local row to repeat")
         first = torch.zeros(1, dtype=torch.long, device=batch.input_ids.device)
+        lo, hi = column_window(batch.attention_mask, first)
         for _ in range(min_rounds - ran):
-            probe_forward(model, batch.probe.index(first), **batch.model_inputs(first))
+            probe_forward(model, batch.probe.index(first).columns(lo, hi), **batch.model_inputs(first, lo, hi))
     return importance
 
 
-def _batched(model, batch: AttributionBatch, mask_token_id: int, chunk_size: int, micro_batch_size: int,
+def _spans(batch: AttributionBatch) -> tuple[list[int], list[int]]:
+    """Each row's first and one-past-last real column, as host lists (metadata, once per batch)."""
+    start, end = row_spans(batch.attention_mask.cpu())
+    return start.tolist(), end.tolist()
+
+
+def _batched(model, batch: AttributionBatch, mask_token_id: int, limits: PassLimits,
              span: int) -> tuple[torch.Tensor, int]:
     device = batch.input_ids.device
-    clean = clean_probe(model, batch, micro_batch_size)
+    clean, ran = clean_probe(model, batch, limits)
     importance = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
     rows_all, cols_all, blocks = masked_copies(batch.reasoning_mask, span)
-    ran = math.ceil(batch.input_ids.shape[0] / micro_batch_size)
-    for s in range(0, rows_all.shape[0], chunk_size):
-        rows, first = rows_all[s: s + chunk_size], cols_all[s: s + chunk_size]
+    for s, e in pack_copies(rows_all, batch.attention_mask, limits, PassKind.FORWARD):
+        rows, first = rows_all[s:e], cols_all[s:e]
         lo, hi = column_window(batch.attention_mask, rows)
         inputs = batch.model_inputs(rows, lo, hi)
         masked = copy_masks(blocks[rows, lo:hi], first - lo)
@@ -143,7 +154,7 @@ def _batched(model, batch: AttributionBatch, mask_token_id: int, chunk_size: int
     return importance, ran
 
 
-def _prefix_cached(model, batch: AttributionBatch, mask_token_id: int, chunk_size: int,
+def _prefix_cached(model, batch: AttributionBatch, mask_token_id: int, limits: PassLimits,
                    span: int) -> tuple[torch.Tensor, int]:
     device = batch.input_ids.device
     importance = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
@@ -164,19 +175,18 @@ def _prefix_cached(model, batch: AttributionBatch, mask_token_id: int, chunk_siz
         clean = probe_from_logits(out.logits, spec.logit_weight[:, keep], spec.target_ids[:, keep], spec.joint)
         cache = out.past_key_values
         ran += 1
-        for s in range(starts[b], starts[b + 1], chunk_size):
-            first = cols_all[s: min(s + chunk_size, starts[b + 1])] - lo
+        per_pass = copies_per_pass(hi - lo, limits, PassKind.FORWARD_CACHED)
+        for s in range(starts[b], starts[b + 1], per_pass):
+            first = cols_all[s: min(s + per_pass, starts[b + 1])] - lo
             c, t0 = first.shape[0], int(first.min())
             if int(keep.min()) < t0:  # a probe position before the masked tokens: cannot come from the suffix
                 raise ValueError("prefix_cache needs every probe position after the perturbed tokens")
             masked = copy_masks(blocks[b, lo:hi].expand(c, -1), first)  # (c, n)
             suffix = inputs["input_ids"].expand(c, -1).masked_fill(masked, mask_token_id)[:, t0:]
-            prefix = copy.deepcopy(cache)  # the forward appends to the cache it is given
-            prefix.crop(t0)
-            prefix.batch_repeat_interleave(c)
             logits = model(input_ids=suffix, attention_mask=inputs["attention_mask"].expand(c, -1),
-                           position_ids=inputs["position_ids"][:, t0:].expand(c, -1), past_key_values=prefix,
-                           logits_to_keep=keep - t0, use_cache=True).logits
+                           position_ids=inputs["position_ids"][:, t0:].expand(c, -1),
+                           past_key_values=shared_prefix_cache(cache, t0, c), logits_to_keep=keep - t0,
+                           use_cache=True).logits
             rows = row.expand(c)
             w = spec.logit_weight[:, keep].expand(c, -1)
             pert = probe_from_logits(logits, w, spec.target_ids[:, keep].expand(c, -1), spec.joint.expand(c))

@@ -20,9 +20,11 @@ from verl.single_controller.base.decorator import make_nd_compute_dataproto_disp
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from oar_verl.core.attribution import collective_rounds, run_attribution
+from oar_verl.core.attribution import collective_rounds, pass_limits, run_attribution
 from oar_verl.core.config import OARConfig
+from oar_verl.core.memory import memory_guard, model_shape
 from oar_verl.core.preprocess import prepare_attribution
+from oar_verl.integration.budget import actor_token_budget
 from oar_verl.integration.collectives import max_over_ranks
 
 logger = logging.getLogger("oar_verl")
@@ -92,18 +94,27 @@ class OARActorRolloutRefWorker(ActorRolloutRefWorker):
         truths = ground_truths(data) if cfg.target == "reference" else None
         prepared = prepare_attribution(prompts, responses, self.actor.model_config.tokenizer, cfg, step,
                                        ground_truths=truths, device=device)
+        # the actor's own token budget; the longest sequence of any rank, so that every rank packs by the same budget
+        lengths = prepared.batch.attention_mask.sum(-1)
+        longest = max_over_ranks(int(lengths.max()) if lengths.numel() else 0, device)
+        tokens = actor_token_budget(cfg, self.actor.engine_config, longest)
+        checkpointing = bool(getattr(self.actor.model_config, "enable_gradient_checkpointing", False))
         if megatron:  # the engine's own forward/backward over TP/PP/SP; it equalises its collectives over DP itself
             from oar_verl.integration.megatron import megatron_token_importance
 
             with engine.eval_mode():
-                importance = megatron_token_importance(engine, prepared.batch, cfg,
+                importance = megatron_token_importance(engine, prepared.batch, cfg, pass_limits(cfg, tokens),
                                                        mask_token_id=prepared.mask_token_id, seeds=prepared.seeds)
         else:
-            rounds = max_over_ranks(collective_rounds(prepared.batch, cfg), device)
+            shape = model_shape(engine.module)
+            guard = memory_guard(device, shape, checkpointing=checkpointing) if shape is not None else None
+            limits = pass_limits(cfg, tokens, guard)
+            rounds = max_over_ranks(collective_rounds(prepared.batch, cfg, limits), device)
             with engine.eval_mode(), whole_sequences():
                 engine.module.eval()  # no dropout during attribution
                 importance = run_attribution(engine.module, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
-                                             seeds=prepared.seeds, min_rounds=rounds)
+                                             seeds=prepared.seeds, limits=limits, min_rounds=rounds,
+                                             checkpointing=checkpointing)
         if not engine.is_mp_src_rank_with_outputs():
             return None
         lens, spans = prepared.response_lengths, prepared.spans

@@ -25,8 +25,8 @@ def test_attribution_benchmark_quick(tmp_path):
     assert [r["method"] for r in res["speedup"]] == ["OAR-P batched", "OAR-P prefix cache", "OAR-P prefix cache",
                                                      "OAR-P span 4 (approx.)", "OAR-G"]
     assert all(r["ours_s"] > 0 and r["naive_s"] > 0 for r in res["speedup"])
-    # the exact fast paths compute the reference's numbers up to the fp32 forward's rounding, which a random-init model's
-    # tiny outcome shifts make visible (the float64 cross-checks in tests/core hold to 1e-5)
+    # the exact fast paths compute the reference's numbers up to the fp32 forward's rounding, which a random-init
+    # model's tiny outcome shifts make visible (the float64 cross-checks in tests/core hold to 1e-5)
     exact = [r for r in res["speedup"] if "approx" not in r["method"]]
     assert all(r["max_rel_err"] < 0.05 for r in exact), [(r["method"], r["max_rel_err"]) for r in exact]
     assert {r["method"] for r in res["train_ratio"]} == {"OAR-G", "OAR-P (prefix cache)", "OAR-P span 4"}

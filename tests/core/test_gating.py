@@ -81,7 +81,8 @@ def test_matches_official_arithmetic(tau, beta):
 
 
 def test_official_tau_bug_would_differ():
-    """Documents the official code's τ overwrite (docs/method.md §7, bug 1): the published loop reuses the previous row's quantile value as the next row's level."""
+    """Documents the official code's τ overwrite (docs/method.md §7, bug 1): the published loop reuses the previous
+    row's quantile value as the next row's level."""
     rng = np.random.default_rng(2)
     seqs = [rng.exponential(1.0, 12) for _ in range(3)]
     buggy = official_loop_with_bug(seqs, 0.4, 2.0)

@@ -21,6 +21,9 @@ M8  CUDA streams and events: no-ops.
 M9  (``OAR_TEST_SP=1`` only) the local norm wrapper refuses sequence parallelism (``sequence parallel not supported by
     torch LayerNorm``); norms are per-token, so build it from a config copy without the flag.
 M10 register verl's Megatron engine for device "cpu" (verl registers it for cuda/npu only).
+M11 the local softmax's default causal mask is built with ``device="cuda"`` where M4's mode is not active: inside a
+    full-recompute (``recompute_granularity="full"``) block's recomputation during the backward
+    (``Torch not compiled with CUDA enabled``): build it on the CPU.
 plus ``float32_engine_config``: verl's McoreEngineConfig accepts only bf16/fp16; the exact-agreement tests run the
 engine in fp32.
 """
@@ -175,6 +178,10 @@ def install() -> None:
             return original_new(cls, config, *a, **k)
 
         torch_norm.WrappedTorchNorm.__new__ = norm_new
+    # M11
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
     # M10
     from verl.workers.engine import EngineRegistry
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead

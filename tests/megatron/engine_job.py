@@ -48,7 +48,7 @@ def main(spec_path: str) -> None:
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine import EngineRegistry
 
-    from oar_verl.core.attribution import probe_kinds
+    from oar_verl.core.attribution import pass_limits, probe_kinds
     from oar_verl.core.config import OARConfig
     from oar_verl.core.layout import build_attribution_batch
     from oar_verl.integration import megatron as ma
@@ -115,8 +115,8 @@ def main(spec_path: str) -> None:
                                         sel["reasoning"], sel["answer"], kinds)
         t0 = time.perf_counter()
         with engine.eval_mode():
-            imp = ma.megatron_token_importance(engine, batch, cfg, mask_token_id=int(spec["mask_token_id"]),
-                                               seeds=sel["seeds"])
+            imp = ma.megatron_token_importance(engine, batch, cfg, pass_limits(cfg),
+                                               mask_token_id=int(spec["mask_token_id"]), seeds=sel["seeds"])
         seconds[case["name"]] = time.perf_counter() - t0
         results[case["name"]] = imp
 
@@ -139,7 +139,7 @@ def main(spec_path: str) -> None:
     # unsupported layouts are refused with a message naming them
     try:
         object.__setattr__(engine.engine_config, "context_parallel_size", 2)
-        ma.megatron_token_importance(engine, batch, cfg, mask_token_id=0, seeds=sel["seeds"])
+        ma.megatron_token_importance(engine, batch, cfg, pass_limits(cfg), mask_token_id=0, seeds=sel["seeds"])
         checks["cp_error"] = None
     except ma.MegatronLayoutError as e:
         checks["cp_error"] = str(e)

@@ -159,12 +159,12 @@ def test_baseline_and_oar_runs_differ_only_in_the_estimator(task, engine):
 def test_environment_variables_override_defaults():
     cfg = compose(dry_run(ROOT / "recipes" / "gsm8k" / "run_oar_p.sh", GPUS_PER_NODE="4", NNODES="2",
                           TRAIN_BATCH_SIZE="64", ROLLOUT_N="16", MAX_RESPONSE_LEN="512", LOGGER="console,wandb",
-                          MODEL_PATH="/models/my-qwen", OAR_CHUNK="8"))
+                          MODEL_PATH="/models/my-qwen", OAR_MAX_TOKEN_LEN="8192"))
     validate(cfg)
     assert (cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes, cfg.data.train_batch_size) == (4, 2, 64)
     assert cfg.actor_rollout_ref.rollout.n == 16 and cfg.data.max_response_length == 512
     assert list(cfg.trainer.logger) == ["console", "wandb"]
-    assert cfg.actor_rollout_ref.model.path == "/models/my-qwen" and cfg.algorithm.oar.chunk_size == 8
+    assert cfg.actor_rollout_ref.model.path == "/models/my-qwen" and cfg.algorithm.oar.max_token_len_per_gpu == 8192
 
 
 def test_extra_arguments_are_hydra_overrides_that_win():

@@ -12,9 +12,10 @@ stage, cp0) and None elsewhere, like ``compute_log_prob``'s outputs. The engine'
 ``algorithm.oar.prefix_cache`` does not apply (the engine has no key/value cache path): OAR-P runs the batched masked
 copies, with the same numbers.
 
-Memory: the engine materialises the logits of a whole micro-batch, ``(b, s, V/tp)`` in the model dtype (as its own
-log-prob pass does), so OAR-P's ``chunk_size`` and OAR-G's ``micro_batch_size`` bound the peak like
-``infer_micro_batch_size_per_gpu`` does; the probe itself works on ``(n_probe, V/tp)`` fp32.
+Memory: micro-batches are sized by the token budget (rows × the longest sequence), as verl sizes its own passes
+without dynamic batching; OAR-G's backward recomputes under the engine's full activation recomputation. The engine
+materialises the logits of a whole micro-batch, ``(b, s, V/tp)`` in the model dtype (as its own log-prob pass does);
+the probe itself works on ``(n_probe, V/tp)`` fp32.
 
 megatron-core is imported lazily, so this package imports without it.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from oar_verl.core.budget import PassLimits
 from oar_verl.core.config import OARConfig
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.integration.megatron import drivers
@@ -33,8 +35,8 @@ from oar_verl.integration.megatron.layout_checks import (MegatronLayoutError, ch
 __all__ = ["MegatronLayoutError", "check_megatron_layout", "megatron_layout_error", "megatron_token_importance"]
 
 
-def megatron_token_importance(engine, batch: AttributionBatch, cfg: OARConfig, *, mask_token_id: int | None,
-                              seeds: torch.Tensor | None) -> torch.Tensor | None:
+def megatron_token_importance(engine, batch: AttributionBatch, cfg: OARConfig, limits: PassLimits, *,
+                              mask_token_id: int | None, seeds: torch.Tensor | None) -> torch.Tensor | None:
     """OAR importance of the batch's reasoning tokens through a verl Megatron engine.
 
     Call under ``engine.eval_mode()`` on every rank of the actor mesh (all tensor/pipeline ranks of a data-parallel
@@ -45,6 +47,7 @@ def megatron_token_importance(engine, batch: AttributionBatch, cfg: OARConfig, *
         batch: AttributionBatch (B, L), on any device; each row's real tokens contiguous with position ids 0..n-1
             (verl's layout: left-padded prompt + right-padded response).
         cfg: OARConfig (``prefix_cache`` does not apply: the Megatron path always runs the batched masked copies).
+        limits: the token budget of one engine micro-batch (rows × the longest sequence); caps apply.
         mask_token_id: OAR-P mask token (required for perturbation).
         seeds: (B,) int64 OAR-G noise seeds (required for gradient).
 
@@ -65,9 +68,9 @@ def megatron_token_importance(engine, batch: AttributionBatch, cfg: OARConfig, *
         raise ValueError("OAR-G needs per-sequence noise seeds (see oar_verl.core.gradient.sequence_seeds)")
     rows = engine_rows(batch)
     if cfg.mode == "perturbation":
-        importance = drivers.oar_p(engine, batch, rows, cfg, int(mask_token_id))
+        importance = drivers.oar_p(engine, batch, rows, cfg, limits, int(mask_token_id))
     else:
-        importance = drivers.oar_g(engine, batch, rows, cfg, seeds)
+        importance = drivers.oar_g(engine, batch, rows, cfg, limits, seeds)
     if not engine.is_mp_src_rank_with_outputs():
         return None
     return importance

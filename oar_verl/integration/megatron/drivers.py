@@ -1,15 +1,17 @@
 """OAR-P and OAR-G through verl's Megatron engine, as engine calls (see :mod:`.engine` for the plumbing).
 
 * **OAR-P**: one forward-only pass over the clean rows (probe distributions kept on the last stage), then one pass over
-  all masked copies -- built by the core's :func:`~oar_verl.core.perturbation.masked_copies` -- in micro-batches of
-  ``chunk_size`` (megatron-core pipelines them); each copy's KL against its clean row is computed in the logits
+  all masked copies -- built by the core's :func:`~oar_verl.core.perturbation.masked_copies` -- in micro-batches sized
+  by the token budget (megatron-core pipelines them); each copy's KL against its clean row is computed in the logits
   processor.
 * **OAR-G**: a forward-only teacher pass, then one ``forward_backward_batch`` whose loss is J = KL(p0 ‖ p_noisy) (or
   φ0 − φ_noisy). A forward hook on the first stage's embedding (output ``[s, b, h]``) adds the seeded noise of
   :func:`oar_verl.core.gradient.reasoning_noise` on the reasoning positions and returns a detached leaf; a tensor hook
   on that leaf turns ∂J/∂e into |⟨∂J/∂e_t, e_t⟩| per token during the backward. Parameters are frozen and gradient
-  finalisation is off for the call (:func:`.engine.no_param_grads`). Sequence-parallel embedding chunks are gathered
-  over the tensor-parallel group; the scores then go from the first to every pipeline stage with one broadcast.
+  finalisation is off for the call (:func:`.engine.no_param_grads`); with the engine's full activation recomputation
+  the pass recomputes like the training step does (:func:`.engine.full_recompute`). Sequence-parallel embedding
+  chunks are gathered over the tensor-parallel group; the scores then go from the first to every pipeline stage with
+  one broadcast.
 
 Data-parallel ranks issue equal collective counts: each method makes exactly two engine calls, and before each the
 micro-batch count is all-reduced (max) and short ranks top up with filler rows whose results are dropped.
@@ -20,12 +22,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from oar_verl.core.budget import PassLimits
 from oar_verl.core.config import OARConfig
 from oar_verl.core.gradient import reasoning_noise
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.perturbation import copy_masks, masked_copies
 from oar_verl.integration.megatron.engine import (CleanTable, EngineRows, ProbeHook, engine_batch, fill_to_ranks,
-                                                  no_param_grads, run_engine)
+                                                  full_recompute, micro_batch_rows, no_param_grads, run_engine)
 from oar_verl.integration.megatron.vocab_parallel import vp_outcome_shift
 
 
@@ -48,17 +51,18 @@ def clean_pass(engine, rows: EngineRows, mbs: int) -> CleanTable:
     return table
 
 
-def oar_p(engine, batch: AttributionBatch, rows: EngineRows, cfg: OARConfig,
+def oar_p(engine, batch: AttributionBatch, rows: EngineRows, cfg: OARConfig, limits: PassLimits,
           mask_token_id: int) -> torch.Tensor | None:
     """(B, L) OAR-P scores on the last pipeline stage (None elsewhere): a clean pass, then all masked copies."""
     from megatron.core import parallel_state as mpu
 
     last = mpu.is_pipeline_last_stage(ignore_virtual=True)
-    clean = clean_pass(engine, rows, cfg.micro_batch_size)
+    clean = clean_pass(engine, rows, micro_batch_rows(rows, limits, limits.rows))
     # the masked copies, exactly as the core's OAR-P builds them; the engine needs one token row per copy
     src, first, blocks = masked_copies(batch.reasoning_mask.bool().cpu(), cfg.mask_span)
     N = int(src.shape[0])
-    total = fill_to_ranks(N, cfg.chunk_size)
+    per_pass = micro_batch_rows(rows, limits, limits.copies)  # a copy is as long as its row
+    total = fill_to_ranks(N, per_pass)
     src_l = src.tolist()
     ids, masks = [], []
     for b in src.unique().tolist():  # per source row: all its copies at once
@@ -81,7 +85,7 @@ def oar_p(engine, batch: AttributionBatch, rows: EngineRows, cfg: OARConfig,
 
     hook = ProbeHook(engine, rows, lambda r: copy_src[r.clamp(min=0)].clamp(min=0), on_probe, need_loss=False)
     if total:
-        td = engine_batch(ids, list(range(N)) + [-1] * (total - N), cfg.chunk_size,
+        td = engine_batch(ids, list(range(N)) + [-1] * (total - N), per_pass,
                            engine.engine_config.use_fused_kernels)
         run_engine(engine, td, hook, forward_only=True)
     if not last:
@@ -103,11 +107,12 @@ def embedding_module(engine):
     return getattr(gpt, "embedding", None) if getattr(gpt, "pre_process", False) else None
 
 
-def oar_g(engine, batch: AttributionBatch, rows: EngineRows, cfg: OARConfig, seeds: torch.Tensor) -> torch.Tensor:
+def oar_g(engine, batch: AttributionBatch, rows: EngineRows, cfg: OARConfig, limits: PassLimits,
+          seeds: torch.Tensor) -> torch.Tensor:
     """(B, L) OAR-G scores on every rank of the last pipeline stage (zeros elsewhere until the broadcast)."""
     from megatron.core import parallel_state as mpu
 
-    mbs = cfg.micro_batch_size
+    mbs = micro_batch_rows(rows, limits, limits.rows)
     teacher = clean_pass(engine, rows, mbs)
     B = len(rows.n)
     total = fill_to_ranks(B, mbs)
@@ -169,7 +174,7 @@ def oar_g(engine, batch: AttributionBatch, rows: EngineRows, cfg: OARConfig, see
     try:
         if total:
             td = engine_batch([rows.ids[b] for b in order], row_ids, mbs, engine.engine_config.use_fused_kernels)
-            with no_param_grads(engine):
+            with no_param_grads(engine), full_recompute(engine):
                 run_engine(engine, td, hook, forward_only=False)
     finally:
         if handle is not None:

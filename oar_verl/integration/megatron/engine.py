@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from oar_verl.core.budget import PassLimits
 from oar_verl.core.gradient import frozen_parameters
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.integration.collectives import max_over_ranks
@@ -181,6 +182,38 @@ def no_param_grads(engine) -> Iterator[None]:
     finally:
         for c, n, v in saved:
             setattr(c, n, v)
+
+
+def micro_batch_rows(rows: EngineRows, limits: PassLimits, cap: int | None) -> int:
+    """Rows (or masked copies, as long as their rows) per engine micro-batch under the token budget.
+
+    The engine pads a micro-batch to its longest row, so rows × the longest sequence of any rank must fit; every rank
+    computes the same number (the longest is all-reduced), as :func:`fill_to_ranks` needs.
+    """
+    longest = max_over_ranks(max(rows.n, default=1))
+    n = max(1, limits.tokens // max(longest, 1))
+    return min(n, cap) if cap is not None else n
+
+
+@contextlib.contextmanager
+def full_recompute(engine) -> Iterator[None]:
+    """The engine's full activation recomputation for an attribution backward, with eval numerics.
+
+    megatron-core's ``TransformerBlock`` recomputes its layers when ``recompute_granularity == "full"`` and its own
+    ``training`` flag is set; dropout reads the layers' flags. Only the blocks' flags are raised, and restored after.
+    """
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    blocks = [m for chunk in engine.module for m in chunk.modules()
+              if isinstance(m, TransformerBlock) and getattr(m.config, "recompute_granularity", None) == "full"]
+    saved = [m.training for m in blocks]
+    try:
+        for m in blocks:
+            m.training = True
+        yield
+    finally:
+        for m, flag in zip(blocks, saved):
+            m.training = flag
 
 
 def fill_to_ranks(n: int, mbs: int) -> int:
