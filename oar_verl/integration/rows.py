@@ -80,6 +80,7 @@ class StepAttribution:
         answer_probe: (B,) bool the probe read answer tokens (the response's or, with ``target=reference``, the
             ground truth's) rather than LT-Logits.
         batch: the batch rows the step read.
+        rounds: (N,) the attribution passes the rank of each attributed row ran (-1: not counted).
     """
 
     estimator: EstimatorInputs
@@ -88,6 +89,7 @@ class StepAttribution:
     found: torch.Tensor
     answer_probe: torch.Tensor
     batch: BatchRows
+    rounds: torch.Tensor
 
 
 def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: BatchRows,
@@ -96,8 +98,8 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
 
     Args:
         out: the worker's outputs, padded: ``token_importance`` (N, T') float, ``oar_reasoning_mask`` and
-            ``oar_answer_mask`` (N, T') 0/1, ``oar_span_found`` and ``oar_answer_probe`` (N,) 0/1; None when no row
-            was attributed.
+            ``oar_answer_mask`` (N, T') 0/1, ``oar_span_found`` and ``oar_answer_probe`` (N,) 0/1, ``oar_rounds`` (N,);
+            None when no row was attributed.
         rows: (N,) the rows ``out`` belongs to (duplicates allowed: the last write wins, with identical values).
         batch: the batch rows.
         base: the base estimator's (advantages, returns), (B, T) each, or None.
@@ -107,7 +109,9 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
     importance, reasoning = torch.zeros(B, T), torch.zeros(B, T, dtype=torch.bool)
     answer = torch.zeros(B, T, dtype=torch.bool)
     found, probe = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
+    rounds = torch.full((len(rows),), -1.0)
     if out is not None and len(rows):
+        rounds = out["oar_rounds"].float() if "oar_rounds" in out else rounds
         importance = scatter_rows(out["token_importance"].float(), rows, B, T)
         reasoning = scatter_rows(out["oar_reasoning_mask"].bool(), rows, B, T, fill=False)
         answer = scatter_rows(out["oar_answer_mask"].bool(), rows, B, T, fill=False)
@@ -116,4 +120,4 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
     base_adv, base_ret = base if base is not None else (None, None)
     inputs = EstimatorInputs(importance, reasoning & batch.response_mask.bool(), attributed, batch.response_mask,
                              batch.scores if base is not None else None, base_adv, base_ret)
-    return StepAttribution(inputs, rows, answer, found, probe, batch)
+    return StepAttribution(inputs, rows, answer, found, probe, batch, rounds)

@@ -117,6 +117,9 @@ class OARStep:
         metrics = oar_metrics(result.token_weights, result.base_advantages, result.advantages, response_mask,
                               span_found=att.found[att.rows], answer_probe=att.answer_probe[att.rows])
         metrics["oar/attributed_seq_frac"] = len(att.rows.unique()) / max(int(response_mask.shape[0]), 1)
+        metrics["oar/global_step"] = float(global_step)  # the step the probe schedule and the noise seeds used
+        if len(att.rounds) and bool((att.rounds >= 0).all()):  # passes per data-parallel rank (the slowest sets it)
+            metrics["oar/rounds_max"], metrics["oar/rounds_min"] = float(att.rounds.max()), float(att.rounds.min())
         if dumps.due(self.cfg, global_step) and att.batch.responses is not None and len(att.rows):
             dumps.dump_step(self.cfg, global_step, att, result, self.tokenizer, self.default_local_dir)
         return metrics

@@ -35,7 +35,8 @@ STEP_KEY = "oar_global_step"
 GROUND_TRUTH_KEY = "oar_ground_truth"
 
 # what compute_token_importance returns: per row (nested, response-aligned) and per sequence
-OUTPUT_FIELDS = ("token_importance", "oar_reasoning_mask", "oar_answer_mask", "oar_span_found", "oar_answer_probe")
+OUTPUT_FIELDS = ("token_importance", "oar_reasoning_mask", "oar_answer_mask", "oar_span_found", "oar_answer_probe",
+                 "oar_rounds")
 
 
 def unpack_rows(data: TensorDict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -83,12 +84,14 @@ class OARActorRolloutRefWorker(ActorRolloutRefWorker):
 
         Returns (on the engine's output-collecting ranks, None elsewhere):
             TensorDict of batch size B: nested (B, T_i) ``token_importance`` float32, ``oar_reasoning_mask`` and
-            ``oar_answer_mask`` float 0/1; (B,) ``oar_span_found`` and ``oar_answer_probe`` float 0/1.
+            ``oar_answer_mask`` float 0/1; (B,) ``oar_span_found`` and ``oar_answer_probe`` float 0/1, and
+            ``oar_rounds``: the passes this rank needed (before padding to the slowest rank; -1 on Megatron).
         """
         cfg = _config(json.dumps(tu.get(data, CONFIG_KEY), sort_keys=True))
         step = int(tu.get(data, STEP_KEY, default=0))
         engine = self.actor.engine
         megatron = type(engine).__module__.startswith("verl.workers.engine.megatron")  # FSDP installs lack mcore
+        own_rounds = -1  # passes this rank ran before padding to the slowest rank (not counted on Megatron)
         device = torch.device("cpu") if megatron else _module_device(engine.module)  # Megatron: a list of chunks
         prompts, responses = unpack_rows(data)
         truths = ground_truths(data) if cfg.target == "reference" else None
@@ -109,7 +112,8 @@ class OARActorRolloutRefWorker(ActorRolloutRefWorker):
             shape = model_shape(engine.module)
             guard = memory_guard(device, shape, checkpointing=checkpointing) if shape is not None else None
             limits = pass_limits(cfg, tokens, guard)
-            rounds = max_over_ranks(collective_rounds(prepared.batch, cfg, limits), device)
+            own_rounds = collective_rounds(prepared.batch, cfg, limits)
+            rounds = max_over_ranks(own_rounds, device)
             with engine.eval_mode(), whole_sequences():
                 engine.module.eval()  # no dropout during attribution
                 importance = run_attribution(engine.module, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
@@ -124,6 +128,7 @@ class OARActorRolloutRefWorker(ActorRolloutRefWorker):
             "oar_answer_mask": _nested([spans.answer_mask[i, :n].float() for i, n in enumerate(lens)]),
             "oar_span_found": spans.found.float(),
             "oar_answer_probe": prepared.answer_probe.float(),
+            "oar_rounds": torch.full((len(lens),), float(own_rounds)),
         }, batch_size=[len(lens)]).cpu()
 
 

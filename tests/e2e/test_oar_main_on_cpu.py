@@ -1,9 +1,11 @@
 """End to end: OAR inside verl's real trainer on CPU (Ray, TransferQueue, FSDP2 engine workers, vLLM-CPU rollout).
 
-``python -m oar_verl.main`` runs 3 steps each of OAR-G and OAR-P on the V1 trainer and OAR-G on the legacy
-``RayPPOTrainer``. From verl's file-logger JSONL, every step must carry the ``oar/*`` metrics and ``timing_s/oar``;
-the token weights must be non-uniform while every sequence keeps its advantage mass; and the policy must update.
-Bad configurations must fail before any rollout, naming the key.
+``python -m oar_verl.main`` runs OAR-P on the V1 trainer and OAR-G on the legacy ``RayPPOTrainer`` for 3 steps, and
+OAR-G on the V1 trainer at scale settings -- 2 data-parallel ranks, dynamic batch sizes, a bf16 actor with gradient
+checkpointing and a token budget that needs several attribution passes per rank -- saved at step 2 and resumed to
+step 4. From verl's file-logger JSONL, every step must carry the ``oar/*`` metrics and ``timing_s/oar``; the token
+weights must be non-uniform while every sequence keeps its advantage mass; and the policy must update. Bad
+configurations must fail before any rollout, naming the key.
 """
 
 from __future__ import annotations
@@ -45,24 +47,16 @@ def _run(tiny_assets, tmp_path, experiment, extra, module="oar_verl.main", timeo
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize("name,extra", [
-    ("oar_g_v1", ["algorithm.oar.mode=gradient", "algorithm.oar.probe_warmup_steps=1"]),
-    ("oar_p_v1", ["algorithm.oar.mode=perturbation", "algorithm.oar.chunk_size=16"]),
-    ("oar_g_legacy", ["algorithm.oar.mode=gradient", "trainer.use_v1=false"]),
-])
-def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
-    dump_dir = tmp_path / "dumps"
-    run = _run(tiny_assets, tmp_path, name,
-               [*extra, "algorithm.oar.dump_every=2", f"algorithm.oar.dump_dir={dump_dir}"])
+def _check_oar_run(name, run, steps, dump_dir=None):
+    """The assertions every OAR run must pass, on its logged ``steps``."""
     print(f"{name}: rc={run.returncode} wall={run.wall_s:.0f}s peak tree RSS={run.peak_rss_gib} GiB "
           f"peak used-memory rise={run.peak_used_gib} GiB")
     for m in run.metrics:
-        print({k: m.get(k) for k in ("step", "timing_s/step", "timing_s/oar", "actor/grad_norm",
-                                     "oar/weight_std", "oar/ess_ratio", "oar/adv_mass_rel_err")})
+        print({k: m.get(k) for k in ("step", "timing_s/step", "timing_s/oar", "actor/grad_norm", "oar/weight_std",
+                                     "oar/ess_ratio", "oar/adv_mass_rel_err", "oar/rounds_max", "oar/rounds_min",
+                                     "oar/answer_probe_frac")})
     assert run.returncode == 0, f"{name} failed (rc={run.returncode}); log tail:\n{run.log_tail()}"
-    assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in run.metrics] == list(steps)
     for m in run.metrics:
         missing = [k for k in OAR_KEYS if k not in m]
         assert not missing, f"step {m['step']} lacks {missing}"
@@ -73,9 +67,59 @@ def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
     assert reshaped, "no step had a sequence with a non-zero advantage to reshape"
     assert any(m["oar/weight_std"] > 1e-3 and m["oar/ess_ratio"] < 1.0 for m in reshaped)
     assert all(abs(m["oar/weight_mean"] - 1.0) < 1e-4 for m in reshaped)  # mean one over reasoning tokens
+    assert all(m["oar/global_step"] == m["step"] for m in run.metrics)
     grad_norms = [m.get("actor/grad_norm", 0.0) for m in run.metrics]
     assert any(g > 0 and math.isfinite(g) for g in grad_norms), grad_norms
-    # token dumps for heatmaps: step 2 only (dump_every=2), whole prompt groups, per-token arrays aligned
+    if dump_dir is not None:
+        _check_dumps(dump_dir)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("name,extra", [
+    ("oar_p_v1", ["algorithm.oar.mode=perturbation", "algorithm.oar.chunk_size=16"]),
+    ("oar_g_legacy", ["algorithm.oar.mode=gradient", "trainer.use_v1=false"]),
+])
+def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
+    dump_dir = tmp_path / "dumps"
+    run = _run(tiny_assets, tmp_path, name,
+               [*extra, "algorithm.oar.dump_every=2", f"algorithm.oar.dump_dir={dump_dir}"])
+    _check_oar_run(name, run, range(1, STEPS + 1), dump_dir)
+
+
+# 2 fake GPUs; the actor in bf16 (fp32 reductions) with gradient checkpointing and dynamic micro-batches of 120
+# tokens, which attribution inherits as its budget (algorithm.oar.max_token_len_per_gpu is left unset): rows of
+# 60-80 tokens need a pass each; checkpoints every 2 steps, resumed automatically
+SCALE = ["algorithm.oar.mode=gradient", "algorithm.oar.target=reference", "algorithm.oar.probe=auto",
+         "algorithm.oar.probe_warmup_steps=3", "trainer.n_gpus_per_node=2", "++ray_kwargs.ray_init.num_gpus=2",
+         "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+         "++actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}",
+         "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=120",
+         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=120", "trainer.save_freq=2",
+         "trainer.resume_mode=auto"]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1800)
+def test_oar_g_at_scale_settings_saves_and_resumes(tiny_assets, tmp_path):
+    """Steps 1-2, a checkpoint at step 2, then a second launch that resumes it and runs steps 3-4: the global step,
+    the probe warm-up schedule (LT-Logits for steps 1-2, AS-Mean from step 3: the ground truth's span is always
+    there with target=reference) and the OAR-G noise seeds, derived from the global step, continue as in one run."""
+    first = _run(tiny_assets, tmp_path, "oar_g_scale", [*SCALE, "trainer.total_training_steps=2"])
+    _check_oar_run("oar_g_scale (steps 1-2)", first, [1, 2])
+    assert (tmp_path / "checkpoints" / "global_step_2").is_dir()
+    resumed = _run(tiny_assets, tmp_path, "oar_g_scale", [*SCALE, "trainer.total_training_steps=4"])
+    _check_oar_run("oar_g_scale (resumed, steps 3-4)", resumed, [3, 4])
+    probe = {m["step"]: m["oar/answer_probe_frac"] for m in first.metrics + resumed.metrics}
+    assert probe == {1: 0.0, 2: 0.0, 3: 1.0, 4: 1.0}, probe
+    # the budget needs several passes on every rank (ranks pad to the slowest; unequal counts are tested
+    # deterministically by tests/integration/test_worker_group_on_cpu.py)
+    assert all(m["oar/rounds_min"] >= 2 for m in first.metrics + resumed.metrics)
+
+
+def _check_dumps(dump_dir):
+    """Token dumps for heatmaps: step 2 only (dump_every=2), whole prompt groups, per-token arrays aligned."""
     assert sorted(p.name for p in dump_dir.glob("*.jsonl")) == ["step_2.jsonl"]
     records = [json.loads(line) for line in (dump_dir / "step_2.jsonl").read_text().splitlines()]
     assert records and all(r["step"] == 2 for r in records)

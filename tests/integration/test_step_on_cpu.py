@@ -68,7 +68,8 @@ class InProcessIO:
         return {"token_importance": pad(prepared.response_importance(imp)),
                 "oar_reasoning_mask": pad([spans.reasoning_mask[i, :n].float() for i, n in enumerate(lens)]),
                 "oar_answer_mask": pad([spans.answer_mask[i, :n].float() for i, n in enumerate(lens)]),
-                "oar_span_found": spans.found.float(), "oar_answer_probe": prepared.answer_probe.float()}
+                "oar_span_found": spans.found.float(), "oar_answer_probe": prepared.answer_probe.float(),
+                "oar_rounds": torch.full((len(idx),), 2.0)}
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,7 @@ def test_one_step_reads_top_to_bottom(setup, tmp_path, mode):
     assert seq[0] > 0 > seq[1]
     assert metrics["oar/attributed_seq_frac"] == 0.5 and metrics["oar/answer_probe_frac"] == 1.0
     assert metrics["oar/adv_mass_rel_err"] < 1e-6 and metrics["oar/span_found_frac"] == 1.0
+    assert metrics["oar/global_step"] == 3.0 and metrics["oar/rounds_max"] == metrics["oar/rounds_min"] == 2.0
     dumped = [json.loads(line) for line in (tmp_path / "step_3.jsonl").read_text().splitlines()]
     assert {d["uid"] for d in dumped} == {"p0"}
 

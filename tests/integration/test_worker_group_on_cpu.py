@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from oar_verl.core.attribution import run_attribution
+from oar_verl.core.attribution import collective_rounds, pass_limits, run_attribution
 from oar_verl.core.config import OARConfig
 from oar_verl.core.preprocess import prepare_attribution
 from oar_verl.cpu.launcher import cpu_env, new_ray_temp_dir
@@ -44,7 +44,12 @@ def core_reference(model_dir, res):
                                  seeds=prepared.seeds)
     ref = padded(prepared.response_importance(importance))
     assert prepared.answer_probe.all()  # as_mean on a found span: every probe read answer tokens
-    return ref, prepared.spans
+    rounds = []  # what each rank needs: rank r holds rows [2r, 2r + 2)
+    for r in range(2):
+        half = prepare_attribution(res["prompts"][2 * r: 2 * r + 2], res["responses"][2 * r: 2 * r + 2], tok, cfg, 3,
+                                   ground_truths=res["truths"][2 * r: 2 * r + 2] if cfg.target == "reference" else None)
+        rounds.append(collective_rounds(half.batch, cfg, pass_limits(cfg)))
+    return ref, prepared.spans, rounds
 
 
 def padded(rows):
@@ -56,7 +61,7 @@ def padded(rows):
                                          ("perturbation", "reference")])
 def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
     two = run_job(tiny_assets.model_dir, tmp_path, 2, mode, target)
-    ref, spans = core_reference(tiny_assets.model_dir, two)
+    ref, spans, rounds = core_reference(tiny_assets.model_dir, two)
     got = padded(two["token_importance"])
     assert got.shape == ref.shape
     assert (ref != 0).sum() > 10  # not vacuous
@@ -64,10 +69,14 @@ def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
     assert torch.equal(padded(two["reasoning"]).bool(), spans.reasoning_mask)
     assert two["span_found"].bool().tolist() == spans.found.tolist() == [True, True, True, True]
     assert two["answer_probe"].bool().all()  # as_mean read answer tokens on every row
+    # each rank reports the passes it needed under the token budget: the ranks differ, and the call still finished
+    # (the short rank padded its collectives to the long rank's count)
+    assert two["rounds"].tolist() == [rounds[0]] * 2 + [rounds[1]] * 2 and rounds[0] != rounds[1], (two["rounds"],
+                                                                                                   rounds)
     # attribution leaves the policy as it was: the engine's log-probs are bit-identical before and after
     for a, b in zip(two["log_probs_before"], two["log_probs_after"]):
         assert torch.equal(a, b)
-    if mode == "gradient":  # one rank: same result (noise is seeded per sequence, not per rank)
+    if mode == "gradient":  # one rank (under the same budget): same result (noise is seeded per sequence, not rank)
         one = run_job(tiny_assets.model_dir, tmp_path, 1, mode)
         torch.testing.assert_close(padded(one["token_importance"]), got, rtol=2e-3,
                                    atol=1e-6 * float(ref.abs().max()))

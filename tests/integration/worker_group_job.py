@@ -5,6 +5,9 @@ imported). Builds the group exactly like verl's trainers do (``create_colocated_
 RPC on a nested TensorDict whose data-parallel shards hold different lengths, and saves inputs and outputs.
 
 usage: python worker_group_job.py MODEL_DIR OUT_FILE N_RANKS MODE RAY_TMP [TARGET]
+
+The actor runs with gradient checkpointing, and attribution with a token budget of 100 tokens per pass, so that the
+two ranks need different numbers of passes (short rows share passes on rank 0, long rows run alone on rank 1).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ RESPONSES = ["The answer is 7.", "12 plus 30 is 42. The answer is 42.",
              "5 plus 9: count up from 5 by nine steps, which gives 14. The answer is 14.",
              "Seven and eight make fifteen, so #### 15"]
 GROUND_TRUTHS = ["7", "42", "14", "15"]
+BUDGET = 100
 
 
 def main() -> None:
@@ -48,7 +52,7 @@ def main() -> None:
     with initialize_config_dir(config_dir=cfg_dir, version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=[
             f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_remove_padding=False",
-            "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=True",
             "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
             "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2",
             "actor_rollout_ref.actor.use_torch_compile=False",
@@ -78,7 +82,7 @@ def main() -> None:
             "loss_mask": nested([torch.cat([torch.zeros(len(p)), torch.ones(len(r))])
                                  for p, r in zip(prompts, responses)]),
         }, batch_size=[len(ids)])
-        oar = OARConfig(mode=mode, probe="as_mean", chunk_size=5, micro_batch_size=1, target=target)
+        oar = OARConfig(mode=mode, probe="as_mean", max_token_len_per_gpu=BUDGET, target=target)
         # verl's RL datasets store the ground truth with every sample; target=reference reads it from there
         tu.assign_non_tensor(data, reward_model=[{"ground_truth": g, "style": "rule"} for g in GROUND_TRUTHS])
         logp_data = data.clone()
@@ -93,6 +97,7 @@ def main() -> None:
                     "answer": [t.clone() for t in out["oar_answer_mask"].unbind()],
                     "span_found": out["oar_span_found"].clone(),
                     "answer_probe": out["oar_answer_probe"].clone(),
+                    "rounds": out["oar_rounds"].clone(),
                     "log_probs_before": [t.clone() for t in before.unbind()],
                     "log_probs_after": [t.clone() for t in after.unbind()]}, out_file)
     finally:
