@@ -20,9 +20,11 @@ What it does, each part idempotent (safe on re-import and double registration):
 2. wraps ``torch.distributed.init_process_group`` to de-duplicate the backend string;
 3. registers verl's FSDP/FSDP2 engines for device ``cpu`` once their module is imported
    (so ``VERL_ENGINE_DEVICE=cuda`` is not needed, though it still works);
-4. in processes that import vLLM's layer utilities, keeps Linear weights live for verl's weight sync.
+4. in processes that import vLLM's layer utilities, keeps Linear weights live for verl's weight sync;
+5. registers the Hugging Face attention implementation ``ulysses_sdpa`` (:mod:`oar_verl.cpu.ulysses_attention`), a
+   CPU stand-in for verl's flash-attention-based Ulysses sequence parallelism.
 
-Parts 3 and 4 run lazily through a post-import hook, so loading this module never imports the FSDP
+Parts 3 to 5 run lazily through a post-import hook, so loading this module never imports the FSDP
 engine or vLLM itself, and the import order of verl and vLLM within a process does not matter.
 """
 
@@ -362,8 +364,22 @@ def _keep_vllm_linear_weights(vllm_layer_utils: ModuleType) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# 5. Ulysses sequence parallelism without flash-attn: the attention implementation "ulysses_sdpa"
+# ---------------------------------------------------------------------------------------------------------
+
+_HF_MODELING_UTILS = "transformers.modeling_utils"
+
+
+def _register_ulysses_attention(_module: ModuleType) -> None:
+    from oar_verl.cpu import ulysses_attention
+
+    ulysses_attention.register()
+
+
+# ---------------------------------------------------------------------------------------------------------
 
 _register_platform()
 _patch_init_process_group()
 when_imported(_FSDP_MODULE, _register_fsdp_engines_for_cpu)
 when_imported(_VLLM_LAYER_UTILS, _keep_vllm_linear_weights)
+when_imported(_HF_MODELING_UTILS, _register_ulysses_attention)

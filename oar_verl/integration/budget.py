@@ -3,8 +3,8 @@
 OAR-P's passes are forward-only, like verl's log-prob pass; OAR-G's are forward + backward, like the PPO update. So
 each method takes the budget of its counterpart: with ``use_dynamic_bsz`` the ``*_max_token_len_per_gpu`` of that
 pass, otherwise its micro-batch size × the longest sequence of the batch. ``algorithm.oar.max_token_len_per_gpu``
-overrides both. Under Ulysses sequence parallelism verl's budgets are per GPU for a 1/sp shard of each sequence,
-while attribution holds whole sequences on every rank today (docs/verl.md), so the budget is not scaled up.
+overrides both. Under Ulysses sequence parallelism the budget is per GPU, for each rank's shard of a pass, as verl's
+own budgets are (docs/verl.md).
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ nested tensors that the TransferQueue bridge stores under the batch keys (V1) or
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
@@ -24,6 +23,8 @@ from oar_verl.core.attribution import collective_rounds, pass_limits, run_attrib
 from oar_verl.core.config import OARConfig
 from oar_verl.core.memory import memory_guard, model_shape
 from oar_verl.core.preprocess import prepare_attribution
+from oar_verl.core.sequence_parallel import (SequenceShards, collective_rounds_sharded, oar_g_importance_sharded,
+                                             oar_p_importance_sharded)
 from oar_verl.integration.budget import actor_token_budget
 from oar_verl.integration.collectives import max_over_ranks
 
@@ -112,13 +113,26 @@ class OARActorRolloutRefWorker(ActorRolloutRefWorker):
             shape = model_shape(engine.module)
             guard = memory_guard(device, shape, checkpointing=checkpointing) if shape is not None else None
             limits = pass_limits(cfg, tokens, guard)
-            own_rounds = collective_rounds(prepared.batch, cfg, limits)
+            shards = _sequence_shards(engine)
+            if shards is None:
+                own_rounds = collective_rounds(prepared.batch, cfg, limits)
+            else:  # Ulysses: every pass sharded over the group, like verl's own forward (docs/verl.md)
+                own_rounds = collective_rounds_sharded(prepared.batch, cfg.mode, limits, shards, cfg.mask_span)
             rounds = max_over_ranks(own_rounds, device)
-            with engine.eval_mode(), whole_sequences():
+            pad_id = self.actor.model_config.tokenizer.pad_token_id or 0
+            with engine.eval_mode():
                 engine.module.eval()  # no dropout during attribution
-                importance = run_attribution(engine.module, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
-                                             seeds=prepared.seeds, limits=limits, min_rounds=rounds,
-                                             checkpointing=checkpointing)
+                if shards is None:
+                    importance = run_attribution(engine.module, prepared.batch, cfg,
+                                                 mask_token_id=prepared.mask_token_id, seeds=prepared.seeds,
+                                                 limits=limits, min_rounds=rounds, checkpointing=checkpointing)
+                elif cfg.mode == "perturbation":
+                    importance = oar_p_importance_sharded(engine.module, prepared.batch, prepared.mask_token_id,
+                                                          limits, shards, pad_id, rounds, cfg.mask_span)
+                else:
+                    importance = oar_g_importance_sharded(engine.module, prepared.batch, cfg.noise_std,
+                                                          prepared.seeds, limits, shards, pad_id, rounds,
+                                                          checkpointing)
         if not engine.is_mp_src_rank_with_outputs():
             return None
         lens, spans = prepared.response_lengths, prepared.spans
@@ -132,23 +146,12 @@ class OARActorRolloutRefWorker(ActorRolloutRefWorker):
         }, batch_size=[len(lens)]).cpu()
 
 
-@contextlib.contextmanager
-def whole_sequences():
-    """Run the module on whole (unsliced) sequences even under Ulysses sequence parallelism.
-
-    ``engine.eval_mode()`` installs the Ulysses group, and verl's patched attention then all-to-alls sequence shards.
-    Attribution calls the module directly on whole padded sequences, which every rank of a sequence-parallel group
-    holds identically, so the group is lifted for the duration: each SP rank computes the same result redundantly
-    (correct, and the collective counts stay equal).
-    """
-    from verl.utils.ulysses import get_ulysses_sequence_parallel_group, set_ulysses_sequence_parallel_group
-
-    previous = get_ulysses_sequence_parallel_group()
-    set_ulysses_sequence_parallel_group(None)
-    try:
-        yield
-    finally:
-        set_ulysses_sequence_parallel_group(previous)
+def _sequence_shards(engine) -> SequenceShards | None:
+    """The engine's Ulysses sequence-parallel group as :class:`SequenceShards`, None without sequence parallelism."""
+    size = getattr(engine, "ulysses_sequence_parallel_size", 1) or 1
+    if size <= 1:
+        return None
+    return SequenceShards(engine.ulysses_parallel_group, engine.ulysses_device_mesh["sp"].get_local_rank(), size)
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:

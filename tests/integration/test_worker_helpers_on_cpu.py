@@ -46,19 +46,3 @@ def test_write_dump_records(tmp_path):
     assert "".join(recs[0]["tokens"]) == texts[0] and "".join(recs[1]["tokens"]) == texts[1]
     assert len(recs[1]["weight"]) == len(ids[1]) and recs[0]["span_found"] and not recs[1]["span_found"]
     assert not list(tmp_path.glob("d/*.tmp"))
-
-
-def test_whole_sequences_lifts_and_restores_the_ulysses_group():
-    from verl.utils import ulysses
-
-    from oar_verl.integration.worker import whole_sequences
-
-    sentinel = object()
-    ulysses.set_ulysses_sequence_parallel_group(sentinel)
-    try:
-        with whole_sequences():
-            assert ulysses.get_ulysses_sequence_parallel_group() is None
-            assert ulysses.get_ulysses_sequence_parallel_world_size() == 1
-        assert ulysses.get_ulysses_sequence_parallel_group() is sentinel
-    finally:
-        ulysses.set_ulysses_sequence_parallel_group(None)

@@ -4,7 +4,10 @@ Launched by test_worker_group_on_cpu.py in a fresh process (the CPU platform mus
 imported). Builds the group exactly like verl's trainers do (``create_colocated_worker_cls`` + ``spawn``), calls the
 RPC on a nested TensorDict whose data-parallel shards hold different lengths, and saves inputs and outputs.
 
-usage: python worker_group_job.py MODEL_DIR OUT_FILE N_RANKS MODE RAY_TMP [TARGET]
+usage: python worker_group_job.py MODEL_DIR OUT_FILE N_RANKS MODE RAY_TMP [TARGET [SP]]
+
+SP > 1: Ulysses sequence parallelism of that size (remove-padding layout, the CPU stand-in attention
+``ulysses_sdpa``), so the ranks form sequence-parallel groups instead of data-parallel ranks.
 
 The actor runs with gradient checkpointing, and attribution with a token budget of 100 tokens per pass, so that the
 two ranks need different numbers of passes (short rows share passes on rank 0, long rows run alone on rank 1).
@@ -40,6 +43,7 @@ BUDGET = 100
 def main() -> None:
     model_dir, out_file, n_ranks, mode, ray_tmp = sys.argv[1:6]
     target = sys.argv[6] if len(sys.argv) > 6 else "response"
+    sp = int(sys.argv[7]) if len(sys.argv) > 7 else 1
     n_ranks = int(n_ranks)
     from transformers import AutoTokenizer
 
@@ -51,9 +55,10 @@ def main() -> None:
     cfg_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
     with initialize_config_dir(config_dir=cfg_dir, version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=[
-            f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_remove_padding=False",
+            f"actor_rollout_ref.model.path={model_dir}", f"actor_rollout_ref.model.use_remove_padding={sp > 1}",
             "actor_rollout_ref.model.enable_gradient_checkpointing=True",
-            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+            f"+actor_rollout_ref.model.override_config.attn_implementation={'ulysses_sdpa' if sp > 1 else 'sdpa'}",
+            f"actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size={sp}",
             "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2",
             "actor_rollout_ref.actor.use_torch_compile=False",
             "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",

@@ -1,0 +1,75 @@
+"""Sharded attribution on 2 gloo ranks (a sequence-parallel group), for test_sequence_parallel.py.
+
+usage: python -m torch.distributed.run --nproc_per_node 2 sequence_parallel_job.py OUT_DIR
+Each rank writes OUT_DIR/rank{R}.pt with its OAR-G and OAR-P importance (every rank holds the whole result).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from oar_verl.core.budget import PassLimits
+from oar_verl.core.gradient import sequence_seeds
+from oar_verl.core.layout import build_attribution_batch
+from oar_verl.core.probes import ProbeKind
+from oar_verl.core.sequence_parallel import (SequenceShards, collective_rounds_sharded, oar_g_importance_sharded,
+                                             oar_p_importance_sharded)
+from oar_verl.cpu import ulysses_attention
+
+
+def model(attn: str):
+    cfg = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=256,
+                      attn_implementation=attn)
+    torch.manual_seed(0)
+    m = Qwen2ForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        m.get_input_embeddings().weight.mul_(20.0)
+    return m
+
+
+def batch(kind: int):
+    g = torch.Generator().manual_seed(5)
+    B, P, T = 4, 5, 11
+    p_len, r_len = torch.tensor([5, 2, 4, 3]), torch.tensor([11, 6, 9, 10])
+    cols_p, cols_r = torch.arange(P)[None], torch.arange(T)[None]
+    prompt_mask = (cols_p >= P - p_len[:, None]).long()
+    response_mask = (cols_r < r_len[:, None]).long()
+    prompts = torch.where(prompt_mask.bool(), torch.randint(1, 97, (B, P), generator=g), 0)
+    responses = torch.where(response_mask.bool(), torch.randint(1, 97, (B, T), generator=g), 0)
+    reasoning = cols_r < (r_len - 4)[:, None]
+    answer = (cols_r >= (r_len - 2)[:, None]) & response_mask.bool()
+    return build_attribution_batch(prompts, prompt_mask, responses, response_mask, reasoning, answer,
+                                   torch.full((B,), kind))
+
+
+def main(out_dir: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    from verl.utils.ulysses import set_ulysses_sequence_parallel_group
+
+    ulysses_attention.register()
+    set_ulysses_sequence_parallel_group(dist.group.WORLD)
+    shards = SequenceShards(dist.group.WORLD, rank, dist.get_world_size())
+    lm = model(ulysses_attention.NAME)
+    results = {}
+    for kind in (ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT):
+        b = batch(int(kind))
+        seeds = sequence_seeds(3, 7, torch.arange(4))
+        for tokens in (12, 40):  # per rank: 12 -> one row (or a few copies) per pass; 40 -> several
+            limits = PassLimits(tokens)
+            results[(int(kind), tokens, "g")] = oar_g_importance_sharded(lm, b, 1e-3, seeds, limits, shards,
+                                                                         checkpointing=tokens == 40)
+            results[(int(kind), tokens, "p")] = oar_p_importance_sharded(lm, b, 0, limits, shards, mask_span=1)
+            results[(int(kind), tokens, "rounds")] = collective_rounds_sharded(b, "perturbation", limits, shards)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
