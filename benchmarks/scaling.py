@@ -171,12 +171,59 @@ def predicted(shape: str, dtype: torch.dtype, rows: int, length: int) -> dict:
     s = ModelShape(layers, hidden, inter, heads, kv, head_dim, vocab, torch.finfo(dtype).bits // 8)
     n = PROMPT + length
     mib = 2**20
-    return {"train": pass_bytes(PassKind.TRAINING, rows * n, s, checkpointing=True, logit_positions=rows * length) / mib,
+    train = pass_bytes(PassKind.TRAINING, rows * n, s, checkpointing=True, logit_positions=rows * length)
+    return {"train": train / mib,
             "oar_g": max(pass_bytes(PassKind.INPUT_GRADIENT, rows * n, s, checkpointing=True,
                                     logit_positions=rows * ANSWER),
                          pass_bytes(PassKind.FORWARD, rows * n, s, logit_positions=rows * ANSWER)) / mib,
             "oar_p": (pass_bytes(PassKind.FORWARD_CACHED, n, s) + s.per_layer_transient() * rows * n * s.dtype_bytes
                       + 2 * s.kv_heads * s.head_dim * rows * n * s.dtype_bytes) / mib}
+
+
+def _shape(name: str, dtype_bytes: int) -> ModelShape:
+    layers, hidden, heads, kv, head_dim, inter, vocab, _ = SHAPES[name]
+    return ModelShape(layers, hidden, inter, heads, kv, head_dim, vocab, dtype_bytes)
+
+
+def _params(name: str) -> tuple[float, float]:
+    """(all parameters, decoder-layer parameters) of a shape."""
+    layers, hidden, heads, kv, head_dim, inter, vocab, tied = SHAPES[name]
+    layer = hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+    return layers * layer + vocab * hidden * (1 if tied else 2), layers * layer
+
+
+def extrapolate(prompt: int = 1024, budget: int = 16384, gpus: int = 8) -> list[dict]:
+    """The cost model at real shapes (bf16, gradient checkpointing): per-GPU activation memory of one pass of the
+    training step, OAR-G and exact OAR-P at the same token budget, the training state per GPU, and time ratios."""
+    rows = []
+    for name in ("qwen2.5-7b", "qwen2.5-32b"):
+        shape = _shape(name, 2)
+        total, body = _params(name)
+        for length in (4096, 16384):
+            n = prompt + length
+            seqs = max(1, budget // n)
+            tokens = seqs * n
+            gib = 2**30
+            train = pass_bytes(PassKind.TRAINING, tokens, shape, checkpointing=True, logit_positions=seqs * length)
+            oar_g = pass_bytes(PassKind.INPUT_GRADIENT, tokens, shape, checkpointing=True, logit_positions=seqs * 2)
+            oar_p = (pass_bytes(PassKind.FORWARD_CACHED, n, shape) + shape.per_layer_transient() * tokens * 2
+                     + 2 * shape.kv_heads * shape.head_dim * tokens * 2)
+            # FLOPs per token: decoder body (matmuls + causal attention over half the context on average), LM head
+            f_body = 2 * body + 2 * shape.layers * shape.heads * shape.head_dim * n
+            f_head = 2 * shape.hidden * shape.vocab
+            t_train = 4 * f_body + 3 * f_head  # forward, recomputation, backward (inputs and weights)
+            t_oar_g = 4 * f_body  # teacher, student, recomputation, backward to the inputs only
+            t_oar_p = (length / 2 + 2) * f_body  # every copy recomputes its suffix: mean length/2 (+ the answer)
+            for setup, tp in (("FSDP", 1), ("Megatron TP=4 + SP", 4) if name == "qwen2.5-7b" else
+                              ("Megatron TP=8 + SP", 8)):
+                # training state: FSDP shards fp32 params, grads and Adam over all GPUs; Megatron keeps bf16 params
+                # and fp32 grads per TP shard and shards the optimizer over the data-parallel ranks
+                state = 16 * total / gpus if tp == 1 else (6 * total / tp + 12 * total / gpus)
+                rows.append({"model": name, "response": length, "sequences_per_pass": seqs, "setup": setup,
+                             "state_gib": state / gib, "train_gib": train / tp / gib, "oar_g_gib": oar_g / tp / gib,
+                             "oar_p_gib": oar_p / tp / gib, "oar_g_time": t_oar_g / t_train,
+                             "oar_p_time": t_oar_p / t_train})
+    return rows
 
 
 def run_points(args, lengths: list[int]) -> list[dict]:
@@ -185,7 +232,8 @@ def run_points(args, lengths: list[int]) -> list[dict]:
         for method in ("train", "oar_g", "oar_p"):
             cmd = [sys.executable, "-m", "benchmarks.scaling", "--point", method, "--point-length", str(n),
                    "--device", args.device, "--dtype", args.dtype, "--shape", args.shape, "--rows", str(args.rows),
-                   "--oar-p-sample", str(args.oar_p_sample)] + (["--threads", str(args.threads)] if args.threads else [])
+                   "--oar-p-sample", str(args.oar_p_sample)]
+            cmd += ["--threads", str(args.threads)] if args.threads else []
             start = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
             if proc.returncode != 0:
@@ -227,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="sample exact OAR-P's passes when it has more than 3 x this many passes per row (0: never)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model-only", action="store_true", help="print the cost model at Qwen2.5-7B / 32B shapes")
     ap.add_argument("--out", default="outputs/benchmarks")
     ap.add_argument("--point", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--point-length", type=int, default=0, help=argparse.SUPPRESS)
@@ -237,6 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.point:
         args.method = args.point
         print(json.dumps(point(args)))
+        return 0
+    if args.model_only:
+        print("model | response | seqs/pass | setup | state GiB | train act. GiB | OAR-G GiB | OAR-P GiB | "
+              "OAR-G time | OAR-P time (x train)")
+        for r in extrapolate():
+            print(f"{r['model']} | {r['response']} | {r['sequences_per_pass']} | {r['setup']} | {r['state_gib']:.0f} | "
+                  f"{r['train_gib']:.1f} | {r['oar_g_gib']:.1f} | {r['oar_p_gib']:.1f} | {r['oar_g_time']:.2f} | "
+                  f"{r['oar_p_time']:.0f}")
         return 0
     lengths = [int(x) for x in (args.lengths or ("256,1024" if args.quick else "512,2048,8192")).split(",")]
     meta = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
@@ -250,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     points = run_points(args, lengths)
     table = ratios(points)
     meta["wall_s"] = time.perf_counter() - start
-    print("\nlength | method | peak MiB | train peak MiB | peak ratio | vs train activations | s | train s | time ratio")
+    print("\nlength | method | peak MiB | train peak MiB | peak ratio | vs train activations | s | train s | "
+          "time ratio")
     for r in table:
         print(f"{r['length']:6d} | {r['method']:6s} | {r['peak_mib']:8.0f} | {r['train_peak_mib']:14.0f} | "
               f"{r['peak_ratio']:10.2f} | {r['peak_ratio_vs_activations']:20.2f} | {r['seconds']:8.1f} | "

@@ -27,6 +27,7 @@ __all__ = ["ModelShape", "PassKind", "free_accelerator_bytes", "memory_guard", "
 # residual + post-norm in/out (2H), gate/up (2I), activation and product (2I), down input (I)
 _SAVED_H, _SAVED_I = 4, 5
 _TRANSIENT_H, _TRANSIENT_I = 4, 3  # one layer's live tensors in a no-grad forward: hidden, norm, residual; gate/up/act
+_BACKWARD = 2  # a layer in its backward: its saved activations plus gradients of the same size
 
 
 @dataclass(frozen=True)
@@ -97,13 +98,16 @@ def pass_bytes(kind: str, tokens: int, shape: ModelShape, *, checkpointing: bool
     if kind == PassKind.FORWARD_CACHED:
         return shape.kv_cache() * tokens * b + layer + logit_positions * V * 4
     saved_layer = shape.per_layer_saved() * tokens * b
-    saved = (shape.layers * H * tokens * b + saved_layer) if checkpointing else shape.layers * saved_layer
+    # the layer being differentiated holds its saved activations and their gradients at once
+    backward = _BACKWARD * saved_layer
+    saved = (shape.layers * H * tokens * b + backward) if checkpointing else (shape.layers * saved_layer + backward)
     if kind == PassKind.INPUT_GRADIENT:
         leaf = 3 * H * tokens * b + 2 * H * tokens * 4  # clean, leaf, gradient; the fp32 product for the saliency
         return saved + leaf + logit_positions * V * 4 * 2
     if kind == PassKind.TRAINING:
         positions = tokens if logit_positions == 0 else logit_positions
-        return saved + positions * V * (b + 4 + 4)  # logits, fp32 log-softmax and its gradient
+        # logits at every position in the model's dtype; the fp32 log-softmax of the response and its gradient
+        return saved + tokens * V * b + positions * V * 4 * 2
     raise ValueError(f"unknown pass kind {kind!r}")
 
 
@@ -117,11 +121,12 @@ def free_accelerator_bytes(device: torch.device) -> int | None:
 
 
 def memory_guard(device: torch.device, shape: ModelShape, *, checkpointing: bool = False,
-                 logit_positions_per_row: int = 8, headroom: float = 0.9):
+                 logit_positions_per_row: int = 8, headroom: float = 0.9, margin: float = 1.5):
     """A ``fits(kind, rows, window)`` callback for :class:`oar_verl.core.budget.PassLimits`, or None where the device
     has no memory to guard (CPU). The free memory is read once, when the guard is made (right before the passes it
     guards), so every pass of a call is judged against the same figure and data-parallel ranks count their passes
-    before running them."""
+    before running them. A pass fits when ``margin`` × its estimate is within ``headroom`` × the free memory: the
+    estimates were within 0.6-1.5× of measured peaks on CPU (docs/scaling.md), so the margin covers the low side."""
     free = free_accelerator_bytes(device)
     if free is None:
         return None
@@ -130,7 +135,7 @@ def memory_guard(device: torch.device, shape: ModelShape, *, checkpointing: bool
     def fits(kind: str, rows: int, window: int) -> bool:
         need = pass_bytes(kind, rows * window, shape, checkpointing=checkpointing,
                           logit_positions=rows * logit_positions_per_row)
-        return need <= limit
+        return margin * need <= limit
 
     return fits
 

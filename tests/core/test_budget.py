@@ -190,3 +190,18 @@ def test_checkpointing_follows_a_model_that_enabled_it(make_batch):
         h.remove()
     assert len(calls) == 3  # teacher, student, and the student's recomputation in the backward
     assert model.model.layers[0].gradient_checkpointing and not model.model.layers[0].training
+
+
+def test_cost_model_orders_the_passes_and_the_guard_is_off_without_an_accelerator(lm64):
+    from oar_verl.core.memory import ModelShape, PassKind, memory_guard, model_shape, pass_bytes
+
+    shape = ModelShape(28, 3584, 18944, 28, 4, 128, 152064, 2)  # Qwen2.5-7B, bf16
+    n = 16384
+    train = pass_bytes(PassKind.TRAINING, n, shape, checkpointing=True)
+    g_ckpt = pass_bytes(PassKind.INPUT_GRADIENT, n, shape, checkpointing=True, logit_positions=8)
+    g_full = pass_bytes(PassKind.INPUT_GRADIENT, n, shape, checkpointing=False, logit_positions=8)
+    p = pass_bytes(PassKind.FORWARD_CACHED, n, shape)
+    assert p < g_ckpt < train < g_full  # without checkpointing OAR-G would out-grow the training step
+    assert pass_bytes(PassKind.FORWARD, 2 * n, shape) == 2 * pass_bytes(PassKind.FORWARD, n, shape)
+    assert model_shape(lm64).layers == 2 and model_shape(lm64).dtype_bytes == 8
+    assert memory_guard(torch.device("cpu"), shape) is None
