@@ -6,7 +6,8 @@ step (the first includes lazy start-up), its ratio to GRPO, and ``timing_s/oar``
 training compute (old log-prob + actor update). Also the share of sequences attributed (zero-advantage groups are
 skipped).
 
-usage: python -m benchmarks.overhead [--steps 8] [--rollout-n 4] [--batch 8] [--out outputs/benchmarks]
+usage: python -m benchmarks.overhead [--steps 8] [--rollout-n 4] [--batch 8] [--trainer-mode sync|colocate_async]
+                                    [--out outputs/benchmarks]
 """
 
 from __future__ import annotations
@@ -43,9 +44,12 @@ def main() -> int:
     ap.add_argument("--response-length", type=int, default=48)
     ap.add_argument("--out", default="outputs/benchmarks")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--trainer-mode", default="sync", choices=["sync", "colocate_async"],
+                    help="verl's V1 trainer mode, for GRPO and OAR alike (separate_async needs a GPU weight-sync "
+                         "backend: see README)")
     args = ap.parse_args()
 
-    out = Path(args.out).resolve() / "overhead"
+    out = Path(args.out).resolve() / ("overhead" if args.trainer_mode == "sync" else f"overhead_{args.trainer_mode}")
     shutil.rmtree(out, ignore_errors=True)
     assets = build_tiny_assets(out / "assets", seed=0)
     rows = []
@@ -58,7 +62,7 @@ def main() -> int:
                 reward_file=arith_reward.__file__, output_dir=run_dir, ray_temp_dir=ray_tmp, adv_estimator="oar",
                 steps=args.steps, train_batch_size=args.batch, rollout_n=args.rollout_n, max_prompt_length=32,
                 max_response_length=args.response_length, project="overhead", experiment=name,
-                extra=METHODS[name])
+                extra=[*METHODS[name], f"trainer.v1.trainer_mode={args.trainer_mode}"])
             print(f"[overhead] {name}: running {args.steps} steps ...", flush=True)
             run = run_main_ppo(overrides, output_dir=run_dir, env=cpu_env(file_logger_root=run_dir / "metrics"),
                                project="overhead", experiment=name, timeout_s=3600, module="oar_verl.main")
@@ -70,7 +74,8 @@ def main() -> int:
         m = run.metrics
         step = median_after_first(m, "timing_s/step")
         oar = median_after_first(m, "timing_s/oar")
-        train = median_after_first(m, "timing_s/old_log_prob") + median_after_first(m, "timing_s/update_actor")
+        # attribution runs inside the old-log-prob step (timing_s/oar is part of timing_s/old_log_prob)
+        train = median_after_first(m, "timing_s/old_log_prob") + median_after_first(m, "timing_s/update_actor") - oar
         rows.append({"method": name, "step_s": step, "oar_s": oar, "oar_share_of_step": oar / step,
                      "oar_share_of_training": oar / train if train else float("nan"), "train_s": train,
                      "attributed_frac": median_after_first(m, "oar/attributed_seq_frac") if name != "GRPO" else 0.0,
@@ -78,8 +83,8 @@ def main() -> int:
     base = next((r["step_s"] for r in rows if r["method"] == "GRPO"), None)
     for r in rows:
         r["ratio_to_grpo"] = r["step_s"] / base if base else float("nan")
-    print(f"\n# overhead — {date.today()} — CPU, tiny Qwen2 (head_dim 32), batch {args.batch} x n {args.rollout_n}, "
-          f"response <= {args.response_length}, median of steps 2..{args.steps}")
+    print(f"\n# overhead — {date.today()} — CPU, trainer mode {args.trainer_mode}, tiny Qwen2 (head_dim 32), batch "
+          f"{args.batch} x n {args.rollout_n}, response <= {args.response_length}, median of steps 2..{args.steps}")
     keys = ["method", "step_s", "ratio_to_grpo", "oar_s", "oar_share_of_step", "train_s", "oar_share_of_training",
             "attributed_frac"]
     print(" | ".join(f"{k:>21}" for k in keys))

@@ -2,7 +2,8 @@
 
 Same config tree and overrides as ``python -m verl.trainer.main_ppo`` plus the declared ``algorithm.oar.*`` keys. The
 OAR configuration is validated here, in the driver, before Ray starts: a bad value fails in seconds, naming the key.
-``trainer.use_v1`` (default true) selects verl's V1 trainer (trainer mode ``oar_sync``); false selects the legacy
+``trainer.use_v1`` (default true) selects verl's V1 trainers: the user's ``trainer.v1.trainer_mode`` (``sync``,
+``colocate_async`` or ``separate_async``) runs as its OAR counterpart (``oar_<mode>``); false selects the legacy
 ``RayPPOTrainer``.
 """
 
@@ -22,7 +23,7 @@ def main(config: DictConfig) -> None:
     from oar_verl.integration import plugin  # registers the estimator and trainers in this process too
     from oar_verl.integration.guard import uses_oar
     from oar_verl.integration.startup import validate_oar_setup
-    from oar_verl.integration.trainer_v1 import TRAINER_MODE
+    from oar_verl.integration.trainer_v1 import oar_trainer_mode
 
     if not plugin.loaded:
         raise RuntimeError("oar_verl failed to load its verl plugin; see the warning above")
@@ -31,8 +32,8 @@ def main(config: DictConfig) -> None:
         validate_oar_setup(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     if config.trainer.use_v1:
-        with open_dict(config):
-            config.trainer.v1.trainer_mode = TRAINER_MODE
+        with open_dict(config):  # the user's mode, with OAR (a mode OAR cannot extend fails here, naming the key)
+            config.trainer.v1.trainer_mode = oar_trainer_mode(config.trainer.v1.trainer_mode)
         run_ppo(config, task_runner_class=TaskRunnerV1)
     else:
         from oar_verl.integration.trainer_legacy import OARTaskRunner

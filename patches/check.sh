@@ -18,7 +18,7 @@ for p in "$HERE"/000*.patch; do
 done
 "$PY" -m py_compile verl/trainer/ppo/core_algos.py verl/trainer/ppo/ray_trainer.py verl/trainer/ppo/v1/trainer_base.py \
   verl/utils/distributed.py verl/plugin/platform/__init__.py verl/plugin/platform/platform_cpu.py \
-  verl/plugin/platform/platform_manager.py verl/workers/engine/fsdp/transformer_impl.py
+  verl/plugin/platform/platform_manager.py verl/workers/engine/fsdp/transformer_impl.py verl/utils/fsdp_utils.py
 echo "py_compile: ok"
 filter() { grep -v "UserWarning\|warnings.warn\|^\s*$" || true; }
 
@@ -197,3 +197,31 @@ echo "== smoke 0001 (legacy + V1 compute_advantage)"
 VERL_USE_EXTERNAL_PLUGINS=none PYTHONPATH="$WORK" "$PY" smoke_0001.py 2>&1 | filter
 echo "== smoke 0002/0003 (VERL_PLATFORM=cpu)"
 VERL_PLATFORM=cpu VERL_USE_EXTERNAL_PLUGINS=none PYTHONPATH="$WORK" "$PY" smoke_0002_0003.py 2>&1 | filter
+
+cat > smoke_0004.py <<'PY'
+"""Smoke check for patches/0004: a saved FSDP2 state on the CPU does not follow later updates."""
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from verl.utils.fsdp_utils import fsdp2_sharded_load_from_cpu, fsdp2_sharded_save_to_cpu
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29534", RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+state, spec = fsdp2_sharded_save_to_cpu(model)
+before = model[0].weight.full_tensor().clone()
+with torch.no_grad():
+    model[0].weight.add_(1.0)  # an optimizer step
+fsdp2_sharded_load_from_cpu(model, state, spec)
+assert torch.equal(model[0].weight.full_tensor(), before), "restored the updated weights: the save aliased them"
+print("0004: the saved state survives an update and restores pi_old")
+dist.destroy_process_group()
+print("SMOKE 0004 OK")
+PY
+echo "== smoke 0004 (FSDP2 save on CPU)"
+VERL_USE_EXTERNAL_PLUGINS=none PYTHONPATH="$WORK" "$PY" smoke_0004.py 2>&1 | filter

@@ -22,9 +22,11 @@ What it does, each part idempotent (safe on re-import and double registration):
    (so ``VERL_ENGINE_DEVICE=cuda`` is not needed, though it still works);
 4. in processes that import vLLM's layer utilities, keeps Linear weights live for verl's weight sync;
 5. registers the Hugging Face attention implementation ``ulysses_sdpa`` (:mod:`oar_verl.cpu.ulysses_attention`), a
-   CPU stand-in for verl's flash-attention-based Ulysses sequence parallelism.
+   CPU stand-in for verl's flash-attention-based Ulysses sequence parallelism;
+6. makes the detachable actor worker's ``save_model_to_cpu`` copy weights that already live on the CPU (verl moves
+   them with ``.cpu()``, a no-op there, so the saved π_old would follow every update).
 
-Parts 3 to 5 run lazily through a post-import hook, so loading this module never imports the FSDP
+Parts 3 to 6 run lazily through a post-import hook, so loading this module never imports the FSDP
 engine or vLLM itself, and the import order of verl and vLLM within a process does not matter.
 """
 
@@ -377,9 +379,31 @@ def _register_ulysses_attention(_module: ModuleType) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# 6. separate_async's "save the weights to CPU" must copy when they already are on the CPU
+# ---------------------------------------------------------------------------------------------------------
+
+_FSDP_UTILS = "verl.utils.fsdp_utils"
+
+
+def _copy_cpu_weight_saves(fsdp_utils: ModuleType) -> None:
+    original = fsdp_utils.fsdp2_sharded_save_to_cpu
+    if getattr(original, "_oar_copies", False):
+        return
+
+    def fsdp2_sharded_save_to_cpu(model: torch.nn.Module):
+        state, spec = original(model)
+        # `.cpu()` of a CPU tensor is the tensor itself: the "saved" weights would follow every later update
+        return {name: (t.clone(), s) for name, (t, s) in state.items()}, spec
+
+    fsdp2_sharded_save_to_cpu._oar_copies = True  # type: ignore[attr-defined]
+    fsdp_utils.fsdp2_sharded_save_to_cpu = fsdp2_sharded_save_to_cpu
+
+
+# ---------------------------------------------------------------------------------------------------------
 
 _register_platform()
 _patch_init_process_group()
 when_imported(_FSDP_MODULE, _register_fsdp_engines_for_cpu)
 when_imported(_VLLM_LAYER_UTILS, _keep_vllm_linear_weights)
 when_imported(_HF_MODELING_UTILS, _register_ulysses_attention)
+when_imported(_FSDP_UTILS, _copy_cpu_weight_saves)

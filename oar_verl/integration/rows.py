@@ -81,6 +81,8 @@ class StepAttribution:
             ground truth's) rather than LT-Logits.
         batch: the batch rows the step read.
         rounds: (N,) the attribution passes the rank of each attributed row ran (-1: not counted).
+        policy_match: (N,) per attributed row, 1 if its rank attributed with exactly the weights of its last
+            old-log-prob pass, 0 if not, NaN if no such pass ran (rollout-correction bypass mode).
     """
 
     estimator: EstimatorInputs
@@ -90,6 +92,7 @@ class StepAttribution:
     answer_probe: torch.Tensor
     batch: BatchRows
     rounds: torch.Tensor
+    policy_match: torch.Tensor
 
 
 def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: BatchRows,
@@ -110,8 +113,12 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
     answer = torch.zeros(B, T, dtype=torch.bool)
     found, probe = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
     rounds = torch.full((len(rows),), -1.0)
+    match = torch.full((len(rows),), float("nan"))
     if out is not None and len(rows):
         rounds = out["oar_rounds"].float() if "oar_rounds" in out else rounds
+        if "oar_weights" in out:
+            logp = out["oar_log_prob_weights"].double()
+            match = torch.where(logp.isnan(), float("nan"), (logp == out["oar_weights"].double()).double()).float()
         importance = scatter_rows(out["token_importance"].float(), rows, B, T)
         reasoning = scatter_rows(out["oar_reasoning_mask"].bool(), rows, B, T, fill=False)
         answer = scatter_rows(out["oar_answer_mask"].bool(), rows, B, T, fill=False)
@@ -120,4 +127,4 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
     base_adv, base_ret = base if base is not None else (None, None)
     inputs = EstimatorInputs(importance, reasoning & batch.response_mask.bool(), attributed, batch.response_mask,
                              batch.scores if base is not None else None, base_adv, base_ret)
-    return StepAttribution(inputs, rows, answer, found, probe, batch, rounds)
+    return StepAttribution(inputs, rows, answer, found, probe, batch, rounds, match)

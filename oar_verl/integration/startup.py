@@ -20,7 +20,8 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
     Raises:
         OARConfigError: an invalid ``algorithm.oar.*`` value (the message names the key and the allowed range).
         OARSetupError: a verl setting OAR cannot run with: an actor strategy other than FSDP/FSDP2/Megatron, a
-            Megatron layout the attribution does not support, or rollout-correction bypass mode.
+            Megatron layout the attribution does not support, or rollout-correction bypass mode on the legacy
+            trainer (whose bypass path skips the pass OAR attributes in).
     """
     cfg = read_oar_config(config.algorithm)
     actor = config.actor_rollout_ref.actor
@@ -41,7 +42,9 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
         raise OARConfigError(f"{cfg.prefix}.base_estimator='gae' needs a critic; OAR reshapes outcome advantages "
                              "(grpo, rloo, reinforce_plus_plus, ...)")
     rollout_corr = config.algorithm.get("rollout_correction", None)
-    if rollout_corr is not None and rollout_corr.get("bypass_mode", False):
-        raise OARSetupError("algorithm.rollout_correction.bypass_mode=true skips the old-log-prob pass that OAR "
-                            "attributes after; set it to false")
+    bypass = rollout_corr is not None and rollout_corr.get("bypass_mode", False)
+    if bypass and not config.trainer.get("use_v1", True):
+        raise OARSetupError("algorithm.rollout_correction.bypass_mode=true with trainer.use_v1=false: the legacy "
+                            "trainer's bypass path skips the old-log-prob step that OAR attributes in; use the V1 "
+                            "trainer (trainer.use_v1=true), which supports bypass mode, or set bypass_mode=false")
     return cfg

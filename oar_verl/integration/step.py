@@ -1,8 +1,12 @@
 """One OAR training step, top to bottom, for every trainer.
 
-verl computes the old log-probs, then runs its advantage step. OAR wraps that advantage step::
+verl computes the old log-probs, then (after the optional reference and value passes) runs its advantage step. OAR
+attributes right after the old-log-prob pass, with the very weights that computed the old log-probs, and opens the
+handoff around verl's advantage step::
 
-    with step.around_advantage(io, global_step, timing_raw, metrics):
+    att = step.attribute(io, global_step, timing_raw)     # right after verl's old-log-prob pass
+    ...
+    with step.advantage(att, global_step, metrics):
         <verl's own advantage step>
 
 which reads, in order:
@@ -72,23 +76,21 @@ class OARStep:
         self.tokenizer = tokenizer
         self.default_local_dir = default_local_dir
 
-    @contextlib.contextmanager
-    def around_advantage(self, io: TrainerIO, global_step: int, timing_raw: dict,
-                         metrics: dict) -> Iterator[StepAttribution]:
-        """Attribute, open the handoff for verl's advantage step (the with-block), then report into ``metrics``."""
+    def attribute(self, io: TrainerIO, global_step: int, timing_raw: dict) -> StepAttribution:
+        """Steps 1-5, timed as ``timing_s/oar``: rows → base advantage → selection → worker RPC → assembly."""
         with marked_timer(TIMER, timing_raw, color="purple"):
-            att = self.attribute(io, global_step)
+            batch = io.rows(with_responses=dumps.due(self.cfg, global_step))
+            base = self.base_advantage(batch)
+            rows = select_rows(self.wanted(batch, base), batch.eligible, io.dp_size())
+            out = io.compute_importance(rows, self.worker_options(global_step)) if len(rows) else None
+            return assemble(out, rows, batch, base)
+
+    @contextlib.contextmanager
+    def advantage(self, att: StepAttribution, global_step: int, metrics: dict) -> Iterator[StepAttribution]:
+        """Steps 6-7: the handoff open around verl's advantage step (the with-block), then ``oar/*`` into ``metrics``."""
         with handoff.scope(att.estimator) as opened:
             yield att
         metrics.update(self.report(att, opened.result, global_step))
-
-    def attribute(self, io: TrainerIO, global_step: int) -> StepAttribution:
-        """Steps 1-5: rows → base advantage → selection → worker RPC → assembly."""
-        batch = io.rows(with_responses=dumps.due(self.cfg, global_step))
-        base = self.base_advantage(batch)
-        rows = select_rows(self.wanted(batch, base), batch.eligible, io.dp_size())
-        out = io.compute_importance(rows, self.worker_options(global_step)) if len(rows) else None
-        return assemble(out, rows, batch, base)
 
     def base_advantage(self, batch: BatchRows) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The base estimator's (advantages, returns) on the batch's rewards, or None when verl will change the
@@ -120,6 +122,9 @@ class OARStep:
         metrics["oar/global_step"] = float(global_step)  # the step the probe schedule and the noise seeds used
         if len(att.rounds) and bool((att.rounds >= 0).all()):  # passes per data-parallel rank (the slowest sets it)
             metrics["oar/rounds_max"], metrics["oar/rounds_min"] = float(att.rounds.max()), float(att.rounds.min())
+        if len(att.policy_match) and not bool(att.policy_match.isnan().any()):
+            # 1: every rank attributed with exactly the weights its old-log-prob pass used (docs/verl.md)
+            metrics["oar/policy_matches_old_log_prob"] = float(att.policy_match.min())
         if dumps.due(self.cfg, global_step) and att.batch.responses is not None and len(att.rows):
             dumps.dump_step(self.cfg, global_step, att, result, self.tokenizer, self.default_local_dir)
         return metrics

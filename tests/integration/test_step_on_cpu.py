@@ -44,6 +44,7 @@ class InProcessIO:
         self.uids = np.array([f"p{i // 2}" for i in range(len(responses))], dtype=object)
         self.calls: list[tuple[list[int], dict]] = []
         self._dp = dp_size
+        self.log_prob_weights = 1.5  # what the worker reports for its last old-log-prob pass
 
     def rows(self, with_responses):
         return BatchRows(self.response_mask, self.scores, self.uids, torch.ones(len(self.uids), dtype=torch.bool),
@@ -69,7 +70,9 @@ class InProcessIO:
                 "oar_reasoning_mask": pad([spans.reasoning_mask[i, :n].float() for i, n in enumerate(lens)]),
                 "oar_answer_mask": pad([spans.answer_mask[i, :n].float() for i, n in enumerate(lens)]),
                 "oar_span_found": spans.found.float(), "oar_answer_probe": prepared.answer_probe.float(),
-                "oar_rounds": torch.full((len(idx),), 2.0)}
+                "oar_rounds": torch.full((len(idx),), 2.0),
+                "oar_weights": torch.full((len(idx),), 1.5, dtype=torch.float64),
+                "oar_log_prob_weights": torch.full((len(idx),), self.log_prob_weights, dtype=torch.float64)}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +99,8 @@ def run_step(step, io, global_step=3):
     timing, metrics = {}, {}
     data = DataProto.from_dict(tensors={"token_level_rewards": io.scores, "response_mask": io.response_mask},
                                non_tensors={"uid": io.uids})
-    with step.around_advantage(io, global_step, timing, metrics) as att:
+    att = step.attribute(io, global_step, timing)  # right after the old-log-prob pass
+    with step.advantage(att, global_step, metrics):
         out = compute_advantage(data, adv_estimator="oar", num_repeat=2, config=step.algorithm)
     return out, att, timing, metrics
 
@@ -123,6 +127,7 @@ def test_one_step_reads_top_to_bottom(setup, tmp_path, mode):
     assert metrics["oar/attributed_seq_frac"] == 0.5 and metrics["oar/answer_probe_frac"] == 1.0
     assert metrics["oar/adv_mass_rel_err"] < 1e-6 and metrics["oar/span_found_frac"] == 1.0
     assert metrics["oar/global_step"] == 3.0 and metrics["oar/rounds_max"] == metrics["oar/rounds_min"] == 2.0
+    assert metrics["oar/policy_matches_old_log_prob"] == 1.0
     dumped = [json.loads(line) for line in (tmp_path / "step_3.jsonl").read_text().splitlines()]
     assert {d["uid"] for d in dumped} == {"p0"}
 
@@ -147,15 +152,27 @@ def test_top_up_and_kl_in_reward_and_no_work(setup, tmp_path):
     assert torch.equal(out.batch["advantages"], torch.zeros_like(out.batch["advantages"]))
 
 
+def test_policy_consistency_is_reported_as_it_was_seen(setup):
+    tok, model, prompts, responses = setup
+    alg = algorithm(mode="gradient")
+    step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None)
+    io = InProcessIO(tok, model, prompts, responses, SCORES)
+    io.log_prob_weights = 2.5  # the weights changed between the old-log-prob pass and attribution
+    assert run_step(step, io)[3]["oar/policy_matches_old_log_prob"] == 0.0
+    io.log_prob_weights = float("nan")  # no old-log-prob pass (rollout-correction bypass mode): not reported
+    assert "oar/policy_matches_old_log_prob" not in run_step(step, io)[3]
+
+
 def test_a_failing_advantage_step_closes_the_handoff(setup):
     tok, model, prompts, responses = setup
     alg = algorithm(mode="gradient")
     step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None)
     io = InProcessIO(tok, model, prompts, responses, SCORES)
+    att = step.attribute(io, 1, {})
     with pytest.raises(ZeroDivisionError):
-        with step.around_advantage(io, 1, {}, {}):
+        with step.advantage(att, 1, {}):
             1 / 0
     assert handoff.current() is None
     with pytest.raises(RuntimeError, match="did not run the `oar` estimator"):
-        with step.around_advantage(io, 1, {}, {}):
+        with step.advantage(att, 1, {}):
             pass

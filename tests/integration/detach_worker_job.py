@@ -1,0 +1,137 @@
+"""OAR on verl's detachable actor worker (``separate_async``), through the call sequence of its decoupled mode.
+
+Launched by test_async_trainers_on_cpu.py in a fresh process (the CPU platform must be selected before verl is first
+imported). One FSDP2 rank of :class:`OARDetachActorWorker`, in verl's legacy padded layout:
+
+1. save the initial weights W0 as π_old (``save_model_to_cpu(0)``), then one real ``update_actor`` step: weights W1;
+2. verl's ``PPOTrainerSeparateAsync._compute_old_log_prob`` for a later mini-batch of the cycle, with OAR's layer
+   where the OAR trainer puts it: save W1, restore π_old, old log-probs, **attribution**, restore W1;
+3. the order OAR must not use: old log-probs under π_old, restore W1, then attribution.
+
+usage: python detach_worker_job.py MODEL_DIR OUT_FILE RAY_TMP
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import ray
+import torch
+from hydra import compose, initialize_config_dir
+
+import verl
+from verl.protocol import DataProto
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.single_controller.ray.base import create_colocated_worker_cls
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.padding import left_right_2_no_padding
+
+from oar_verl.core.config import OARConfig
+from oar_verl.integration.worker import CONFIG_KEY, STEP_KEY, OARDetachActorWorker
+
+PROMPTS = ["What is 3 plus 4?", "What is 12 plus 30?", "Add 5 and 9.", "What is 7 plus 8?"]
+RESPONSES = ["3 plus 4 is 7. The answer is 7.", "12 plus 30 is 42. The answer is 42.",
+             "5 plus 9: count up from 5 by nine steps, which gives 14. The answer is 14.",
+             "Seven and eight make fifteen, so #### 15"]
+
+
+def padded_batch(tok) -> DataProto:
+    """verl's legacy layout: left-padded prompts, right-padded responses."""
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"] for p in PROMPTS]
+    responses = [tok.encode(r, add_special_tokens=False) + [tok.eos_token_id] for r in RESPONSES]
+    P, T, pad = max(map(len, prompts)), max(map(len, responses)), tok.pad_token_id
+    p_ids = torch.tensor([[pad] * (P - len(p)) + p for p in prompts])
+    r_ids = torch.tensor([r + [pad] * (T - len(r)) for r in responses])
+    p_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    r_mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in responses])
+    attention = torch.cat([p_mask, r_mask], 1)
+    position = (attention.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict(tensors={"input_ids": torch.cat([p_ids, r_ids], 1), "attention_mask": attention,
+                                        "position_ids": position, "prompts": p_ids, "responses": r_ids,
+                                        "response_mask": r_mask},
+                               non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+
+
+def main() -> None:
+    model_dir, out_file, ray_tmp = sys.argv[1:4]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=cfg_dir, version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=[
+            f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_remove_padding=False",
+            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+            "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2",
+            "actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.actor.optim.lr=0.05",
+            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32",
+            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.n=1", "trainer.n_gpus_per_node=1", "data.train_batch_size=4"])
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=ray_tmp)
+    try:
+        pool = RayResourcePool([1], use_gpu=False, max_colocate_count=1)
+        class_dict = {"actor": RayClassWithInitArgs(cls=ray.remote(OARDetachActorWorker), config=cfg.actor_rollout_ref,
+                                                    role="actor")}
+        group = RayWorkerGroup(pool, create_colocated_worker_cls(class_dict=class_dict), device_name="cpu")
+        wg = group.spawn(prefix_set=class_dict.keys())["actor"]
+        wg.init_model()
+
+        batch = padded_batch(tok)
+        oar = OARConfig(mode="gradient", probe="as_mean")
+
+        def td(extra=None, **non_tensor):
+            b = batch if extra is None else batch.union(extra)
+            data = left_right_2_no_padding(b.to_tensordict())
+            tu.assign_non_tensor(data, temperature=1.0, **non_tensor)
+            return data
+
+        def old_log_probs():
+            out = wg.compute_log_prob(td(compute_loss=False, calculate_entropy=False))
+            return out["log_probs"]
+
+        def attribute():
+            out = wg.compute_token_importance(td(**{CONFIG_KEY: oar.to_dict(), STEP_KEY: 3}))
+            return {k: out[k] for k in ("token_importance", "oar_weights", "oar_log_prob_weights")}
+
+        # 1. π_old = W0, then one update: W1
+        wg.save_model_to_cpu(0)
+        logp0 = old_log_probs()
+        T = batch.batch["responses"].shape[1]
+        logp = torch.nested.as_nested_tensor([t[-T:] for t in logp0.unbind()], layout=torch.jagged)
+        logp = logp.to_padded_tensor(0.0)[:, :T] * batch.batch["response_mask"]
+        adv = torch.tensor([[1.0], [-1.0], [1.0], [-1.0]]) * batch.batch["response_mask"]
+        update = DataProto.from_dict(tensors={"old_log_probs": logp, "advantages": adv})
+        wg.update_actor(td(update, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                           global_batch_size=4, mini_batch_size=4, epochs=1, seed=0,
+                           dataloader_kwargs={"shuffle": False}, compute_loss=True))
+        # 2. separate_async, a later mini-batch of the cycle, with OAR's layer inside the π_old window
+        wg.save_model_to_cpu(1)
+        wg.restore_model_from_cpu(0)
+        old_log_probs()
+        inside = attribute()
+        wg.restore_model_from_cpu(1)
+        wg.clear_cpu_model(1)
+        # 3. the wrong order: the current weights restored before attribution
+        wg.save_model_to_cpu(2)
+        wg.restore_model_from_cpu(0)
+        old_log_probs()
+        wg.restore_model_from_cpu(2)
+        outside = attribute()
+        save = {"prompts": [row.clone() for row in batch.batch["prompts"]],
+                "responses": [row.clone() for row in batch.batch["responses"]], "config": oar.to_dict()}
+        for name, res in (("inside", inside), ("outside", outside)):
+            save[name] = {k: ([t.clone() for t in v.unbind()] if getattr(v, "is_nested", False) else v.clone())
+                          for k, v in res.items()}
+        torch.save(save, out_file)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
