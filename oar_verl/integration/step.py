@@ -87,7 +87,8 @@ class OARStep:
 
     @contextlib.contextmanager
     def advantage(self, att: StepAttribution, global_step: int, metrics: dict) -> Iterator[StepAttribution]:
-        """Steps 6-7: the handoff open around verl's advantage step (the with-block), then ``oar/*`` into ``metrics``."""
+        """Steps 6-7: the handoff open around verl's advantage step (the with-block), then ``oar/*`` into
+        ``metrics``."""
         with handoff.scope(att.estimator) as opened:
             yield att
         metrics.update(self.report(att, opened.result, global_step))

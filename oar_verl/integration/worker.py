@@ -1,11 +1,12 @@
 """Token attribution inside verl's actor workers, through the worker's own engine.
 
-:class:`TokenImportanceMixin` adds one RPC, ``compute_token_importance``, dispatched over the actor mesh exactly like
-``compute_log_prob``, to verl's actor worker (:class:`OARActorRolloutRefWorker`) and to the detachable actor worker
-of verl's ``separate_async`` trainer (:class:`OARDetachActorWorker`). Each data-parallel rank unpacks its shard into token rows, prepares them with the core
-(:func:`oar_verl.core.preprocess.prepare_attribution`), attributes them with the engine's (sharded) module under
-``engine.eval_mode()`` (parameters loaded as the engine does, offloaded again after), and returns response-aligned
-nested tensors that the TransferQueue bridge stores under the batch keys (V1) or that the legacy trainer reads back.
+:class:`TokenImportanceMixin` adds one RPC, ``compute_token_importance``, dispatched over the actor mesh exactly
+like ``compute_log_prob``, to verl's actor worker (:class:`OARActorRolloutRefWorker`) and to the detachable actor
+worker of verl's ``separate_async`` trainer (:class:`OARDetachActorWorker`). Each data-parallel rank unpacks its
+shard into token rows, prepares them with the core (:func:`oar_verl.core.preprocess.prepare_attribution`),
+attributes them with the engine's (sharded) module under ``engine.eval_mode()`` (parameters loaded as the engine
+does, offloaded again after), and returns response-aligned nested tensors that the TransferQueue bridge stores under
+the batch keys (V1) or that the legacy trainer reads back.
 """
 
 from __future__ import annotations

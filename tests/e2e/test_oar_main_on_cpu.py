@@ -2,11 +2,11 @@
 
 ``python -m oar_verl.main`` runs, for 3 steps each, OAR-P on the V1 sync trainer in rollout-correction bypass mode
 (old log-probs from the rollout), OAR-G on verl's ``colocate_async`` trainer and OAR-G on the legacy
-``RayPPOTrainer``; and OAR-G on the V1 trainer at scale settings -- 2 data-parallel ranks, dynamic batch sizes, a bf16 actor with gradient
-checkpointing and a token budget that needs several attribution passes per rank -- saved at step 2 and resumed to
-step 4. From verl's file-logger JSONL, every step must carry the ``oar/*`` metrics and ``timing_s/oar``; the token
-weights must be non-uniform while every sequence keeps its advantage mass; and the policy must update. Bad
-configurations must fail before any rollout, naming the key.
+``RayPPOTrainer``; and OAR-G on the V1 trainer at scale settings -- 2 data-parallel ranks, dynamic batch sizes, a
+bf16 actor with gradient checkpointing and a token budget that needs several attribution passes per rank -- saved at
+step 2 and resumed to step 4. From verl's file-logger JSONL, every step must carry the ``oar/*`` metrics and
+``timing_s/oar``; the token weights must be non-uniform while every sequence keeps its advantage mass; and the
+policy must update. Bad configurations must fail before any rollout, naming the key.
 """
 
 from __future__ import annotations
