@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from oar_verl.core.answer_patterns import BUILTIN_PATTERNS, compile_answer_pattern
+from oar_verl.core.hierarchical import POLICIES as PERTURBATION_POLICIES
+from oar_verl.core.segments import SEGMENT_SPLITS, compile_segment_split
 
 MODES = ("gradient", "perturbation")
 PROBES = ("auto", "lt_logits", "as_mean", "as_joint")
@@ -60,7 +62,18 @@ class OARConfig:
         prefix_cache: OAR-P reuses each sequence's clean key/value cache for the unchanged prefix of its masked
             copies (same numbers, less compute; needs a model that supports ``past_key_values``).
         mask_span: OAR-P masks this many consecutive reasoning tokens per copy, >= 1; 1 is the exact method, k > 1
-            is a k-times cheaper approximation.
+            is a k-times cheaper approximation (``perturbation=exact`` only).
+        perturbation: OAR-P policy for long reasoning (:mod:`oar_verl.core.hierarchical`): ``exact`` (one copy per
+            token), ``segment`` (one copy per reasoning segment, its score spread over its tokens), ``hierarchical``
+            (segments first, exact OAR-P inside the top segments) or ``auto`` (exact up to ``exact_max_tokens``
+            reasoning tokens, hierarchical above).
+        segment_split: where reasoning segments end: ``line`` (line breaks), ``sentence`` (line breaks and sentence
+            ends) or a regex (a segment ends where a match ends).
+        segment_min_tokens: shorter segments merge into the next one, >= 1.
+        segment_max_tokens: longer segments are cut into near-equal parts, >= segment_min_tokens.
+        refine_share: hierarchical: share of a row's reasoning tokens refined at token level (top segments first),
+            in (0, 1]; 1 refines every segment, i.e. exact OAR-P.
+        exact_max_tokens: ``auto``: rows with at most this many reasoning tokens run exact OAR-P, >= 0.
         micro_batch_size: optional cap on the sequences of one OAR-G round or clean probe pass, >= 1 (None: the
             token budget alone).
         apply_to: reshape ``all`` sequences, or only those with ``negative`` / ``positive`` advantage.
@@ -89,6 +102,12 @@ class OARConfig:
     chunk_size: int | None = None
     prefix_cache: bool = True
     mask_span: int = 1
+    perturbation: str = "exact"
+    segment_split: str = "sentence"
+    segment_min_tokens: int = 8
+    segment_max_tokens: int = 64
+    refine_share: float = 0.1
+    exact_max_tokens: int = 512
     micro_batch_size: int | None = None
     apply_to: str = "all"
     base_estimator: str = "grpo"
@@ -126,6 +145,21 @@ class OARConfig:
         if not isinstance(self.prefix_cache, bool):
             raise OARConfigError(f"{p}.prefix_cache must be true or false, got {self.prefix_cache!r}")
         _integer(p, "mask_span", self.mask_span, lo=1)
+        _choice(p, "perturbation", self.perturbation, PERTURBATION_POLICIES)
+        if self.mask_span > 1 and self.perturbation != "exact":
+            raise OARConfigError(f"{p}.mask_span={self.mask_span} applies to {p}.perturbation=exact only (got "
+                                 f"{p}.perturbation={self.perturbation!r}); set mask_span=1 or perturbation=exact")
+        if not isinstance(self.segment_split, str) or not self.segment_split:
+            raise OARConfigError(f"{p}.segment_split must be line, sentence or a regex, got {self.segment_split!r}")
+        try:
+            compile_segment_split(self.segment_split)
+        except ValueError as e:
+            raise OARConfigError(f"{p}.segment_split={self.segment_split!r} is neither a built-in rule "
+                                 f"({', '.join(SEGMENT_SPLITS)}) nor a usable regex: {e}") from e
+        _integer(p, "segment_min_tokens", self.segment_min_tokens, lo=1)
+        _integer(p, "segment_max_tokens", self.segment_max_tokens, lo=self.segment_min_tokens)
+        _number(p, "refine_share", self.refine_share, lo=0.0, hi=1.0, lo_open=True)
+        _integer(p, "exact_max_tokens", self.exact_max_tokens, lo=0)
         if self.micro_batch_size is not None:
             _integer(p, "micro_batch_size", self.micro_batch_size, lo=1)
         _choice(p, "apply_to", self.apply_to, APPLY_TO)

@@ -7,6 +7,7 @@ full-sequence score maps back by dropping the first P columns.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ class AttributionBatch:
         reasoning_mask: (B, L) bool, the positions to attribute.
         probe: ProbeSpec over (B, L).
         response_start: P, the first response column.
+        segments: (B, L) long reasoning-segment ids (-1 off), for OAR-P's segment-level policies; None when not
+            needed (:func:`with_segments` adds them).
     """
 
     input_ids: torch.Tensor
@@ -34,12 +37,24 @@ class AttributionBatch:
     reasoning_mask: torch.Tensor
     probe: ProbeSpec
     response_start: int
+    segments: torch.Tensor | None = None
 
     def model_inputs(self, rows: torch.Tensor | None = None, lo: int = 0, hi: int | None = None) -> dict:
         """Model kwargs for a subset of rows and a column window [lo, hi)."""
         sel = (lambda t: t[rows, lo:hi]) if rows is not None else (lambda t: t[:, lo:hi])
         return {"input_ids": sel(self.input_ids), "attention_mask": sel(self.attention_mask),
                 "position_ids": sel(self.position_ids)}
+
+
+def with_segments(batch: AttributionBatch, segments: torch.Tensor) -> AttributionBatch:
+    """The batch with response-aligned segment ids (B, T) laid out in full-sequence coordinates (B, L): shifted by
+    the prompt columns, cut or padded (-1) to the batch's response width, and kept only on reasoning tokens (with
+    ``target=reference`` the attributed reasoning is a prefix of the response's, position by position)."""
+    B, L = batch.input_ids.shape
+    width = L - batch.response_start
+    seg = segments.to(batch.input_ids.device).long()[:, :width]
+    seg = F.pad(seg, (batch.response_start, width - seg.shape[1]), value=-1)
+    return dataclasses.replace(batch, segments=torch.where(batch.reasoning_mask, seg, -1))
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

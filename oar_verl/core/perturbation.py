@@ -22,6 +22,7 @@ k times fewer forwards, an approximation of k = 1 (the exact method).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from oar_verl.core.budget import PassLimits, copies_per_pass, pack_copies, pack_rows, row_spans
 from oar_verl.core.layout import AttributionBatch
@@ -54,20 +55,38 @@ def mask_blocks(reasoning_mask: torch.Tensor, span: int) -> torch.Tensor:
     return torch.where(reasoning_mask, rank // span, torch.full_like(rank, -1))
 
 
-def masked_copies(reasoning_mask: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The masked copies OAR-P runs: one per block of ``span`` consecutive reasoning tokens.
+def block_copies(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masked copies of a block layout: one per block, at the block's first column.
+
+    Args:
+        blocks: (B, L) long block id of every token to perturb, -1 elsewhere; ids non-decreasing along each row
+            (a block is the tokens sharing an id: consecutive tokens, or a run with non-perturbed tokens inside).
+
+    Returns:
+        (source row (N,), first column (N,)), row-major (a row's copies are consecutive, by position).
+    """
+    if blocks.shape[1] == 0:
+        return blocks.new_zeros(0), blocks.new_zeros(0)
+    before = F.pad(blocks[:, :-1], (1, 0), value=-1).cummax(-1).values  # highest id left of each column
+    return (blocks > before).nonzero().unbind(1)
+
+
+def masked_copies(reasoning_mask: torch.Tensor, span: int,
+                  blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The masked copies OAR-P runs: one per block of ``span`` consecutive reasoning tokens, or one per block of an
+    explicit layout (reasoning segments, :mod:`oar_verl.core.hierarchical`).
 
     Args:
         reasoning_mask: (B, L) bool. span: reasoning tokens masked together (1 = exact OAR-P).
+        blocks: (B, L) long explicit block ids (see :func:`block_copies`); overrides ``span``.
 
     Returns:
-        (source row (N,), first masked column (N,), block ids (B, L) of :func:`mask_blocks`), copies in row-major
-        order (a row's copies are consecutive, by position).
+        (source row (N,), first masked column (N,), block ids (B, L)), copies in row-major order (a row's copies are
+        consecutive, by position).
     """
-    blocks = mask_blocks(reasoning_mask, span)
-    # a block's first token is a reasoning token whose rank among the row's reasoning tokens is a multiple of span
-    rank = reasoning_mask.long().cumsum(-1) - 1
-    rows, cols = (reasoning_mask & (rank % span == 0)).nonzero().unbind(1)
+    if blocks is None:
+        blocks = mask_blocks(reasoning_mask, span)
+    rows, cols = block_copies(blocks)
     return rows, cols, blocks
 
 
@@ -82,9 +101,9 @@ def copy_masks(blocks: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
 
 
 def collective_rounds(batch: AttributionBatch, limits: PassLimits, prefix_cache: bool = True,
-                      mask_span: int = 1) -> int:
+                      mask_span: int = 1, blocks: torch.Tensor | None = None) -> int:
     """Forward passes :func:`oar_p_importance` runs on this batch (each a collective round under sharding)."""
-    rows, _, _ = masked_copies(batch.reasoning_mask, mask_span)
+    rows, _, _ = masked_copies(batch.reasoning_mask, mask_span, blocks)
     if prefix_cache:
         src, counts = torch.unique_consecutive(rows.cpu(), return_counts=True)
         start, end = _spans(batch)
@@ -96,8 +115,9 @@ def collective_rounds(batch: AttributionBatch, limits: PassLimits, prefix_cache:
 
 @torch.no_grad()
 def oar_p_importance(model: torch.nn.Module, batch: AttributionBatch, mask_token_id: int, limits: PassLimits,
-                     min_rounds: int = 0, prefix_cache: bool = True, mask_span: int = 1) -> torch.Tensor:
-    """OAR-P importance of every reasoning token.
+                     min_rounds: int = 0, prefix_cache: bool = True, mask_span: int = 1,
+                     blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """OAR-P importance of every reasoning token (or of every token of an explicit block layout).
 
     Args:
         model: Hugging Face causal LM (or a sharded wrapper), in eval mode.
@@ -110,15 +130,20 @@ def oar_p_importance(model: torch.nn.Module, batch: AttributionBatch, mask_token
         prefix_cache: reuse each sequence's clean key/value cache for the unchanged prefix (model must support
             ``past_key_values``).
         mask_span: reasoning tokens masked together per copy (1 = exact OAR-P).
+        blocks: (B, L) long explicit block layout (:func:`block_copies`), one copy per block; overrides
+            ``mask_span``.
 
     Returns:
-        (B, L) float32 importance at reasoning positions, 0 elsewhere. Non-finite model outputs propagate as
+        (B, L) float32 importance at reasoning positions (every token of a block gets the block's score), 0
+        elsewhere. Non-finite model outputs propagate as
         NaN/inf; the gating turns such rows into uniform weights.
     """
     if prefix_cache:
-        importance, ran = _prefix_cached(model, batch, mask_token_id, limits, mask_span)
+        importance, ran = _prefix_cached(model, batch, mask_token_id, limits, masked_copies(
+            batch.reasoning_mask, mask_span, blocks))
     else:
-        importance, ran = _batched(model, batch, mask_token_id, limits, mask_span)
+        importance, ran = _batched(model, batch, mask_token_id, limits, masked_copies(batch.reasoning_mask, mask_span,
+                                                                                      blocks))
     if min_rounds > ran:
         if batch.input_ids.shape[0] == 0:
             raise ValueError("min_rounds needs at least one local row to repeat")
@@ -136,11 +161,11 @@ def _spans(batch: AttributionBatch) -> tuple[list[int], list[int]]:
 
 
 def _batched(model, batch: AttributionBatch, mask_token_id: int, limits: PassLimits,
-             span: int) -> tuple[torch.Tensor, int]:
+             copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
     device = batch.input_ids.device
     clean, ran = clean_probe(model, batch, limits)
     importance = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
-    rows_all, cols_all, blocks = masked_copies(batch.reasoning_mask, span)
+    rows_all, cols_all, blocks = copies
     for s, e in pack_copies(rows_all, batch.attention_mask, limits, PassKind.FORWARD):
         rows, first = rows_all[s:e], cols_all[s:e]
         lo, hi = column_window(batch.attention_mask, rows)
@@ -155,10 +180,10 @@ def _batched(model, batch: AttributionBatch, mask_token_id: int, limits: PassLim
 
 
 def _prefix_cached(model, batch: AttributionBatch, mask_token_id: int, limits: PassLimits,
-                   span: int) -> tuple[torch.Tensor, int]:
+                   copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
     device = batch.input_ids.device
     importance = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
-    rows_all, cols_all, blocks = masked_copies(batch.reasoning_mask, span)
+    rows_all, cols_all, blocks = copies
     starts = rows_all.new_zeros(batch.input_ids.shape[0] + 1)
     starts[1:] = torch.bincount(rows_all, minlength=batch.input_ids.shape[0]).cumsum(0)
     starts = starts.tolist()  # host metadata, once per batch

@@ -1,4 +1,5 @@
-"""From a rank's rows to what the attribution methods run on: spans → target → attribution batch → seeds.
+"""From a rank's rows to what the attribution methods run on: spans → target → attribution batch (→ reasoning
+segments, for OAR-P's segment-level policies) → seeds.
 
 One function, :func:`prepare_attribution`, shared by the verl worker (after it has unpacked verl's batch into token
 rows) and by the tests that check the worker against the core. Everything here is verl-free.
@@ -14,7 +15,8 @@ import torch
 from oar_verl.core.attribution import probe_kinds
 from oar_verl.core.config import OARConfig
 from oar_verl.core.gradient import sequence_seeds
-from oar_verl.core.layout import AttributionBatch, build_attribution_batch, build_reference_responses
+from oar_verl.core.layout import AttributionBatch, build_attribution_batch, build_reference_responses, with_segments
+from oar_verl.core.segments import reasoning_segments
 from oar_verl.core.spans import AnswerSpans, locate_answer_spans
 
 __all__ = ["PreparedAttribution", "pad_rows", "prepare_attribution", "row_fingerprints"]
@@ -125,6 +127,10 @@ def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[tor
     device = torch.device("cpu") if device is None else torch.device(device)
     kinds = probe_kinds(cfg, global_step, len(responses))
     batch = build_attribution_batch(*(t.to(device) for t in (prompt_ids, prompt_mask, *target, kinds)))
+    if cfg.mode == "perturbation" and cfg.perturbation != "exact":  # OAR-P's segment-level policies
+        segments = reasoning_segments(response_ids, response_mask, spans.reasoning_mask, tokenizer, cfg.segment_split,
+                                      cfg.segment_min_tokens, cfg.segment_max_tokens)
+        batch = with_segments(batch, segments)
     seeds = sequence_seeds(cfg.seed, global_step, row_fingerprints(prompt_ids, prompt_mask, response_ids,
                                                                     response_mask)).to(device)
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.pad_token_id

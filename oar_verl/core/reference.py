@@ -63,7 +63,8 @@ def shift(clean: Outcome, perturbed: Outcome) -> torch.Tensor:
 
 
 def oar_p(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int], kind: ProbeKind,
-          mask_token_id: int, span: int = 1, copies_per_forward: int | None = 1) -> torch.Tensor:
+          mask_token_id: int, span: int = 1, copies_per_forward: int | None = 1,
+          blocks: list[list[int]] | None = None) -> torch.Tensor:
     """OAR-P of one sequence (docs/method.md §3): mask each block of ``span`` consecutive reasoning tokens with the
     mask token (length unchanged) and score the block by the outcome shift; every token of a block gets its score.
 
@@ -77,12 +78,14 @@ def oar_p(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answe
         span: reasoning tokens masked together (1 = exact OAR-P).
         copies_per_forward: masked copies per forward pass; None = all of them in one batch, as the official code
             runs them (full [copies, L, V] logits: the naive baseline's memory).
+        blocks: explicit blocks (lists of positions), one masked copy each; overrides ``span``.
 
     Returns:
         (L,) float64 importance, 0 off the reasoning positions.
     """
     importance = torch.zeros(len(ids), dtype=torch.float64)
-    blocks = [reasoning[k: k + span] for k in range(0, len(reasoning), span)]
+    if blocks is None:
+        blocks = [reasoning[k: k + span] for k in range(0, len(reasoning), span)]
     copies = []
     for block in blocks:
         masked = ids.clone()
@@ -98,6 +101,39 @@ def oar_p(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answe
                 score = shift(clean, outcome(logits[k], row, kind, reasoning, answer))
                 importance[blocks[start + k]] = score.double()
     return importance
+
+
+def oar_p_segments(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int],
+                   kind: ProbeKind, mask_token_id: int, segments: list[list[int]]) -> torch.Tensor:
+    """Segment-level OAR-P of one sequence (docs/method.md §8): one masked copy per segment; each of a segment's n
+    tokens gets s / n of its score s. Returns (L,) float64, 0 off the segments."""
+    scores = oar_p(model, ids, reasoning, answer, kind, mask_token_id, blocks=segments)
+    spread = torch.zeros_like(scores)
+    for seg in segments:
+        spread[seg] = scores[seg] / len(seg)
+    return spread
+
+
+def oar_p_hierarchical(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int],
+                       kind: ProbeKind, mask_token_id: int, segments: list[list[int]],
+                       refine_share: float) -> torch.Tensor:
+    """Hierarchical OAR-P of one sequence (docs/method.md §8): segment scores; then, segments by score (highest
+    first), refine each while the refined ones so far hold fewer than ``refine_share`` × the segments' tokens; refined
+    tokens get their exact OAR-P score, the others their segment's spread score. Returns (L,) float64."""
+    raw = oar_p(model, ids, reasoning, answer, kind, mask_token_id, blocks=segments)
+    result = oar_p_segments(model, ids, reasoning, answer, kind, mask_token_id, segments)
+    total = sum(len(seg) for seg in segments)
+    ranked = sorted(range(len(segments)), key=lambda k: -float(raw[segments[k][0]]))  # stable: ties by position
+    covered, refined = 0, []
+    for k in ranked:
+        if covered >= refine_share * total:
+            break
+        refined.extend(segments[k])
+        covered += len(segments[k])
+    refined.sort()
+    exact = oar_p(model, ids, reasoning, answer, kind, mask_token_id, blocks=[[t] for t in refined])
+    result[refined] = exact[refined]
+    return result
 
 
 def oar_g(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int], kind: ProbeKind,

@@ -188,12 +188,12 @@ def _copy_packs(batch: AttributionBatch, src: torch.Tensor, limits: PassLimits,
 
 
 def collective_rounds_sharded(batch: AttributionBatch, mode: str, limits: PassLimits, shards: SequenceShards,
-                              mask_span: int = 1) -> int:
+                              mask_span: int = 1, blocks: torch.Tensor | None = None) -> int:
     """Passes the sharded method runs on ``batch`` (OAR-G: a teacher and a student forward per round count as one)."""
     clean = len(_row_packs(batch, limits, shards, PassKind.FORWARD))
     if mode == "gradient":
         return clean
-    src, _, _ = masked_copies(batch.reasoning_mask, mask_span)
+    src, _, _ = masked_copies(batch.reasoning_mask, mask_span, blocks)
     return clean + len(_copy_packs(batch, src, limits, shards))
 
 
@@ -225,7 +225,7 @@ def _filler(model, batch: AttributionBatch, shards: SequenceShards, pad_id: int,
 @torch.no_grad()
 def oar_p_importance_sharded(model: torch.nn.Module, batch: AttributionBatch, mask_token_id: int, limits: PassLimits,
                              shards: SequenceShards, pad_id: int = 0, min_rounds: int = 0,
-                             mask_span: int = 1) -> torch.Tensor:
+                             mask_span: int = 1, blocks: torch.Tensor | None = None) -> torch.Tensor:
     """OAR-P with sharded sequences (see the module docstring); the same numbers as
     :func:`oar_verl.core.perturbation.oar_p_importance`, on every rank of the group.
 
@@ -239,13 +239,15 @@ def oar_p_importance_sharded(model: torch.nn.Module, batch: AttributionBatch, ma
         min_rounds: passes to run at least (data-parallel ranks align on the max of
             :func:`collective_rounds_sharded`).
         mask_span: reasoning tokens masked together per copy.
+        blocks: (B, L) long explicit block layout, one copy per block (overrides ``mask_span``; see
+            :func:`oar_verl.core.perturbation.block_copies`).
 
     Returns:
         (B, L) float32 importance at reasoning positions, 0 elsewhere.
     """
     clean, ran = _clean_probes(model, batch, limits, shards, pad_id)
     importance = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
-    src, first, blocks = masked_copies(batch.reasoning_mask, mask_span)
+    src, first, blocks = masked_copies(batch.reasoning_mask, mask_span, blocks)
     for s, e in _copy_packs(batch, src, limits, shards):
         rows = src[s:e]
         masked = copy_masks(blocks[rows], first[s:e])  # (c, L)

@@ -83,6 +83,9 @@ class StepAttribution:
         rounds: (N,) the attribution passes the rank of each attributed row ran (-1: not counted).
         policy_match: (N,) per attributed row, 1 if its rank attributed with exactly the weights of its last
             old-log-prob pass, 0 if not, NaN if no such pass ran (rollout-correction bypass mode).
+        copies: (B,) OAR-P masked copies run per row, -1 where not attributed or not counted.
+        refined: (B,) reasoning tokens per row with a token-level OAR-P score, -1 where not attributed or not
+            counted.
     """
 
     estimator: EstimatorInputs
@@ -93,6 +96,8 @@ class StepAttribution:
     batch: BatchRows
     rounds: torch.Tensor
     policy_match: torch.Tensor
+    copies: torch.Tensor
+    refined: torch.Tensor
 
 
 def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: BatchRows,
@@ -101,8 +106,8 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
 
     Args:
         out: the worker's outputs, padded: ``token_importance`` (N, T') float, ``oar_reasoning_mask`` and
-            ``oar_answer_mask`` (N, T') 0/1, ``oar_span_found`` and ``oar_answer_probe`` (N,) 0/1, ``oar_rounds`` (N,);
-            None when no row was attributed.
+            ``oar_answer_mask`` (N, T') 0/1, ``oar_span_found`` and ``oar_answer_probe`` (N,) 0/1, ``oar_rounds`` (N,),
+            ``oar_copies`` and ``oar_refined`` (N,) (-1: not counted); None when no row was attributed.
         rows: (N,) the rows ``out`` belongs to (duplicates allowed: the last write wins, with identical values).
         batch: the batch rows.
         base: the base estimator's (advantages, returns), (B, T) each, or None.
@@ -114,6 +119,7 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
     found, probe = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
     rounds = torch.full((len(rows),), -1.0)
     match = torch.full((len(rows),), float("nan"))
+    copies, refined = torch.full((B,), -1.0), torch.full((B,), -1.0)
     if out is not None and len(rows):
         rounds = out["oar_rounds"].float() if "oar_rounds" in out else rounds
         if "oar_weights" in out:
@@ -124,7 +130,9 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
         answer = scatter_rows(out["oar_answer_mask"].bool(), rows, B, T, fill=False)
         found[rows], probe[rows] = out["oar_span_found"].bool(), out["oar_answer_probe"].bool()
         attributed[rows] = True
+        if "oar_copies" in out:  # duplicated rows (the data-parallel top-up) write identical values
+            copies[rows], refined[rows] = out["oar_copies"].float(), out["oar_refined"].float()
     base_adv, base_ret = base if base is not None else (None, None)
     inputs = EstimatorInputs(importance, reasoning & batch.response_mask.bool(), attributed, batch.response_mask,
                              batch.scores if base is not None else None, base_adv, base_ret)
-    return StepAttribution(inputs, rows, answer, found, probe, batch, rounds, match)
+    return StepAttribution(inputs, rows, answer, found, probe, batch, rounds, match, copies, refined)

@@ -123,6 +123,11 @@ class OARStep:
         metrics["oar/global_step"] = float(global_step)  # the step the probe schedule and the noise seeds used
         if len(att.rounds) and bool((att.rounds >= 0).all()):  # passes per data-parallel rank (the slowest sets it)
             metrics["oar/rounds_max"], metrics["oar/rounds_min"] = float(att.rounds.max()), float(att.rounds.min())
+        counted = att.copies >= 0  # OAR-P rows whose masked copies were counted (docs/scaling.md: the cost model)
+        if bool(counted.any()):
+            reasoning = att.estimator.reasoning_mask.sum(-1).float()
+            metrics["oar/perturbation_copies"] = float(att.copies[counted].sum())
+            metrics["oar/refined_share"] = float(att.refined[counted].sum() / reasoning[counted].sum().clamp(min=1))
         if len(att.policy_match) and not bool(att.policy_match.isnan().any()):
             # 1: every rank attributed with exactly the weights its old-log-prob pass used (docs/verl.md)
             metrics["oar/policy_matches_old_log_prob"] = float(att.policy_match.min())

@@ -22,12 +22,11 @@ from verl.utils import tensordict_utils as tu
 from verl.experimental.separation.engine_workers import DetachActorWorker
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from oar_verl.core.attribution import collective_rounds, pass_limits, run_attribution
+from oar_verl.core.attribution import pass_limits, run_attribution
 from oar_verl.core.config import OARConfig
 from oar_verl.core.memory import memory_guard, model_shape
 from oar_verl.core.preprocess import prepare_attribution
-from oar_verl.core.sequence_parallel import (SequenceShards, collective_rounds_sharded, oar_g_importance_sharded,
-                                             oar_p_importance_sharded)
+from oar_verl.core.sequence_parallel import SequenceShards
 from oar_verl.integration.budget import actor_token_budget
 from oar_verl.integration.collectives import max_over_ranks
 
@@ -40,7 +39,7 @@ GROUND_TRUTH_KEY = "oar_ground_truth"
 
 # what compute_token_importance returns: per row (nested, response-aligned) and per sequence
 OUTPUT_FIELDS = ("token_importance", "oar_reasoning_mask", "oar_answer_mask", "oar_span_found", "oar_answer_probe",
-                 "oar_rounds", "oar_weights", "oar_log_prob_weights")
+                 "oar_rounds", "oar_copies", "oar_refined", "oar_weights", "oar_log_prob_weights")
 
 
 def unpack_rows(data: TensorDict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -110,6 +109,8 @@ class TokenImportanceMixin:
             TensorDict of batch size B: nested (B, T_i) ``token_importance`` float32, ``oar_reasoning_mask`` and
             ``oar_answer_mask`` float 0/1; (B,) ``oar_span_found`` and ``oar_answer_probe`` float 0/1, and
             ``oar_rounds``: the passes this rank needed (before padding to the slowest rank; -1 on Megatron),
+            ``oar_copies`` / ``oar_refined``: OAR-P's masked copies and reasoning tokens scored at token level per
+            row (-1 where not counted: OAR-G, Megatron),
             ``oar_weights`` / ``oar_log_prob_weights``: :func:`weights_fingerprint` now and at the last
             ``compute_log_prob`` (NaN if none ran since the last attribution).
         """
@@ -120,6 +121,7 @@ class TokenImportanceMixin:
         log_prob_weights, self._oar_log_prob_weights = self._oar_log_prob_weights, None  # consumed once
         megatron = type(engine).__module__.startswith("verl.workers.engine.megatron")  # FSDP installs lack mcore
         own_rounds = -1  # passes this rank ran before padding to the slowest rank (not counted on Megatron)
+        copies = refined = None  # OAR-P masked copies and token-level-scored reasoning tokens per row, where counted
         device = torch.device("cpu") if megatron else _module_device(engine.module)  # Megatron: a list of chunks
         prompts, responses = unpack_rows(data)
         truths = ground_truths(data) if cfg.target == "reference" else None
@@ -140,26 +142,17 @@ class TokenImportanceMixin:
             shape = model_shape(engine.module)
             guard = memory_guard(device, shape, checkpointing=checkpointing) if shape is not None else None
             limits = pass_limits(cfg, tokens, guard)
-            shards = _sequence_shards(engine)
-            if shards is None:
-                own_rounds = collective_rounds(prepared.batch, cfg, limits)
-            else:  # Ulysses: every pass sharded over the group, like verl's own forward (docs/verl.md)
-                own_rounds = collective_rounds_sharded(prepared.batch, cfg.mode, limits, shards, cfg.mask_span)
-            rounds = max_over_ranks(own_rounds, device)
-            pad_id = self.actor.model_config.tokenizer.pad_token_id or 0
             with engine.eval_mode():
                 engine.module.eval()  # no dropout during attribution
-                if shards is None:
-                    importance = run_attribution(engine.module, prepared.batch, cfg,
-                                                 mask_token_id=prepared.mask_token_id, seeds=prepared.seeds,
-                                                 limits=limits, min_rounds=rounds, checkpointing=checkpointing)
-                elif cfg.mode == "perturbation":
-                    importance = oar_p_importance_sharded(engine.module, prepared.batch, prepared.mask_token_id,
-                                                          limits, shards, pad_id, rounds, cfg.mask_span)
-                else:
-                    importance = oar_g_importance_sharded(engine.module, prepared.batch, cfg.noise_std,
-                                                          prepared.seeds, limits, shards, pad_id, rounds,
-                                                          checkpointing)
+                # Ulysses (shards): every pass sharded over the group, like verl's own forward (docs/verl.md)
+                result = run_attribution(engine.module, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
+                                         seeds=prepared.seeds, limits=limits, checkpointing=checkpointing,
+                                         align=lambda n: max_over_ranks(n, device),
+                                         shards=_sequence_shards(engine),
+                                         pad_id=self.actor.model_config.tokenizer.pad_token_id or 0)
+            importance, own_rounds = result.importance, result.rounds
+            if result.copies is not None:
+                copies, refined = result.copies.cpu(), result.refined.cpu()
         if not engine.is_mp_src_rank_with_outputs():
             return None
         lens, spans = prepared.response_lengths, prepared.spans
@@ -170,6 +163,8 @@ class TokenImportanceMixin:
             "oar_span_found": spans.found.float(),
             "oar_answer_probe": prepared.answer_probe.float(),
             "oar_rounds": torch.full((len(lens),), float(own_rounds)),
+            "oar_copies": torch.full((len(lens),), -1.0) if copies is None else copies.float(),
+            "oar_refined": torch.full((len(lens),), -1.0) if refined is None else refined.float(),
             "oar_weights": torch.full((len(lens),), weights, dtype=torch.float64),
             "oar_log_prob_weights": torch.full((len(lens),), float("nan") if log_prob_weights is None
                                                else log_prob_weights, dtype=torch.float64),

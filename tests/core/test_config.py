@@ -57,8 +57,35 @@ def test_probe_schedule():
     ({"dump_every": -1}, r"algorithm\.oar\.dump_every=-1 is out of range"),
     ({"dump_groups": 0}, r"algorithm\.oar\.dump_groups=0 is out of range"),
     ({"dump_dir": 3}, r"algorithm\.oar\.dump_dir must be a path string or null"),
+    ({"perturbation": "fast"}, r"algorithm\.oar\.perturbation='fast' is not allowed; choose one of: exact, segment, "
+                               r"hierarchical, auto"),
+    ({"perturbation": "hierarchical", "mask_span": 4},
+     r"algorithm\.oar\.mask_span=4 applies to algorithm\.oar\.perturbation=exact only"),
+    ({"segment_split": "("}, r"algorithm\.oar\.segment_split='\(' is neither a built-in rule \(line, sentence\) "),
+    ({"segment_split": ""}, r"algorithm\.oar\.segment_split must be line, sentence or a regex"),
+    ({"segment_min_tokens": 0}, r"algorithm\.oar\.segment_min_tokens=0 is out of range"),
+    ({"segment_min_tokens": 16, "segment_max_tokens": 8}, r"algorithm\.oar\.segment_max_tokens=8 is out of range: "
+                                                          r"must be an integer >= 16"),
+    ({"refine_share": 0.0}, r"algorithm\.oar\.refine_share=0\.0 is out of range: must satisfy 0\.0 < refine_share "
+                            r"<= 1\.0"),
+    ({"refine_share": 1.5}, r"algorithm\.oar\.refine_share=1\.5 is out of range"),
+    ({"exact_max_tokens": -1}, r"algorithm\.oar\.exact_max_tokens=-1 is out of range"),
     ({"tua": 0.3}, r"unknown key\(s\) algorithm\.oar\.tua; allowed:"),
 ])
 def test_invalid_values_name_the_key(values, message):
     with pytest.raises(OARConfigError, match=message):
         OARConfig.from_mapping(values)
+
+
+def test_trainer_yaml_lists_every_key_with_its_default():
+    """``oar_trainer.yaml`` declares every ``algorithm.oar.*`` key (overrides need no ``+``) with OARConfig's default:
+    a key added to one and not the other fails here, not at a user's first override."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    yaml = Path(__file__).parents[2] / "oar_verl" / "integration" / "config" / "oar_trainer.yaml"
+    declared = OmegaConf.to_container(OmegaConf.load(yaml).algorithm.oar)
+    defaults = OARConfig.from_mapping({"preset": "paper"}).to_dict()
+    defaults["tau"] = defaults["beta"] = None  # the YAML leaves them to the preset
+    assert declared == defaults

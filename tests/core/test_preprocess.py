@@ -43,7 +43,7 @@ def test_response_target_layout_and_scores_map_back(tok, make_lm):
     # the probe read the answer span where one was found, LT-Logits elsewhere
     assert prepared.answer_probe.tolist() == [True, False]
     model = make_lm(torch.float64, vocab=len(tok))
-    importance = run_attribution(model, prepared.batch, cfg, mask_token_id=prepared.mask_token_id)
+    importance = run_attribution(model, prepared.batch, cfg, mask_token_id=prepared.mask_token_id).importance
     per_row = prepared.response_importance(importance)
     assert [len(x) for x in per_row] == prepared.response_lengths
     for scores, reasoning in zip(per_row, prepared.spans.reasoning_mask):
@@ -72,3 +72,31 @@ def test_seeds_depend_on_content_and_step_not_on_batching(tok):
     alone = prepare_attribution(p[1:2], r[1:2], tok, cfg, global_step=4)
     assert full.seeds[1] == alone.seeds[0]
     assert not torch.equal(prepare_attribution(p, r, tok, cfg, global_step=5).seeds, full.seeds)
+
+
+@pytest.mark.parametrize("target", ["response", "reference"])
+def test_segments_follow_the_responses_reasoning(tok, target):
+    """Segment-level OAR-P policies get the responses' reasoning segments in full-sequence coordinates (with
+    target=reference too: the attributed reasoning is the response's, position by position); exact gets none."""
+    from oar_verl.core.segments import reasoning_segments
+
+    kw = {"target": target, "conclude_text": "The answer is "}
+    truths = ["7", "9"] if target == "reference" else None
+    p, r = rows(tok, ["What is 3 plus 4?", "Add."], ["3 plus 4 is 7. so the sum is 9. The answer is 7.",
+                                                     "so the sum is 9. 3 plus 4 is 7."])
+    exact = prepare_attribution(p, r, tok, OARConfig(mode="perturbation", **kw), 0, ground_truths=truths)
+    assert exact.batch.segments is None
+    cfg = OARConfig(mode="perturbation", perturbation="hierarchical", segment_min_tokens=1, **kw)
+    prepared = prepare_attribution(p, r, tok, cfg, 0, ground_truths=truths)
+    seg = prepared.batch.segments
+    P = prepared.batch.response_start
+    assert seg.shape == prepared.batch.input_ids.shape
+    assert ((seg >= 0) == prepared.batch.reasoning_mask).all()
+    spans = prepared.spans
+    ids = torch.nn.utils.rnn.pad_sequence(r, batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(x) for x in r], batch_first=True)
+    want = reasoning_segments(ids, mask, spans.reasoning_mask, tok, "sentence", 1, cfg.segment_max_tokens)
+    for b, n in enumerate(prepared.response_lengths):
+        got = seg[b, P:P + n]
+        assert torch.equal(got[got >= 0], want[b, :n][want[b, :n] >= 0])
+        assert int(got.max()) >= 1  # the sentence rule split the reasoning

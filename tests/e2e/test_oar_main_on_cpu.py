@@ -84,6 +84,11 @@ def _check_oar_run(name, run, steps, dump_dir=None):
     ("oar_p_v1_bypass", ["algorithm.oar.mode=perturbation", "algorithm.oar.chunk_size=16",
                          "algorithm.rollout_correction.bypass_mode=true",
                          "actor_rollout_ref.rollout.calculate_log_probs=true"]),
+    # OAR-P's auto policy: rows with more than 4 reasoning tokens switch to hierarchical (segments of <= 4 tokens,
+    # exact OAR-P inside the top ones covering 30 % of the row), shorter rows run exact
+    ("oar_p_auto_hierarchical", ["algorithm.oar.mode=perturbation", "algorithm.oar.perturbation=auto",
+                                 "algorithm.oar.exact_max_tokens=4", "algorithm.oar.segment_min_tokens=1",
+                                 "algorithm.oar.segment_max_tokens=4", "algorithm.oar.refine_share=0.3"]),
     ("oar_g_colocate_async", ["algorithm.oar.mode=gradient", "trainer.v1.trainer_mode=colocate_async"]),
     ("oar_g_legacy", ["algorithm.oar.mode=gradient", "trainer.use_v1=false"]),
 ])
@@ -94,6 +99,14 @@ def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
     _check_oar_run(name, run, range(1, STEPS + 1), dump_dir)
     reported = ["oar/policy_matches_old_log_prob" in m for m in run.metrics]
     assert not any(reported) if "bypass" in name else all(reported)
+    perturbed = [m for m in run.metrics if "oar/perturbation_copies" in m]
+    if "oar_p" in name:  # every step with OAR-P attribution reports what ran
+        assert len(perturbed) == len([m for m in run.metrics if m["oar/attributed_seq_frac"] > 0])
+    else:
+        assert not perturbed
+    if "auto" in name:  # long rows were refined only in part: fewer copies than reasoning tokens
+        assert any(0 < m["oar/refined_share"] < 1 for m in perturbed), [m.get("oar/refined_share") for m in perturbed]
+        print({m["step"]: (m["oar/perturbation_copies"], m["oar/refined_share"]) for m in perturbed})
 
 
 # 2 fake GPUs; the actor in bf16 (fp32 reductions) with gradient checkpointing and dynamic micro-batches of 120
@@ -153,6 +166,8 @@ def _fails_fast(args, env_extra=None, timeout=300):
     ("algorithm.oar.tau=1.5", "algorithm.oar.tau=1.5 is out of range"),
     ("actor_rollout_ref.actor.strategy=megatron actor_rollout_ref.model.use_fused_kernels=True",
      "use_fused_kernels=True (actor_rollout_ref.model.use_fused_kernels)"),
+    ("actor_rollout_ref.actor.strategy=megatron algorithm.oar.mode=perturbation algorithm.oar.perturbation=auto",
+     "algorithm.oar.perturbation='auto' is not supported on the Megatron engine yet"),
     ("actor_rollout_ref.actor.strategy=dtensor_magic", "strategy='dtensor_magic' is not supported by OAR yet"),
     ("trainer.v1.trainer_mode=dreamy", "trainer.v1.trainer_mode='dreamy' has no OAR trainer; choose one of: sync"),
     ("trainer.use_v1=false algorithm.rollout_correction.bypass_mode=true",

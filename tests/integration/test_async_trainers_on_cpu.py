@@ -99,7 +99,7 @@ def test_separate_async_attributes_with_the_cycles_old_policy(tiny_assets, tmp_p
     responses = [r[: len(t)] for r, t in zip(res["responses"], inside["token_importance"])]
     prepared = prepare_attribution(prompts, responses, tok, cfg, 3)
     ref = prepared.response_importance(run_attribution(model, prepared.batch, cfg, mask_token_id=0,
-                                                       seeds=prepared.seeds))
+                                                       seeds=prepared.seeds).importance)
     scale = float(torch.cat(ref).abs().max())
     for got, want in zip(inside["token_importance"], ref):
         torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-5 * scale)

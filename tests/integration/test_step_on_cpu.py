@@ -60,7 +60,7 @@ class InProcessIO:
         prepared = prepare_attribution([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.tok,
                                        cfg, options[STEP_KEY])
         imp = run_attribution(self.model, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
-                              seeds=prepared.seeds)
+                              seeds=prepared.seeds).importance
 
         def pad(xs):
             return torch.nested.as_nested_tensor(xs, layout=torch.jagged).to_padded_tensor(0.0)

@@ -42,7 +42,7 @@ def core_reference(model_dir, res):
     prepared = prepare_attribution(res["prompts"], res["responses"], tok, cfg, 3,
                                    ground_truths=res["truths"] if cfg.target == "reference" else None)
     importance = run_attribution(model, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
-                                 seeds=prepared.seeds)
+                                 seeds=prepared.seeds).importance
     ref = padded(prepared.response_importance(importance))
     assert prepared.answer_probe.all()  # as_mean on a found span: every probe read answer tokens
     rounds = []  # what each rank needs: rank r holds rows [2r, 2r + 2)

@@ -128,7 +128,8 @@ def reference(assets, rows, case, dtype=torch.float32):
     cfg = OARConfig.from_mapping(case["oar"])
     batch = build_attribution_batch(x["prompts"], x["prompt_mask"], x["responses"], x["response_mask"],
                                     x["reasoning"], x["answer"], probe_kinds(cfg, 0, len(rows)))
-    return run_attribution(_HF[dtype], batch, cfg, mask_token_id=assets["pad"], seeds=x["seeds"]).float(), batch
+    result = run_attribution(_HF[dtype], batch, cfg, mask_token_id=assets["pad"], seeds=x["seeds"])
+    return result.importance.float(), batch
 
 
 def compare(assets, ranks, rtol, label):

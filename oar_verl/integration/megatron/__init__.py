@@ -64,6 +64,9 @@ def megatron_token_importance(engine, batch: AttributionBatch, cfg: OARConfig, l
         if mask_token_id is None:
             raise ValueError("OAR-P needs a mask token: set algorithm.oar.mask_token_id or give the tokenizer a pad "
                              "token")
+        if cfg.perturbation != "exact":  # refused at start-up too (oar_verl.integration.startup)
+            raise MegatronLayoutError(f"{cfg.prefix}.perturbation={cfg.perturbation!r}: the Megatron path runs exact "
+                                      "OAR-P only")
     elif seeds is None:
         raise ValueError("OAR-G needs per-sequence noise seeds (see oar_verl.core.gradient.sequence_seeds)")
     rows = engine_rows(batch)
