@@ -41,16 +41,18 @@ def core_reference(model_dir, res):
     cfg = OARConfig.from_mapping(res["config"])
     prepared = prepare_attribution(res["prompts"], res["responses"], tok, cfg, 3,
                                    ground_truths=res["truths"] if cfg.target == "reference" else None)
-    importance = run_attribution(model, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
-                                 seeds=prepared.seeds).importance
-    ref = padded(prepared.response_importance(importance))
+    result = run_attribution(model, prepared.batch, cfg, mask_token_id=prepared.mask_token_id, seeds=prepared.seeds)
+    ref = padded(prepared.response_importance(result.importance))
     assert prepared.answer_probe.all()  # as_mean on a found span: every probe read answer tokens
     rounds = []  # what each rank needs: rank r holds rows [2r, 2r + 2)
     for r in range(2):
         half = prepare_attribution(res["prompts"][2 * r: 2 * r + 2], res["responses"][2 * r: 2 * r + 2], tok, cfg, 3,
                                    ground_truths=res["truths"][2 * r: 2 * r + 2] if cfg.target == "reference" else None)
-        rounds.append(collective_rounds(half.batch, cfg, pass_limits(cfg)))
-    return ref, prepared.spans, rounds
+        own = run_attribution(model, half.batch, cfg, mask_token_id=half.mask_token_id, seeds=half.seeds).rounds
+        if cfg.perturbation == "exact":  # what the policy ran is what the planner counts
+            assert own == collective_rounds(half.batch, cfg, pass_limits(cfg))
+        rounds.append(own)
+    return ref, prepared.spans, rounds, result
 
 
 def padded(rows):
@@ -59,10 +61,10 @@ def padded(rows):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,target", [("gradient", "response"), ("perturbation", "response"),
-                                         ("perturbation", "reference")])
+                                         ("perturbation", "reference"), ("hierarchical", "response")])
 def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
     two = run_job(tiny_assets.model_dir, tmp_path, 2, mode, target)
-    ref, spans, rounds = core_reference(tiny_assets.model_dir, two)
+    ref, spans, rounds, result = core_reference(tiny_assets.model_dir, two)
     got = padded(two["token_importance"])
     assert got.shape == ref.shape
     assert (ref != 0).sum() > 10  # not vacuous
@@ -77,6 +79,13 @@ def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
     # attribution leaves the policy as it was: the engine's log-probs are bit-identical before and after
     for a, b in zip(two["log_probs_before"], two["log_probs_after"]):
         assert torch.equal(a, b)
+    if mode == "gradient":
+        assert (two["copies"] == -1).all()
+    else:  # the masked copies and token-level-scored tokens of every row, as the core counts them
+        assert two["copies"].tolist() == result.copies.float().tolist()
+        assert two["refined"].tolist() == result.refined.float().tolist()
+        if mode == "hierarchical":  # part of every long row refined, in fewer copies than tokens
+            assert (two["refined"] < result.reasoning).any() and (two["copies"] < result.reasoning).any()
     if mode == "gradient":  # one rank (under the same budget): same result (noise is seeded per sequence, not rank)
         one = run_job(tiny_assets.model_dir, tmp_path, 1, mode)
         torch.testing.assert_close(padded(one["token_importance"]), got, rtol=2e-3,
@@ -84,12 +93,12 @@ def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["gradient", "perturbation"])
+@pytest.mark.parametrize("mode", ["gradient", "perturbation", "hierarchical"])
 def test_sequence_parallel_group_attributes_sharded_and_equals_core(tiny_assets, tmp_path, mode):
     """Ulysses SP=2 through verl's own FSDP engine and sequence-parallel machinery (the ranks hold 1/2 of every pass;
     the CPU stand-in attention replaces flash-attn, which needs CUDA): the same numbers as the unsharded core."""
     two = run_job(tiny_assets.model_dir, tmp_path, 2, mode, sp=2)
-    ref, spans, _ = core_reference(tiny_assets.model_dir, two)
+    ref, spans, _, result = core_reference(tiny_assets.model_dir, two)
     got = padded(two["token_importance"])
     assert (ref != 0).sum() > 10
     # fp32 models, another attention kernel: scores agree to 1e-5 of the largest (float64: tests/core, to 1e-6)
@@ -104,5 +113,8 @@ def test_sequence_parallel_group_attributes_sharded_and_equals_core(tiny_assets,
     cfg = OARConfig.from_mapping(two["config"])
     prepared = prepare_attribution(two["prompts"], two["responses"], AutoTokenizer.from_pretrained(
         tiny_assets.model_dir), cfg, 3)
+    if mode == "hierarchical":  # two levels, each sharded; the copies are the core's
+        assert two["copies"].tolist() == result.copies.float().tolist()
+        return
     sharded = collective_rounds_sharded(prepared.batch, mode, pass_limits(cfg), SequenceShards(None, 0, 2))
     assert two["rounds"].tolist() == [sharded] * 4

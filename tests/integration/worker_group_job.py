@@ -6,6 +6,8 @@ RPC on a nested TensorDict whose data-parallel shards hold different lengths, an
 
 usage: python worker_group_job.py MODEL_DIR OUT_FILE N_RANKS MODE RAY_TMP [TARGET [SP]]
 
+MODE: gradient, perturbation (exact OAR-P) or hierarchical (OAR-P's hierarchical policy).
+
 SP > 1: Ulysses sequence parallelism of that size (remove-padding layout, the CPU stand-in attention
 ``ulysses_sdpa``), so the ranks form sequence-parallel groups instead of data-parallel ranks.
 
@@ -87,7 +89,11 @@ def main() -> None:
             "loss_mask": nested([torch.cat([torch.zeros(len(p)), torch.ones(len(r))])
                                  for p, r in zip(prompts, responses)]),
         }, batch_size=[len(ids)])
-        oar = OARConfig(mode=mode, probe="as_mean", max_token_len_per_gpu=BUDGET, target=target)
+        # "hierarchical": OAR-P's segment level, then exact OAR-P inside the top segments (the ranks need different
+        # numbers of passes at each level, known only after the first)
+        policy = {"mode": "perturbation", "perturbation": "hierarchical", "segment_min_tokens": 1,
+                  "segment_max_tokens": 4, "refine_share": 0.3} if mode == "hierarchical" else {"mode": mode}
+        oar = OARConfig(**policy, probe="as_mean", max_token_len_per_gpu=BUDGET, target=target)
         # verl's RL datasets store the ground truth with every sample; target=reference reads it from there
         tu.assign_non_tensor(data, reward_model=[{"ground_truth": g, "style": "rule"} for g in GROUND_TRUTHS])
         logp_data = data.clone()
@@ -102,7 +108,8 @@ def main() -> None:
                     "answer": [t.clone() for t in out["oar_answer_mask"].unbind()],
                     "span_found": out["oar_span_found"].clone(),
                     "answer_probe": out["oar_answer_probe"].clone(),
-                    "rounds": out["oar_rounds"].clone(),
+                    "rounds": out["oar_rounds"].clone(), "copies": out["oar_copies"].clone(),
+                    "refined": out["oar_refined"].clone(),
                     "log_probs_before": [t.clone() for t in before.unbind()],
                     "log_probs_after": [t.clone() for t in after.unbind()]}, out_file)
     finally:
