@@ -1,4 +1,4 @@
-"""OAR diagnostics (docs/method.md §8): how the weights redistribute credit, as scalars for verl's tracking.
+"""OAR diagnostics (docs/method.md §9): how the weights redistribute credit, as scalars for verl's tracking.
 
 All scalars are batch means over the reshaped rows (ESS, top-k mass) or their reasoning tokens (weight statistics).
 Every step logs the same keys: when no row was reshaped, the weight statistics, the floor/boost fractions and the

@@ -14,16 +14,13 @@ pattern matches its UTF-8 bytes.
 from __future__ import annotations
 
 import functools
-import logging
 import re
 from numbers import Integral
 
 import torch
 
-from oar_verl.core.token_bytes import token_byte_lengths
+from oar_verl.core.token_bytes import selected_byte_lengths
 
-logger = logging.getLogger("oar_verl")
-_warned_beyond_vocab = False
 
 __all__ = ["SEGMENT_SPLITS", "compile_segment_split", "reasoning_segments", "segment_boundaries"]
 
@@ -194,24 +191,12 @@ def reasoning_segments(
     if B == 0 or T == 0:
         return torch.full((B, T), -1, dtype=torch.long, device=device)
 
-    table, lengths = token_byte_lengths(tokenizer)
-    vocab = len(table)
     ids = response_ids.detach().to("cpu", torch.long)
     sel = (response_mask.detach().to("cpu") != 0) & (reasoning_mask.detach().to("cpu") != 0)
     if not sel.any():
         return torch.full((B, T), -1, dtype=torch.long, device=device)
-    sel_ids = ids[sel]
-    lo, hi = int(sel_ids.min()), int(sel_ids.max())
-    if lo < 0:
-        raise ValueError(f"token id {lo} in the reasoning is negative; the ids and the tokenizer do not match")
-    global _warned_beyond_vocab
-    if hi >= vocab and not _warned_beyond_vocab:
-        logger.warning("token id %d is beyond the tokenizer's %d tokens; treating such ids as empty text", hi, vocab)
-        _warned_beyond_vocab = True
-
     # Byte offsets of every token, batch-wide: tokens off the reasoning get length 0, so they shift nothing.
-    known = sel & (ids < vocab)
-    tok_len = torch.where(known, lengths[ids.clamp(0, vocab - 1)], torch.zeros((), dtype=torch.long))
+    table, known, tok_len = selected_byte_lengths(ids, sel, tokenizer, "reasoning")
     starts = tok_len.cumsum(dim=1) - tok_len
 
     # Boundaries per row: the only per-row Python work is joining the row's bytes and the regex scan.

@@ -5,17 +5,14 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from oar_verl.core.answer_patterns import BUILTIN_PATTERNS, find_answer_span
-from oar_verl.core.token_bytes import token_byte_lengths
+from oar_verl.core.token_bytes import selected_byte_lengths
 
-logger = logging.getLogger("oar_verl")
-_warned_beyond_vocab = False
 
 __all__ = ["AnswerSpans", "locate_answer_spans"]
 
@@ -88,26 +85,10 @@ def locate_answer_spans(
         found = torch.zeros(B, dtype=torch.bool, device=device)
         return AnswerSpans(empty, empty.clone(), found, torch.full((B,), -1, dtype=torch.long, device=device))
 
-    table, lengths = token_byte_lengths(tokenizer)
-    vocab = len(table)
     ids = response_ids.detach().to("cpu", torch.long)
     valid = response_mask.detach().to("cpu") != 0
-    if valid.any():
-        valid_ids = ids[valid]
-        lo, hi = int(valid_ids.min()), int(valid_ids.max())
-        if lo < 0:
-            raise ValueError(f"token id {lo} in the response is negative; the ids and the tokenizer do not match")
-        global _warned_beyond_vocab
-        if hi >= vocab and not _warned_beyond_vocab:
-            # Models often have more embedding rows than the tokenizer has tokens (Qwen2.5: 151,936 vs 151,646);
-            # a sampled id there has no text, so it spans zero bytes instead of failing the training step.
-            logger.warning("token id %d is beyond the tokenizer's %d tokens; treating such ids as empty text", hi,
-                           vocab)
-            _warned_beyond_vocab = True
-
     # Byte offsets of every token, batch-wide: padding gets length 0 so it does not shift later offsets.
-    known = valid & (ids < vocab)
-    tok_len = torch.where(known, lengths[ids.clamp(0, vocab - 1)], torch.zeros((), dtype=torch.long))
+    table, known, tok_len = selected_byte_lengths(ids, valid, tokenizer, "response")
     ends = tok_len.cumsum(dim=1)
     starts = ends - tok_len
 

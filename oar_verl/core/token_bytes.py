@@ -9,12 +9,16 @@ the per-vocabulary byte table those offsets come from.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import weakref
 
 import torch
 
-__all__ = ["token_byte_table", "token_byte_lengths"]
+__all__ = ["selected_byte_lengths", "token_byte_table", "token_byte_lengths"]
+
+logger = logging.getLogger("oar_verl")
+_warned_beyond_vocab = False
 
 
 @functools.lru_cache(maxsize=1)
@@ -173,3 +177,37 @@ def token_byte_table(tokenizer) -> list[bytes]:
     - Anything else: ``tokenizer.decode([id])`` as UTF-8 (fallback; inexact for tokens that split a character).
     """
     return token_byte_lengths(tokenizer)[0]
+
+
+def selected_byte_lengths(ids: torch.Tensor, selected: torch.Tensor, tokenizer,
+                          what: str) -> tuple[list[bytes], torch.Tensor, torch.Tensor]:
+    """The byte table and per-token byte lengths of the selected tokens of a batch (the base of byte offsets).
+
+    Args:
+        ids: (B, T) long CPU token ids. selected: (B, T) bool CPU, the tokens whose bytes count.
+        tokenizer: a transformers tokenizer. what: names the selection in errors ("response", "reasoning").
+
+    Returns:
+        (byte table, known (B, T) bool: selected and inside the vocabulary, (B, T) long byte length of each known
+        token, 0 elsewhere -- so unselected tokens shift no offset).
+
+    Raises:
+        ValueError: a selected id is negative. Ids beyond the tokenizer's vocabulary (unused embedding rows a model
+        may still sample) count as empty text, with one warning per process.
+    """
+    table, lengths = token_byte_lengths(tokenizer)
+    vocab = len(table)
+    if selected.any():
+        chosen = ids[selected]
+        lo, hi = int(chosen.min()), int(chosen.max())
+        if lo < 0:
+            raise ValueError(f"token id {lo} in the {what} is negative; the ids and the tokenizer do not match")
+        global _warned_beyond_vocab
+        if hi >= vocab and not _warned_beyond_vocab:
+            # Models often have more embedding rows than the tokenizer has tokens (Qwen2.5: 151,936 vs 151,646);
+            # a sampled id there has no text, so it spans zero bytes instead of failing the training step.
+            logger.warning("token id %d is beyond the tokenizer's %d tokens; treating such ids as empty text", hi,
+                           vocab)
+            _warned_beyond_vocab = True
+    known = selected & (ids < vocab)
+    return table, known, torch.where(known, lengths[ids.clamp(0, vocab - 1)], torch.zeros((), dtype=torch.long))
