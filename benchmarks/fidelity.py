@@ -111,7 +111,7 @@ def recall_at_k(scores: list[np.ndarray], causal: list[np.ndarray], rng: np.rand
 
 
 def overlap_top_frac(a: list[np.ndarray], b: list[np.ndarray], frac: float, rng: np.random.Generator) -> np.ndarray:
-    """Per row: share of b's top ⌈frac·R⌉ tokens also in a's top ⌈frac·R⌉ (recall, docs/method.md §8)."""
+    """Per row: share of b's top ⌈frac·R⌉ tokens also in a's top ⌈frac·R⌉ (recall, docs/method.md §9)."""
     out = []
     for x, y in zip(a, b):
         k = max(1, math.ceil(frac * len(x)))

@@ -11,7 +11,7 @@ whose K digit tokens are the only ones the answer depends on; reasoning of ~13 t
 Recall@K of the planted digits for every policy, against exact's.
 
 Part 3, cost at 512 / 2k / 8k reasoning tokens on the scaling benchmark's model (:mod:`benchmarks.scaling`, random
-init): the segments of real GSM-style text of that length (Qwen2.5 tokenizer, the configured split), and per policy the
+init): the segments of real GSM-style text of that length (Qwen2.5 tokenizer, each segmentation), and per policy the
 masked copies and the tokens they recompute (each copy recomputes its suffix on top of the clean prefix cache). Exact
 OAR-P's seconds per recomputed token are measured on a sample of its passes (first, middle and last, as the scaling
 benchmark does) and every policy's time is its recomputed tokens times that rate, plus one clean forward per row; at
@@ -94,7 +94,8 @@ def gsm_solution(rng: random.Random, steps: int) -> tuple[str, str, int]:
 
 
 def policies(shares=SHARES) -> list[tuple[str, dict]]:
-    return [("exact", {"perturbation": "exact"}), ("segment", {"perturbation": "segment"})] + \
+    """The segment-level policies compared with exact OAR-P: segment, and hierarchical at each refine share."""
+    return [("segment", {"perturbation": "segment"})] + \
         [(f"hierarchical {s:g}", {"perturbation": "hierarchical", "refine_share": s}) for s in shares]
 
 
@@ -113,9 +114,19 @@ def score(model, batch: task.VerlBatch, spans, segments: torch.Tensor, mask_id: 
     return AttributionResult(imp, res.rounds, res.copies, res.refined, res.reasoning), seconds
 
 
+def top_mass(scores: np.ndarray, exact: np.ndarray, frac: float, rng: np.random.Generator) -> float:
+    """Exact importance held by the top ⌈frac·R⌉ tokens of ``scores``, over what exact's own top ⌈frac·R⌉ hold (1:
+    the policy's top tokens carry as much of exact's mass as exact's top tokens do)."""
+    k = max(1, math.ceil(frac * len(exact)))
+    mass = np.clip(exact, 0, None)
+    best = mass[fidelity.top_k(exact, k, rng)].sum()
+    return float(mass[fidelity.top_k(scores, k, rng)].sum() / best) if best > 0 else float("nan")
+
+
 def compare(results: dict, reasoning_mask: torch.Tensor, causal: torch.Tensor | None = None,
             numeric: list[np.ndarray] | None = None) -> dict:
-    """Per policy: agreement with exact (top-20 % recall, Spearman), planted recall@K, copies, seconds."""
+    """Per policy: agreement with exact (recall of its top 20 % and top 5 %, the share of exact's importance mass its
+    top 20 % holds relative to exact's own top 20 %, Spearman), planted recall@K, copies, seconds."""
     rng = np.random.default_rng(0)
     exact_rows = fidelity.rows_of(results["exact"][0].importance, reasoning_mask)
     causal_rows = fidelity.rows_of(causal.float(), reasoning_mask) if causal is not None else None
@@ -123,6 +134,8 @@ def compare(results: dict, reasoning_mask: torch.Tensor, causal: torch.Tensor | 
     for name, (res, seconds) in results.items():
         rows = fidelity.rows_of(res.importance, reasoning_mask)
         entry = {"top20_recall_vs_exact": float(fidelity.overlap_top_frac(rows, exact_rows, 0.2, rng).mean()),
+                 "top5_recall_vs_exact": float(fidelity.overlap_top_frac(rows, exact_rows, 0.05, rng).mean()),
+                 "top20_exact_mass": float(np.mean([top_mass(r, e, 0.2, rng) for r, e in zip(rows, exact_rows)])),
                  "spearman_vs_exact": float(np.nanmean([fidelity.spearman(a, b) for a, b in zip(rows, exact_rows)])),
                  "copies": int(res.copies.sum()), "refined_share": float(res.refined.sum() / res.reasoning.sum()),
                  "seconds": seconds}
@@ -144,7 +157,13 @@ def compare(results: dict, reasoning_mask: torch.Tensor, causal: torch.Tensor | 
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def real_text_part(n: int, steps: int, split: str, quick: bool, log) -> dict:
+def segmentation(spec: str) -> tuple[str, int, int]:
+    """``split:min:max`` (``algorithm.oar.segment_split``, ``segment_min_tokens``, ``segment_max_tokens``)."""
+    split, lo, hi = spec.rsplit(":", 2)
+    return split, int(lo), int(hi)
+
+
+def real_text_part(n: int, steps: int, splits: list[str], quick: bool, out: Path, log) -> dict:
     rng = random.Random(0)
     if quick:
         from oar_verl.cpu.tokenizers import qwen25_tokenizer
@@ -176,18 +195,36 @@ def real_text_part(n: int, steps: int, split: str, quick: bool, log) -> dict:
     batch = task.verl_batch(prompts, responses, mask_id)
     spans = locate_answer_spans(batch.responses, batch.response_mask, tok, patterns=("gsm8k",), eos_token_ids=eos)
     assert bool(spans.found.all()), "every solution ends in #### N"
-    segments = reasoning_segments(batch.responses, batch.response_mask, spans.reasoning_mask, tok, split, 8, 64)
     lengths = spans.reasoning_mask.sum(-1).tolist()
-    log(f"[long] real text: {model_name}; {n} solutions of {min(lengths)}-{max(lengths)} reasoning tokens, "
-        f"{int((segments.max(-1).values + 1).sum())} segments ({split})")
-    results = {}
-    for name, options in policies():
-        results[name] = score(model, batch, spans, segments, mask_id, options)
-        log(f"  {name}: {results[name][1]:.1f} s, {int(results[name][0].copies.sum())} copies")
+    log(f"[long] real text: {model_name}; {n} solutions of {min(lengths)}-{max(lengths)} reasoning tokens")
+    # exact OAR-P does not depend on the split: computed once (and kept in --out for a later run on the same texts)
+    cache = out / f"exact_{'quick' if quick else 'smollm2'}_{n}x{steps}.pt"
+    no_segments = torch.full(batch.responses.shape, -1, dtype=torch.long)
+    if cache.exists() and not quick:
+        results = {"exact": torch.load(cache)}
+        log(f"  exact: reused from {cache}")
+    else:
+        results = {"exact": score(model, batch, spans, no_segments, mask_id, {"perturbation": "exact"})}
+        torch.save(results["exact"], cache)
+    log(f"  exact: {results['exact'][1]:.1f} s, {int(results['exact'][0].copies.sum())} copies")
+    n_segments = {}
+    for spec in splits:
+        split, lo, hi = segmentation(spec)
+        segments = reasoning_segments(batch.responses, batch.response_mask, spans.reasoning_mask, tok, split, lo, hi)
+        n_segments[spec] = (segments.max(-1).values + 1).tolist()
+        for name, options in policies():
+            name = name if len(splits) == 1 else f"{name} ({spec})"
+            results[name] = score(model, batch, spans, segments, mask_id, {**options, "segment_split": split,
+                                                                            "segment_min_tokens": lo,
+                                                                            "segment_max_tokens": hi})
+            log(f"  {name}: {results[name][1]:.1f} s, {int(results[name][0].copies.sum())} copies")
+    seg_ids = {spec: reasoning_segments(batch.responses, batch.response_mask, spans.reasoning_mask, tok,
+                                        *segmentation(spec)) for spec in splits}
+    torch.save({"importance": {k: r[0].importance for k, r in results.items()}, "segments": seg_ids,
+                "reasoning_mask": spans.reasoning_mask, "responses": batch.responses}, out / "real_scores.pt")
     numeric = [np.array([any(ch.isdigit() for ch in tok.decode([int(t)])) for t in batch.responses[i][m]])
                for i, m in enumerate(spans.reasoning_mask)]
-    return {"model": model_name, "n": n, "reasoning_tokens": lengths, "split": split,
-            "segments": (segments.max(-1).values + 1).tolist(),
+    return {"model": model_name, "n": n, "reasoning_tokens": lengths, "splits": splits, "segments": n_segments,
             "table": compare(results, spans.reasoning_mask, numeric=numeric)}
 
 
@@ -204,7 +241,7 @@ def planted_part(out: Path, n_eval: int, reuse: bool, log) -> dict:
     segments = reasoning_segments(eval_batch.responses, eval_batch.response_mask, spans.reasoning_mask, tok,
                                   r"(?!)x", 1, 3)
     mask_id = tok.pad_token_id
-    results = {}
+    results = {"exact": score(model, eval_batch, spans, segments, mask_id, {"perturbation": "exact"}, copies=64)}
     for name, options in policies((0.2, 0.3, 0.5)):
         options = {**options, "segment_min_tokens": 1, "segment_max_tokens": 3}
         results[name] = score(model, eval_batch, spans, segments, mask_id, options, copies=64)
@@ -228,7 +265,7 @@ def _digit_sum_model(out: Path, s, n_eval: int, reuse: bool, log):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def text_segments(length: int, split: str) -> torch.Tensor:
+def text_segments(length: int, spec: str) -> torch.Tensor:
     """(1, length) segment ids of the first ``length`` tokens of GSM-style text (Qwen2.5 tokenizer)."""
     from oar_verl.cpu.tokenizers import qwen25_tokenizer
 
@@ -238,7 +275,7 @@ def text_segments(length: int, split: str) -> torch.Tensor:
         ids += tok.encode(gsm_solution(rng, 8)[1].rsplit("\n", 1)[0] + "\n\n", add_special_tokens=False)
     ids = torch.tensor([ids[:length]])
     ones = torch.ones_like(ids)
-    return reasoning_segments(ids, ones, ones.bool(), tok, split, 8, 64)
+    return reasoning_segments(ids, ones, ones.bool(), tok, *segmentation(spec))
 
 
 def recomputed_tokens(blocks: torch.Tensor, ends: torch.Tensor) -> int:
@@ -271,15 +308,22 @@ def policy_layouts(batch, segments: torch.Tensor, shares, draws: int = 20) -> di
     return out
 
 
-def cost_point(shape: str, length: int, split: str, device: str, dtype: torch.dtype, rows: int, shares,
+def row_segments(batch, length: int, spec: str) -> torch.Tensor:
+    """(B, L) full-sequence segment ids for the scaling benchmark's rows: GSM-style text's segments of that length
+    (``spec``: split:min:max)."""
+    P = batch.response_start
+    seg = text_segments(length - 2 - scaling.ANSWER, spec)
+    segments = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
+    segments[:, P:P + seg.shape[1]] = seg
+    return torch.where(batch.reasoning_mask.cpu(), segments, -1)
+
+
+def cost_point(shape: str, length: int, splits: list[str], device: str, dtype: torch.dtype, rows: int, shares,
                validate: bool, log) -> dict:
     model = scaling.build_model(shape, device, dtype)
     batch = scaling.make_rows(rows, length, model.config.vocab_size, device)
     P = batch.response_start
-    seg = text_segments(length - 2 - scaling.ANSWER, split)
-    segments = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
-    segments[:, P:P + seg.shape[1]] = seg
-    segments = torch.where(batch.reasoning_mask.cpu(), segments, -1).to(device)
+    segments = row_segments(batch, length, splits[0]).to(device)
     batch = dataclasses.replace(batch, segments=segments)  # already in full-sequence coordinates
     tokens = rows * (P + length)  # the training micro-step's budget: all rows at once
     limits = PassLimits(tokens)
@@ -297,10 +341,15 @@ def cost_point(shape: str, length: int, split: str, device: str, dtype: torch.dt
     sample_work = recomputed_tokens(token_blocks(sampled.reasoning_mask), ends)
     # prefix-cached passes run one clean forward per row first; the rest is the copies' suffixes
     rate = max(sample_s - clean_s, 1e-9) / sample_work
-    layouts = policy_layouts(batch, segments.cpu(), shares)
+    layouts, per_row = {}, {}
+    for spec in splits:
+        seg = row_segments(batch, length, spec)
+        per_row[spec] = float(len(block_copies(seg)[0]) / rows)
+        for name, value in policy_layouts(batch, seg, shares).items():
+            layouts[name if len(splits) == 1 or name == "exact" else f"{name} ({spec})"] = value
     point = {"length": length, "rows": rows, "train_seconds": train_s, "train_peak_mib": train_peak,
              "oar_p_peak_mib": peak, "clean_seconds": clean_s, "seconds_per_recomputed_token": rate,
-             "segments_per_row": float(len(block_copies(segments.cpu())[0]) / rows), "policies": {}}
+             "segments_per_row": per_row, "policies": {}}
     for name, (copies, work) in layouts.items():
         seconds = clean_s + work * rate
         point["policies"][name] = {"copies": copies, "recomputed_tokens": work, "seconds": seconds,
@@ -308,15 +357,19 @@ def cost_point(shape: str, length: int, split: str, device: str, dtype: torch.dt
     exact = point["policies"]["exact"]
     for entry in point["policies"].values():
         entry["cheaper_than_exact"] = exact["seconds"] / entry["seconds"]
-    if validate:  # the segment policy in full, against its estimate
+    if validate:  # the segment policy (first split) in full, against its estimate
         cfg = OARConfig(mode="perturbation", perturbation="segment")
         measured, _ = scaling.measure(lambda: run_attribution(model, batch, cfg, mask_token_id=0, limits=limits),
                                       device)
         point["segment_measured_seconds"] = measured
+        point["segment_estimated_seconds"] = next(v["seconds"] for k, v in point["policies"].items()
+                                                  if k.startswith("segment"))
     log(f"  {length:6d} tokens: train {train_s:.1f} s; " + "; ".join(
-        f"{k} {v['vs_train']:.1f}x train ({v['cheaper_than_exact']:.1f}x < exact)" for k, v in
-        point["policies"].items()) + (f"; segment measured {point['segment_measured_seconds']:.1f} s vs estimated "
-                                      f"{point['policies']['segment']['seconds']:.1f} s" if validate else ""))
+        f"{k} {v['vs_train']:.1f}x train ({v['cheaper_than_exact']:.1f}x < exact)"
+        for k, v in point["policies"].items()))
+    if validate:
+        log(f"  segment policy measured in full: {point['segment_measured_seconds']:.1f} s, estimated "
+            f"{point['segment_estimated_seconds']:.1f} s")
     return point
 
 
@@ -326,8 +379,9 @@ def cost_point(shape: str, length: int, split: str, device: str, dtype: torch.dt
 
 
 def fidelity_table(part: dict, planted: bool = False) -> str:
-    head = "| policy | copies | × fewer copies | s | × faster | top-20 % recall vs exact | Spearman vs exact |"
-    sep = "|---|---:|---:|---:|---:|---:|---:|"
+    head = ("| policy | copies | × fewer copies | s | × faster | top-20 % recall vs exact | top-5 % recall | "
+            "exact mass in top 20 % | Spearman vs exact |")
+    sep = "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     if planted:
         head += " planted recall@K |"
         sep += "---:|"
@@ -337,7 +391,8 @@ def fidelity_table(part: dict, planted: bool = False) -> str:
     lines = [head, sep]
     for name, e in part["table"].items():
         line = (f"| {name} | {e['copies']} | {e['copies_vs_exact']:.1f} | {e['seconds']:.1f} | "
-                f"{e['seconds_vs_exact']:.1f} | {e['top20_recall_vs_exact']:.2f} | {e['spearman_vs_exact']:.2f} |")
+                f"{e['seconds_vs_exact']:.1f} | {e['top20_recall_vs_exact']:.2f} | {e['top5_recall_vs_exact']:.2f} | "
+                f"{e['top20_exact_mass']:.2f} | {e['spearman_vs_exact']:.2f} |")
         if planted:
             line += f" {e['planted_recall']:.2f} |"
         elif "top20_numeric_share" in e:
@@ -347,14 +402,15 @@ def fidelity_table(part: dict, planted: bool = False) -> str:
 
 
 def cost_table(points: list[dict]) -> str:
-    names = list(points[0]["policies"])
-    lines = ["| reasoning tokens | train fwd+bwd (s) | " + " | ".join(f"{n}: × train (× cheaper than exact)"
-                                                                     for n in names) + " |",
-             "|---:|---:|" + "---:|" * len(names)]
-    for p in points:
-        lines.append(f"| {p['length']} | {p['train_seconds']:.1f} | " + " | ".join(
-            f"{p['policies'][n]['vs_train']:.1f} ({p['policies'][n]['cheaper_than_exact']:.1f})" for n in names)
-            + " |")
+    """One row per policy: its time as a multiple of the training forward+backward (and how much cheaper than exact
+    it is) at every length."""
+    lines = ["| policy | " + " | ".join(f"{p['length']} tokens: × train (× cheaper than exact)" for p in points) + " |",
+             "|---|" + "---:|" * len(points),
+             "| training fwd+bwd | " + " | ".join(f"{p['train_seconds']:.1f} s" for p in points) + " |"]
+    for name in points[0]["policies"]:
+        lines.append(f"| {name} | " + " | ".join(
+            f"{p['policies'][name]['vs_train']:.1f} ({p['policies'][name]['cheaper_than_exact']:.1f})"
+            for p in points) + " |")
     return "\n".join(lines)
 
 
@@ -366,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse-model", action="store_true", help="reuse the digit-sum model of an earlier run")
     parser.add_argument("--real-n", type=int, default=6, help="solutions attributed in the real-text part")
     parser.add_argument("--steps", type=int, default=8, help="steps per generated solution")
-    parser.add_argument("--split", default="sentence", help="algorithm.oar.segment_split")
+    parser.add_argument("--splits", default="sentence:8:64,line:24:64",
+                        help="segmentations compared, each split:min_tokens:max_tokens")
     parser.add_argument("--lengths", default="512,2048,8192")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
@@ -380,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         parts -= {"planted"}
         args.real_n, args.steps, args.lengths, args.shape = 1, 5, "128,384", "cpu-quick"
+        args.splits = "sentence:8:64"
+    splits = args.splits.split(",")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -390,15 +449,15 @@ def main(argv: list[str] | None = None) -> int:
               "device": args.device, "quick": args.quick}
     start = time.perf_counter()
     if "real" in parts:
-        result["real"] = real_text_part(args.real_n, args.steps, args.split, args.quick, log)
+        result["real"] = real_text_part(args.real_n, args.steps, splits, args.quick, out, log)
         log(fidelity_table(result["real"]))
     if "planted" in parts:
         result["planted"] = planted_part(out, 48, args.reuse_model, log)
         log(fidelity_table(result["planted"], planted=True))
     if "cost" in parts:
         lengths = [int(x) for x in args.lengths.split(",")]
-        log(f"[long] cost on {args.shape} ({args.device}, {args.dtype}), {args.rows} rows, split={args.split}")
-        result["cost"] = [cost_point(args.shape, n, args.split, args.device, getattr(torch, args.dtype), args.rows,
+        log(f"[long] cost on {args.shape} ({args.device}, {args.dtype}), {args.rows} rows, splits {splits}")
+        result["cost"] = [cost_point(args.shape, n, splits, args.device, getattr(torch, args.dtype), args.rows,
                                      SHARES, validate=(n == lengths[0]), log=log) for n in lengths]
         log(cost_table(result["cost"]))
     result["wall_seconds"] = time.perf_counter() - start

@@ -27,7 +27,8 @@ def test_long_reasoning_benchmark_quick(tmp_path):
     assert set(table) == {"exact", "segment", "hierarchical 0.05", "hierarchical 0.1", "hierarchical 0.2"}
     assert min(real["reasoning_tokens"]) >= 100  # long reasoning, as the issue asks
     assert table["exact"]["copies"] == sum(real["reasoning_tokens"])
-    assert table["segment"]["copies"] == sum(real["segments"]) and table["segment"]["refined_share"] == 0
+    assert table["segment"]["copies"] == sum(real["segments"]["sentence:8:64"])
+    assert table["segment"]["refined_share"] == 0
     assert table["exact"]["top20_recall_vs_exact"] == 1.0
     for name in ("hierarchical 0.05", "hierarchical 0.1", "hierarchical 0.2"):
         e = table[name]
