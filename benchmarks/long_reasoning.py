@@ -46,7 +46,7 @@ from oar_verl.core.budget import PassLimits
 from oar_verl.core.config import OARConfig
 from oar_verl.core.hierarchical import refined_segments, segment_table, token_blocks
 from oar_verl.core.layout import build_attribution_batch, with_segments
-from oar_verl.core.perturbation import block_copies, oar_p_importance
+from oar_verl.core.perturbation import block_copies, clean_probe, oar_p_importance
 from oar_verl.core.probes import ProbeKind
 from oar_verl.core.segments import reasoning_segments
 from oar_verl.core.spans import locate_answer_spans
@@ -333,8 +333,7 @@ def cost_point(shape: str, length: int, splits: list[str], device: str, dtype: t
     for p in model.parameters():
         p.requires_grad_(False)
     per_pass = max(1, tokens // (P + length))
-    clean_s, _ = scaling.measure(lambda: oar_p_importance(model, batch, 0, limits,
-                                                          blocks=torch.full_like(segments, -1)), device)
+    clean_s, _ = scaling.measure(lambda: clean_probe(model, batch, limits), device)  # one clean forward per row
     sampled, _ = scaling.sample_reasoning(batch, 3, per_pass)
     sample_s, peak = scaling.measure(lambda: oar_p_importance(model, sampled, 0, limits, prefix_cache=True), device)
     ends = batch.attention_mask.sum(-1)
