@@ -181,22 +181,26 @@ def memory_point(args) -> dict:
     inputs, batch = make_batch(1, args.prompt, args.point, args.answer, model.config.vocab_size, device)
     fn = {"ours": lambda: oar_p_importance(model, batch, 0, counts(args.chunk, 1), prefix_cache=True),
           "naive": lambda: naive_oar_p(model, inputs, 0)}[args.path]
+    seconds, peak_mib = measure(fn, device)
+    return {"reasoning": args.point, "path": args.path, "seconds": seconds, "peak_extra_mib": peak_mib}
+
+
+def measure(fn, device: str) -> tuple[float, float]:
+    """(seconds, peak extra MiB over the state before) of ``fn()``: CUDA's allocator peak, or the process's resident
+    memory sampled every 2 ms on CPU."""
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         start = time.perf_counter()
         fn()
-        sync(device)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, (torch.cuda.max_memory_allocated() - base) / 2**20
+    with RSSSampler() as rss:
+        start = time.perf_counter()
+        fn()
         seconds = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        with RSSSampler() as rss:
-            start = time.perf_counter()
-            fn()
-            seconds = time.perf_counter() - start
-        base, peak = rss.base, rss.peak
-    return {"reasoning": args.point, "path": args.path, "seconds": seconds, "peak_extra_mib": (peak - base) / 2**20}
+    return seconds, (rss.peak - rss.base) / 2**20
 
 
 class RSSSampler:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from benchmarks import REPO, fidelity, scaling, task
+from benchmarks.attribution import measure
 from oar_verl.core.attribution import AttributionResult, run_attribution
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.config import OARConfig
@@ -329,13 +330,13 @@ def cost_point(shape: str, length: int, splits: list[str], device: str, dtype: t
     limits = PassLimits(tokens)
     for p in model.parameters():
         p.requires_grad_(True)
-    train_s, train_peak = scaling.measure(lambda: scaling.train_step(model, batch), device)
+    train_s, train_peak = measure(lambda: scaling.train_step(model, batch), device)
     for p in model.parameters():
         p.requires_grad_(False)
     per_pass = max(1, tokens // (P + length))
-    clean_s, _ = scaling.measure(lambda: clean_probe(model, batch, limits), device)  # one clean forward per row
+    clean_s, _ = measure(lambda: clean_probe(model, batch, limits), device)  # one clean forward per row
     sampled, _ = scaling.sample_reasoning(batch, 3, per_pass)
-    sample_s, peak = scaling.measure(lambda: oar_p_importance(model, sampled, 0, limits, prefix_cache=True), device)
+    sample_s, peak = measure(lambda: oar_p_importance(model, sampled, 0, limits, prefix_cache=True), device)
     ends = batch.attention_mask.sum(-1)
     sample_work = recomputed_tokens(token_blocks(sampled.reasoning_mask), ends)
     # prefix-cached passes run one clean forward per row first; the rest is the copies' suffixes
@@ -358,7 +359,7 @@ def cost_point(shape: str, length: int, splits: list[str], device: str, dtype: t
         entry["cheaper_than_exact"] = exact["seconds"] / entry["seconds"]
     if validate:  # the segment policy (first split) in full, against its estimate
         cfg = OARConfig(mode="perturbation", perturbation="segment")
-        measured, _ = scaling.measure(lambda: run_attribution(model, batch, cfg, mask_token_id=0, limits=limits),
+        measured, _ = measure(lambda: run_attribution(model, batch, cfg, mask_token_id=0, limits=limits),
                                       device)
         point["segment_measured_seconds"] = measured
         point["segment_estimated_seconds"] = next(v["seconds"] for k, v in point["policies"].items()

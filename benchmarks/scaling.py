@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import REPO
-from benchmarks.attribution import RSSSampler
+from benchmarks.attribution import measure
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.gradient import oar_g_importance, sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
@@ -114,23 +114,6 @@ def sample_reasoning(batch, passes: int, per_pass: int):
     sampled = type(batch)(batch.input_ids, batch.attention_mask, batch.position_ids, mask & keep[None], batch.probe,
                           batch.response_start)
     return sampled, sample / full
-
-
-def measure(fn, device: str) -> tuple[float, float]:
-    """(seconds, peak extra MiB) of ``fn()``."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        return time.perf_counter() - start, (torch.cuda.max_memory_allocated() - base) / 2**20
-    with RSSSampler() as rss:
-        start = time.perf_counter()
-        fn()
-        seconds = time.perf_counter() - start
-    return seconds, (rss.peak - rss.base) / 2**20
 
 
 def point(args) -> dict:
