@@ -64,7 +64,7 @@ def collective_rounds(batch: AttributionBatch, cfg: OARConfig, limits: PassLimit
     segment-level policies align level by level inside :func:`run_attribution` instead: give it ``align``)."""
     if cfg.mode == "perturbation":
         return perturbation.collective_rounds(batch, limits, cfg.prefix_cache, cfg.mask_span)
-    return gradient.collective_rounds(batch, limits)
+    return gradient.collective_rounds(batch, limits, cfg.noise_samples)
 
 
 def run_attribution(model: torch.nn.Module, batch: AttributionBatch, cfg: OARConfig, *, mask_token_id: int | None,
@@ -101,13 +101,14 @@ def run_attribution(model: torch.nn.Module, batch: AttributionBatch, cfg: OARCon
     if cfg.mode == "gradient":
         if seeds is None:
             raise ValueError("OAR-G needs per-sequence noise seeds (see oar_verl.core.gradient.sequence_seeds)")
+        K = cfg.noise_samples
         if shards is not None:
-            own = collective_rounds_sharded(batch, "gradient", limits, shards)
+            own = collective_rounds_sharded(batch, "gradient", limits, shards, samples=K)
             return AttributionResult(oar_g_importance_sharded(model, batch, cfg.noise_std, seeds, limits, shards,
-                                                              pad_id, align(own), checkpointing), own)
-        own = gradient.collective_rounds(batch, limits)
+                                                              pad_id, align(own), checkpointing, samples=K), own)
+        own = gradient.collective_rounds(batch, limits, K)
         return AttributionResult(gradient.oar_g_importance(model, batch, cfg.noise_std, seeds, limits, align(own),
-                                                           checkpointing), own)
+                                                           checkpointing, samples=K), own)
     if mask_token_id is None:
         raise ValueError("OAR-P needs a mask token: set algorithm.oar.mask_token_id or give the tokenizer a pad token")
     own = 0

@@ -54,6 +54,9 @@ class OARConfig:
             with a named group ``answer``.
         noise_std: OAR-G Gaussian noise std (absolute) on reasoning-token embeddings, > 0.
         seed: base seed of the OAR-G noise; per-sequence generators derive from (seed, step, sequence id).
+        noise_samples: OAR-G noise draws per sequence, >= 1: the score is the mean of the single-draw scores (draw 0
+            uses the sequence's own seed, so 1 is the single-draw method); costs K student passes per sequence, run
+            in the same rounds where the token budget allows. Ignored by OAR-P, like ``noise_std`` and ``seed``.
         mask_token_id: OAR-P replacement token; None = the tokenizer's pad token.
         max_token_len_per_gpu: token budget of one attribution pass (rows × columns it holds), >= 1; None = the actor's
             own (``log_prob_max_token_len_per_gpu`` / ``ppo_max_token_len_per_gpu`` with dynamic batch sizes, else the
@@ -97,6 +100,7 @@ class OARConfig:
     answer_patterns: tuple[str, ...] = BUILTIN_PATTERNS
     noise_std: float = 1e-3
     seed: int = 0
+    noise_samples: int = 1
     mask_token_id: int | None = None
     max_token_len_per_gpu: int | None = None
     chunk_size: int | None = None
@@ -137,6 +141,7 @@ class OARConfig:
         object.__setattr__(self, "answer_patterns", _patterns(p, self.answer_patterns))
         _number(p, "noise_std", self.noise_std, lo=0.0, lo_open=True)
         _integer(p, "seed", self.seed, lo=0)
+        _integer(p, "noise_samples", self.noise_samples, lo=1)
         if self.mask_token_id is not None:
             _integer(p, "mask_token_id", self.mask_token_id, lo=0)
         for key in ("max_token_len_per_gpu", "chunk_size"):

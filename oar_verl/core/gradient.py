@@ -5,6 +5,11 @@ Per round (rows packed under the token budget, :mod:`oar_verl.core.budget`): a c
 p0 (or φ0); the student pass adds seeded Gaussian noise of std σ to the reasoning-token embeddings,
 J = KL(p0 ‖ p_noisy) (or φ0 − φ_noisy), and the score is |⟨∂J/∂e_t, e_t⟩| with the clean embedding e_t.
 
+With K noise draws (``algorithm.oar.noise_samples``) each row becomes K *draw rows* e = b·K + k (row b, draw k, with
+the seed :func:`draw_seeds` gives it) and the score is the mean of the K single-draw scores. Draw rows are packed like
+rows, so a row's K draws share a round while the budget allows and spread over more rounds when not (every round stays
+within the budget); a round's clean teacher pass runs once per distinct row in it, not once per draw.
+
 The noise is what makes the gradient non-zero: at p_noisy = p0 the KL sits at its minimum. Gradients are taken with
 respect to the embedding output only: the embedding module's forward hook returns a detached leaf, and every model
 parameter is frozen for the pass, so no parameter gradient is created (no leak into the policy update, no optimizer
@@ -52,6 +57,22 @@ def sequence_seeds(seed: int, step: int, sequence_ids: torch.Tensor) -> torch.Te
     x = x * _MIX[2]
     x = x ^ (x >> 29)
     return x.remainder(_SEED_MOD)
+
+
+def draw_seeds(seeds: torch.Tensor, samples: int) -> torch.Tensor:
+    """(B, K) int64 seeds of the K noise draws of every row: draw 0 is the row's own seed (K = 1 is the single-draw
+    method, unchanged), draw k >= 1 a splitmix64-style mix of (the row's seed, k).
+
+    Args:
+        seeds: (B,) int64 per-sequence seeds (:func:`sequence_seeds`).
+        samples: K >= 1, the noise draws per row (``algorithm.oar.noise_samples``).
+    """
+    k = torch.arange(samples, dtype=torch.long, device=seeds.device)
+    x = seeds.long()[:, None] * _MIX[2] + k * _MIX[0]
+    x = x ^ (x >> 30)
+    x = x * _MIX[1]
+    x = x ^ (x >> 27)
+    return torch.where(k == 0, seeds.long()[:, None], x.remainder(_SEED_MOD))
 
 
 def _s64(c: int) -> int:
@@ -142,63 +163,88 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
-def collective_rounds(batch: AttributionBatch, limits: PassLimits) -> int:
-    """Rounds (clean forward + noisy forward/backward) :func:`oar_g_importance` runs on this batch.
+def draw_packs(attention_mask: torch.Tensor, limits: PassLimits, samples: int) -> list[torch.Tensor]:
+    """Rounds of draw rows under the token budget: draw row e = b·K + k is row b under noise draw k, as wide as row b.
+
+    Args:
+        attention_mask: (B, L) 0/1 of the batch.
+        limits: the token budget of one round.
+        samples: K >= 1 draws per row.
+
+    Returns:
+        Rounds, each a sorted (n,) long tensor of draw rows in [0, B·K) (a row's draws are adjacent, so they share a
+        round while the budget allows).
+    """
+    return pack_rows(attention_mask.repeat_interleave(samples, 0), limits, PassKind.INPUT_GRADIENT)
+
+
+def collective_rounds(batch: AttributionBatch, limits: PassLimits, samples: int = 1) -> int:
+    """Rounds (clean forward + noisy forward/backward) :func:`oar_g_importance` runs on this batch with ``samples``
+    noise draws per row.
 
     Data-parallel ranks must run equally many rounds (sharded parameters are all-gathered in the forward and again
     in the backward); the worker all-reduces the max of this number and passes it as ``min_rounds``.
     """
-    return len(pack_rows(batch.attention_mask, limits, PassKind.INPUT_GRADIENT))
+    return len(draw_packs(batch.attention_mask, limits, samples))
 
 
 def oar_g_importance(model: torch.nn.Module, batch: AttributionBatch, noise_std: float, seeds: torch.Tensor,
-                     limits: PassLimits, min_rounds: int = 0, checkpointing: bool = False) -> torch.Tensor:
-    """OAR-G importance of every reasoning token.
+                     limits: PassLimits, min_rounds: int = 0, checkpointing: bool = False,
+                     samples: int = 1) -> torch.Tensor:
+    """OAR-G importance of every reasoning token: the mean over ``samples`` noise draws of the single-draw score.
 
     Args:
         model: Hugging Face causal LM (or a sharded wrapper) with ``get_input_embeddings()``, in eval mode.
         batch: AttributionBatch (B, L), B >= 1 when ``min_rounds`` > 0.
         noise_std: σ of the Gaussian embedding noise (absolute).
-        seeds: (B,) int64 per-sequence seeds (see :func:`sequence_seeds`).
-        limits: the token budget of one round (and optional caps and memory guard).
+        seeds: (B,) int64 per-sequence seeds (see :func:`sequence_seeds`); draw k of row b uses
+            ``draw_seeds(seeds, samples)[b, k]`` (draw 0: ``seeds[b]`` itself).
+        limits: the token budget of one round (and optional caps and memory guard); it bounds the draw rows of a round.
         min_rounds: run at least this many rounds (the max of :func:`collective_rounds` over data-parallel ranks, so
             that every rank issues the same collectives); extra rounds repeat the first row's and are discarded.
         checkpointing: checkpoint the decoder layers in the student pass (see :func:`layer_checkpointing`).
+        samples: K >= 1 noise draws per row (``algorithm.oar.noise_samples``); K = 1 is the single-draw method.
 
     Returns:
-        (B, L) float32 |⟨∂J/∂e_t, e_t⟩| at reasoning positions, 0 elsewhere. No parameter of ``model`` has a
-        gradient or a changed requires_grad flag afterwards.
+        (B, L) float32 mean over the K draws of |⟨∂J/∂e_t, e_t⟩| at reasoning positions, 0 elsewhere. No parameter of
+        ``model`` has a gradient or a changed requires_grad flag afterwards.
     """
     device = batch.input_ids.device
-    scores = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=device)
-    packs = pack_rows(batch.attention_mask, limits, PassKind.INPUT_GRADIENT)
-    if min_rounds > len(packs) and batch.input_ids.shape[0] == 0:
+    B, L = batch.input_ids.shape
+    per_draw = torch.zeros(B * samples, L, dtype=torch.float32, device=device)  # (B·K, L): draw row e = b·K + k
+    packs = draw_packs(batch.attention_mask, limits, samples)
+    if min_rounds > len(packs) and B == 0:
         raise ValueError("min_rounds needs at least one local row to repeat")
+    draw_seed = draw_seeds(seeds, samples).reshape(-1)  # (B·K,)
     filler = torch.zeros(1, dtype=torch.long, device=device)
     with frozen_parameters(model), layer_checkpointing(model, checkpointing):
         for r in range(max(len(packs), min_rounds)):
-            rows = packs[r] if r < len(packs) else filler
-            lo, hi, sal = _saliency_round(model, batch, rows, noise_std, seeds)
+            draws = packs[r] if r < len(packs) else filler
+            lo, hi, sal = _saliency_round(model, batch, draws // samples, noise_std, draw_seed[draws])
             if r < len(packs):
-                scores[rows, lo:hi] = sal
-    return scores
+                per_draw[draws, lo:hi] = sal
+    return per_draw.view(B, samples, L).mean(1)
 
 
 def _saliency_round(model: torch.nn.Module, batch: AttributionBatch, rows: torch.Tensor, noise_std: float,
-                    seeds: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-    """One round: returns the column window [lo, hi) and the (b, hi - lo) saliency (0 off reasoning)."""
+                    row_seeds: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """One round over ``rows`` (b,) sorted batch rows, repeats allowed (a row's noise draws), with ``row_seeds`` (b,)
+    their noise seeds: returns the column window [lo, hi) and the (b, hi - lo) saliency (0 off reasoning). The clean
+    teacher pass runs on the distinct rows only."""
     lo, hi = column_window(batch.attention_mask, rows)
     inputs = batch.model_inputs(rows, lo, hi)
     spec = batch.probe.index(rows).columns(lo, hi)
     mask = batch.reasoning_mask[rows, lo:hi]
+    distinct, of_row = torch.unique_consecutive(rows, return_inverse=True)
     with torch.no_grad():
-        teacher = probe_forward(model, spec, **inputs)
+        teacher = probe_forward(model, batch.probe.index(distinct).columns(lo, hi),
+                                **batch.model_inputs(distinct, lo, hi)).index(of_row)
     captured: dict[str, torch.Tensor] = {}
 
     def add_noise(module, args, out):
         clean = out.detach()
         leaf = clean.clone()
-        leaf[mask] += _noise_rows(mask, clean.shape[-1], noise_std, seeds[rows]).to(clean.dtype)
+        leaf[mask] += _noise_rows(mask, clean.shape[-1], noise_std, row_seeds).to(clean.dtype)
         leaf.requires_grad_(True)
         captured["clean"], captured["leaf"] = clean, leaf
         return leaf

@@ -13,7 +13,9 @@ sum), and the group sums the parts; the sum's backward is the identity, so OAR-G
 rank's own positions and the attention's all-to-all routes the rest, exactly as for a sequence-parallel loss. Every
 rank then holds the whole probe and the same outcome shift. OAR-G's noise for a row is drawn as without sharding (the
 k-th reasoning token gets draw k of the row's generator) and each rank adds the draws of its own tokens; the scores
-are all-gathered over the group. The numbers equal the unsharded method's (tested on 2 gloo ranks).
+are all-gathered over the group. With K noise draws, a row's K draw rows are packed like rows (each as long as its
+row, each with its own seed), the teacher runs once per distinct row of a pass, and the K scores are averaged. The
+numbers equal the unsharded method's (tested on 2 gloo ranks).
 
 OAR-P runs the batched masked copies (a key/value prefix cache does not shard); copies are packed like rows.
 """
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from oar_verl.core.budget import PassLimits
-from oar_verl.core.gradient import frozen_parameters, layer_checkpointing
+from oar_verl.core.gradient import draw_seeds, frozen_parameters, layer_checkpointing
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.memory import PassKind
 from oar_verl.core.perturbation import copy_masks, masked_copies
@@ -154,9 +156,11 @@ def _pack_sizes(lengths: list[int], tokens: int) -> list[list[int]]:
     return packs
 
 
-def _row_packs(batch: AttributionBatch, limits: PassLimits, shards: SequenceShards, kind: str) -> list[torch.Tensor]:
-    """Rows packed so that each rank's shard holds at most the budget (a pass holds the sum of its rows' tokens)."""
-    lengths = batch.attention_mask.sum(-1).tolist()  # host metadata, once per batch
+def _row_packs(batch: AttributionBatch, limits: PassLimits, shards: SequenceShards, kind: str,
+               samples: int = 1) -> list[torch.Tensor]:
+    """Draw rows e = b·K + k (row b under OAR-G noise draw k; K = ``samples``, 1: the rows themselves) packed so that
+    each rank's shard holds at most the budget (a pass holds the sum of its rows' tokens)."""
+    lengths = batch.attention_mask.sum(-1).repeat_interleave(samples).tolist()  # host metadata, once per batch
     rows = [b for b, n in enumerate(lengths) if n]
     cap = limits.rows or len(rows) or 1
     packs = []
@@ -188,11 +192,12 @@ def _copy_packs(batch: AttributionBatch, src: torch.Tensor, limits: PassLimits,
 
 
 def collective_rounds_sharded(batch: AttributionBatch, mode: str, limits: PassLimits, shards: SequenceShards,
-                              mask_span: int = 1, blocks: torch.Tensor | None = None) -> int:
-    """Passes the sharded method runs on ``batch`` (OAR-G: a teacher and a student forward per round count as one)."""
-    clean = len(_row_packs(batch, limits, shards, PassKind.FORWARD))
+                              mask_span: int = 1, blocks: torch.Tensor | None = None, samples: int = 1) -> int:
+    """Passes the sharded method runs on ``batch`` (OAR-G with ``samples`` noise draws per row: a teacher and a
+    student forward per round count as one)."""
     if mode == "gradient":
-        return clean
+        return len(_row_packs(batch, limits, shards, PassKind.INPUT_GRADIENT, samples))
+    clean = len(_row_packs(batch, limits, shards, PassKind.FORWARD))
     src, _, _ = masked_copies(batch.reasoning_mask, mask_span, blocks)
     return clean + len(_copy_packs(batch, src, limits, shards))
 
@@ -263,7 +268,7 @@ def oar_p_importance_sharded(model: torch.nn.Module, batch: AttributionBatch, ma
 
 def oar_g_importance_sharded(model: torch.nn.Module, batch: AttributionBatch, noise_std: float, seeds: torch.Tensor,
                              limits: PassLimits, shards: SequenceShards, pad_id: int = 0, min_rounds: int = 0,
-                             checkpointing: bool = False) -> torch.Tensor:
+                             checkpointing: bool = False, samples: int = 1) -> torch.Tensor:
     """OAR-G with sharded sequences (see the module docstring); the same numbers as
     :func:`oar_verl.core.gradient.oar_g_importance`, on every rank of the group.
 
@@ -271,37 +276,45 @@ def oar_g_importance_sharded(model: torch.nn.Module, batch: AttributionBatch, no
         model: causal LM whose attention handles sequence shards, with ``get_input_embeddings()``, in eval mode.
         batch: AttributionBatch (B, L), the same on every rank of the group.
         noise_std: σ of the embedding noise.
-        seeds: (B,) per-sequence seeds.
-        limits: the token budget of one round per rank.
+        seeds: (B,) per-sequence seeds (draw k of row b: ``draw_seeds(seeds, samples)[b, k]``).
+        limits: the token budget of one round per rank (it bounds the draw rows of a round).
         shards: the sequence-parallel group.
         pad_id: token filling the last shard.
         min_rounds: rounds to run at least (data-parallel ranks align on the max).
         checkpointing: checkpoint the decoder layers in the student pass.
+        samples: K >= 1 noise draws per row, averaged (``algorithm.oar.noise_samples``).
 
     Returns:
-        (B, L) float32 |⟨∂J/∂e_t, e_t⟩| at reasoning positions, 0 elsewhere.
+        (B, L) float32 mean over the K draws of |⟨∂J/∂e_t, e_t⟩| at reasoning positions, 0 elsewhere.
     """
-    scores = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
-    packs = _row_packs(batch, limits, shards, PassKind.INPUT_GRADIENT)
+    B, L = batch.input_ids.shape
+    per_draw = torch.zeros(B * samples, L, dtype=torch.float32, device=batch.input_ids.device)  # e = b·K + k
+    packs = _row_packs(batch, limits, shards, PassKind.INPUT_GRADIENT, samples)
+    draw_seed = draw_seeds(seeds, samples).reshape(-1)  # (B·K,)
     first = torch.zeros(1, dtype=torch.long, device=batch.input_ids.device)
-    if min_rounds > len(packs) and batch.input_ids.shape[0] == 0:
+    if min_rounds > len(packs) and B == 0:
         raise ValueError("min_rounds needs at least one local row to repeat")
     with frozen_parameters(model), layer_checkpointing(model, checkpointing):
         for r in range(max(len(packs), min_rounds)):
-            rows = packs[r] if r < len(packs) else first
+            draws = packs[r] if r < len(packs) else first
+            rows = draws // samples
             packed = _pack(batch, rows, shards, pad_id)
-            sal = _saliency_round(model, batch, rows, packed, noise_std, seeds, shards)
+            sal = _saliency_round(model, batch, rows, packed, noise_std, draw_seed[draws], shards, pad_id)
             if r < len(packs):
-                real = packed.row >= 0
-                scores[packed.row[real], packed.col[real]] = sal[real]
-    return scores
+                real = packed.slot >= 0
+                per_draw[draws[packed.slot[real]], packed.col[real]] = sal[real]
+    return per_draw.view(B, samples, L).mean(1)
 
 
 def _saliency_round(model, batch: AttributionBatch, rows: torch.Tensor, packed: _Packed, noise_std: float,
-                    seeds: torch.Tensor, shards: SequenceShards) -> torch.Tensor:
-    """(n_total,) saliency of every packed position (0 off reasoning), the same on every rank of the group."""
+                    slot_seeds: torch.Tensor, shards: SequenceShards, pad_id: int) -> torch.Tensor:
+    """(n_total,) saliency of every packed position (0 off reasoning), the same on every rank of the group.
+
+    ``rows`` (n,) sorted, repeats allowed (a row's noise draws), packed as ``packed``; ``slot_seeds`` (n,) the noise
+    seed of each packed row. The teacher pass packs the distinct rows only."""
+    distinct, of_slot = torch.unique_consecutive(rows, return_inverse=True)
     with torch.no_grad():
-        teacher = _probe(model, batch, packed, len(rows), shards)
+        teacher = _probe(model, batch, _pack(batch, distinct, shards, pad_id), len(distinct), shards).index(of_slot)
     row, col = packed.row[packed.lo:packed.hi], packed.col[packed.lo:packed.hi]
     real = row >= 0
     reasoning = torch.zeros_like(real)
@@ -311,7 +324,7 @@ def _saliency_round(model, batch: AttributionBatch, rows: torch.Tensor, packed: 
     def add_noise(module, args, out):
         clean = out.detach()
         leaf = clean.clone()
-        noise = _local_noise(batch, packed, reasoning, clean.shape[-1], noise_std, seeds)
+        noise = _local_noise(batch, rows, packed, reasoning, clean.shape[-1], noise_std, slot_seeds)
         leaf[0, reasoning] += noise.to(clean.dtype)
         leaf.requires_grad_(True)
         captured["clean"], captured["leaf"] = clean, leaf
@@ -336,23 +349,25 @@ def _saliency_round(model, batch: AttributionBatch, rows: torch.Tensor, packed: 
     return torch.cat(parts)
 
 
-def _local_noise(batch: AttributionBatch, packed: _Packed, reasoning: torch.Tensor, hidden: int, noise_std: float,
-                 seeds: torch.Tensor) -> torch.Tensor:
+def _local_noise(batch: AttributionBatch, rows: torch.Tensor, packed: _Packed, reasoning: torch.Tensor, hidden: int,
+                 noise_std: float, slot_seeds: torch.Tensor) -> torch.Tensor:
     """(n, H) float32 noise of this shard's n reasoning tokens: the very draws they get unsharded.
 
-    Each row's generator draws the row's whole (R, H) block, as :func:`oar_verl.core.gradient.reasoning_noise` does
-    (a shorter draw is not a prefix of a longer one on every device), and the shard keeps its tokens' rows of it.
+    Each packed row's generator (seeded with its ``slot_seeds`` entry) draws the row's whole (R, H) block, as
+    :func:`oar_verl.core.gradient.reasoning_noise` does (a shorter draw is not a prefix of a longer one on every
+    device), and the shard keeps its tokens' rows of it.
     """
-    row = packed.row[packed.lo:packed.hi][reasoning]
+    slot = packed.slot[packed.lo:packed.hi][reasoning]
     col = packed.col[packed.lo:packed.hi][reasoning]
     device = batch.input_ids.device
-    if row.numel() == 0:
+    if slot.numel() == 0:
         return torch.zeros(0, hidden, device=device)
     ranks = batch.reasoning_mask.long().cumsum(-1)
     counts = ranks[:, -1]
     out = []
-    for b in row.unique_consecutive().tolist():  # per row, never per token
-        gen = torch.Generator(device=device).manual_seed(int(seeds[b]))
+    for s in slot.unique_consecutive().tolist():  # per packed row, never per token
+        b = int(rows[s])
+        gen = torch.Generator(device=device).manual_seed(int(slot_seeds[s]))
         draws = torch.randn(int(counts[b]), hidden, generator=gen, device=device)
-        out.append(draws[ranks[b, col[row == b]] - 1])
+        out.append(draws[ranks[b, col[slot == s]] - 1])
     return torch.cat(out) * noise_std

@@ -1,7 +1,8 @@
 """Sharded attribution on 2 gloo ranks (a sequence-parallel group), for test_sequence_parallel.py.
 
 usage: python -m torch.distributed.run --nproc_per_node 2 sequence_parallel_job.py OUT_DIR
-Each rank writes OUT_DIR/rank{R}.pt with its OAR-G and OAR-P importance (every rank holds the whole result).
+Each rank writes OUT_DIR/rank{R}.pt with its OAR-G (one and three noise draws) and OAR-P importance (every rank
+holds the whole result).
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def main(out_dir: str) -> None:
                                                                          checkpointing=tokens == 40)
             results[(int(kind), tokens, "p")] = oar_p_importance_sharded(lm, b, 0, limits, shards, mask_span=1)
             results[(int(kind), tokens, "rounds")] = collective_rounds_sharded(b, "perturbation", limits, shards)
+            # K = 3 noise draws per row: 12 tokens -> one draw per pass, 40 -> a row's draws share passes
+            results[(int(kind), tokens, "g3")] = oar_g_importance_sharded(lm, b, 1e-3, seeds, limits, shards,
+                                                                          samples=3)
+            results[(int(kind), tokens, "rounds_g3")] = collective_rounds_sharded(b, "gradient", limits, shards,
+                                                                                  samples=3)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -43,6 +43,8 @@ def test_probe_schedule():
     ({"probe_warmup_steps": 2.5}, r"algorithm\.oar\.probe_warmup_steps=2\.5 must be an integer"),
     ({"target": "gold"}, r"algorithm\.oar\.target='gold' is not allowed"),
     ({"noise_std": 0}, r"algorithm\.oar\.noise_std=0 is out of range: must satisfy 0\.0 < noise_std"),
+    ({"noise_samples": 0}, r"algorithm\.oar\.noise_samples=0 is out of range: must be an integer >= 1"),
+    ({"noise_samples": 2.0}, r"algorithm\.oar\.noise_samples=2\.0 must be an integer >= 1"),
     ({"chunk_size": 0}, r"algorithm\.oar\.chunk_size=0 is out of range"),
     ({"micro_batch_size": True}, r"algorithm\.oar\.micro_batch_size=True must be an integer"),
     ({"mask_token_id": -3}, r"algorithm\.oar\.mask_token_id=-3 is out of range"),

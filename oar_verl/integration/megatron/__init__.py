@@ -46,7 +46,8 @@ def megatron_token_importance(engine, batch: AttributionBatch, cfg: OARConfig, l
         engine: verl's ``MegatronEngineWithLMHead``, initialised.
         batch: AttributionBatch (B, L), on any device; each row's real tokens contiguous with position ids 0..n-1
             (verl's layout: left-padded prompt + right-padded response).
-        cfg: OARConfig (``prefix_cache`` does not apply: the Megatron path always runs the batched masked copies).
+        cfg: OARConfig (``prefix_cache`` does not apply: the Megatron path always runs the batched masked copies;
+            ``noise_samples`` must be 1).
         limits: the token budget of one engine micro-batch (rows × the longest sequence); caps apply.
         mask_token_id: OAR-P mask token (required for perturbation).
         seeds: (B,) int64 OAR-G noise seeds (required for gradient).
@@ -69,6 +70,9 @@ def megatron_token_importance(engine, batch: AttributionBatch, cfg: OARConfig, l
                                       "OAR-P only")
     elif seeds is None:
         raise ValueError("OAR-G needs per-sequence noise seeds (see oar_verl.core.gradient.sequence_seeds)")
+    elif cfg.noise_samples != 1:  # refused at start-up too (oar_verl.integration.startup)
+        raise MegatronLayoutError(f"{cfg.prefix}.noise_samples={cfg.noise_samples}: the Megatron path runs one OAR-G "
+                                  "noise draw per sequence only")
     rows = engine_rows(batch)
     if cfg.mode == "perturbation":
         importance = drivers.oar_p(engine, batch, rows, cfg, limits, int(mask_token_id))

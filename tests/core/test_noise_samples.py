@@ -1,0 +1,173 @@
+"""OAR-G with K noise draws per sequence (``algorithm.oar.noise_samples``, oar_verl.core.gradient): K = 1 is the
+single-draw method bit for bit, K draws are the mean of K single-draw runs with the derived seeds (against the float64
+per-position reference too), and the scores do not depend on the token budget or on the other rows of the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oar_verl.core import OARConfig, reference
+from oar_verl.core.attribution import collective_rounds, run_attribution
+from oar_verl.core.budget import PassLimits, pack_rows
+from oar_verl.core.gradient import (_noise_rows, draw_packs, draw_seeds, frozen_parameters, oar_g_importance,
+                                    sequence_seeds)
+from oar_verl.core.gradient import collective_rounds as g_rounds
+from oar_verl.core.layout import build_attribution_batch
+from oar_verl.core.memory import PassKind
+from oar_verl.core.perturbation import column_window
+from oar_verl.core.probes import ProbeKind, logits_at, outcome_shift, probe_forward, probe_from_logits, \
+    probe_keep_positions
+
+AS_MEAN, LT_LOGITS, AS_JOINT = ProbeKind.AS_MEAN, ProbeKind.LT_LOGITS, ProbeKind.AS_JOINT
+
+
+def previous_single_draw(model, batch, noise_std, seeds, limits):
+    """OAR-G as it ran before ``noise_samples`` existed (one draw, one teacher per round), kept as the K = 1 oracle."""
+    scores = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    with frozen_parameters(model):
+        for rows in pack_rows(batch.attention_mask, limits, PassKind.INPUT_GRADIENT):
+            lo, hi = column_window(batch.attention_mask, rows)
+            inputs = batch.model_inputs(rows, lo, hi)
+            spec = batch.probe.index(rows).columns(lo, hi)
+            mask = batch.reasoning_mask[rows, lo:hi]
+            with torch.no_grad():
+                teacher = probe_forward(model, spec, **inputs)
+            captured = {}
+
+            def add_noise(module, args, out, mask=mask, rows=rows):
+                clean = out.detach()
+                leaf = clean.clone()
+                leaf[mask] += _noise_rows(mask, clean.shape[-1], noise_std, seeds[rows]).to(clean.dtype)
+                leaf.requires_grad_(True)
+                captured["clean"], captured["leaf"] = clean, leaf
+                return leaf
+
+            handle = model.get_input_embeddings().register_forward_hook(add_noise)
+            try:
+                with torch.enable_grad():
+                    keep = probe_keep_positions(spec)
+                    logits = logits_at(model, keep, **inputs)
+                    student = probe_from_logits(logits, spec.logit_weight[:, keep], spec.target_ids[:, keep],
+                                                spec.joint)
+                    outcome_shift(teacher, student, spec.joint).sum().backward()
+            finally:
+                handle.remove()
+            leaf, clean = captured["leaf"], captured["clean"]
+            acc = torch.promote_types(clean.dtype, torch.float32)
+            sal = torch.stack([(g.to(acc) * c.to(acc)).sum(-1) for g, c in zip(leaf.grad, clean)]).abs().float()
+            scores[rows, lo:hi] = torch.where(mask, sal, 0.0)
+    return scores
+
+
+def test_draw_seeds_keep_draw_zero_and_differ_otherwise():
+    seeds = sequence_seeds(3, 11, torch.arange(50) * 7)
+    d = draw_seeds(seeds, 8)
+    assert d.shape == (50, 8) and d.dtype == torch.long
+    assert torch.equal(d[:, 0], seeds)
+    assert torch.equal(draw_seeds(seeds, 3), d[:, :3])  # draw k's seed does not depend on K
+    assert len(set(d.flatten().tolist())) == d.numel() and bool((d >= 0).all())
+
+
+@pytest.mark.parametrize("kind", [LT_LOGITS, AS_MEAN, AS_JOINT])
+@pytest.mark.parametrize("tokens", [1, 20, 10**6])
+def test_one_draw_is_the_single_draw_method_bit_for_bit(lm32, make_batch, kind, tokens):
+    rows = make_batch(B=5, P=4, T=9, seed=40 + kind)
+    batch = build_attribution_batch(*rows, torch.full((5,), kind))
+    seeds = sequence_seeds(2, 9, torch.arange(5))
+    got = oar_g_importance(lm32, batch, 1e-3, seeds, PassLimits(tokens), samples=1)
+    assert torch.equal(got, previous_single_draw(lm32, batch, 1e-3, seeds, PassLimits(tokens)))
+    assert torch.equal(got, oar_g_importance(lm32, batch, 1e-3, seeds, PassLimits(tokens)))
+    assert got.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", [LT_LOGITS, AS_MEAN, AS_JOINT])
+@pytest.mark.parametrize("K", [2, 3])
+def test_k_draws_are_the_mean_of_k_single_draw_runs(lm64, make_batch, kind, K):
+    rows = make_batch(B=4, P=5, T=9, seed=60 + kind)
+    batch = build_attribution_batch(*rows, torch.full((4,), kind))
+    seeds = sequence_seeds(7, 3, torch.arange(4))
+    got = oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(10**6), samples=K)
+    per_seed = draw_seeds(seeds, K)
+    singles = [oar_g_importance(lm64, batch, 1e-3, per_seed[:, k], PassLimits(10**6)) for k in range(K)]
+    torch.testing.assert_close(got, torch.stack(singles).mean(0), rtol=1e-6, atol=1e-14)
+    # and against the float64 per-position specification, draw by draw
+    ref = torch.stack([reference.batch_oar_g(lm64, *rows, kind, 1e-3, per_seed[:, k]) for k in range(K)]).mean(0)
+    torch.testing.assert_close(got[:, batch.response_start:].double(), ref, rtol=1e-5, atol=1e-12)
+    assert not torch.allclose(singles[0], singles[1], rtol=1e-2, atol=0.0)  # the draws differ: the mean is not one
+
+
+def test_draws_share_a_round_and_its_teacher_while_the_budget_allows(lm64, make_batch):
+    rows = make_batch(B=3, P=4, T=8, seed=5)
+    batch = build_attribution_batch(*rows, torch.full((3,), AS_MEAN))
+    seeds = sequence_seeds(0, 1, torch.arange(3))
+    calls = []
+    h = lm64.register_forward_hook(lambda m, a, kw, out: calls.append((torch.is_grad_enabled(),
+                                                                       kw["input_ids"].shape[0])), with_kwargs=True)
+    try:
+        oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(10**6), samples=4)
+        assert calls == [(False, 3), (True, 12)]  # one round: the teacher on the 3 rows, the student on 12 draws
+        calls.clear()
+        width = int(batch.attention_mask.shape[1])
+        limits = PassLimits(2 * width)  # two draw rows per round at most
+        oar_g_importance(lm64, batch, 1e-3, seeds, limits, samples=4)
+        students = [n for grad, n in calls if grad]
+        teachers = [n for grad, n in calls if not grad]
+        assert len(students) == g_rounds(batch, limits, 4) == 6 and max(students) == 2
+        assert teachers == [1] * 6  # a round's two draws come from one row: one teacher row, not two
+    finally:
+        h.remove()
+    assert g_rounds(batch, PassLimits(1), 4) == 12  # every draw alone
+    assert g_rounds(batch, PassLimits(10**6), 4) == 1
+    packs = draw_packs(batch.attention_mask, PassLimits(10**6, rows=5), 4)
+    assert sorted(i for p in packs for i in p.tolist()) == list(range(12)) and max(len(p) for p in packs) == 5
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 60), st.integers(1, 4), st.sets(st.integers(0, 4), min_size=1))
+def test_k_draws_are_budget_and_batch_composition_invariant(lm64, make_batch, seed, tokens, K, subset):
+    rows = make_batch(B=5, P=4, T=8, seed=seed)
+    kinds = torch.full((5,), AS_MEAN)
+    batch = build_attribution_batch(*rows, kinds)
+    seeds = sequence_seeds(1, seed, torch.arange(5) * 31)
+    ref = oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(10**6), samples=K)
+    # float64 model, float32 scores; a token's |Σ_h g·e| can cancel to far below the row's scale: tolerance relative
+    # to the largest score
+    tol = {"rtol": 1e-6, "atol": 1e-9 * float(ref.abs().max())}
+    torch.testing.assert_close(oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(tokens), samples=K), ref, **tol)
+    idx = torch.tensor(sorted(subset))
+    part = build_attribution_batch(*(r[idx] for r in rows), kinds[idx])
+    got = oar_g_importance(lm64, part, 1e-3, seeds[idx], PassLimits(tokens), samples=K)
+    torch.testing.assert_close(got[:, part.response_start:], ref[idx, batch.response_start:], **tol)
+
+
+def test_min_rounds_pads_k_draw_rounds_without_changing_scores(lm64, make_batch):
+    rows = make_batch(B=2, P=4, T=8, seed=8)
+    batch = build_attribution_batch(*rows, torch.full((2,), AS_MEAN))
+    seeds = torch.arange(2)
+    ref = oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(1), samples=3)
+    calls = []
+    h = lm64.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        got = oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(1), samples=3, min_rounds=9)
+    finally:
+        h.remove()
+    assert g_rounds(batch, PassLimits(1), 3) == 6 and len(calls) == 2 * 9
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_run_attribution_reads_noise_samples_and_counts_its_rounds(lm64, make_batch):
+    rows = make_batch(B=3, P=4, T=8, seed=9)
+    batch = build_attribution_batch(*rows, torch.full((3,), AS_MEAN))
+    seeds = sequence_seeds(0, 0, torch.arange(3))
+    cfg = OARConfig(noise_samples=3, max_token_len_per_gpu=10)
+    limits = PassLimits(10)
+    res = run_attribution(lm64, batch, cfg, mask_token_id=None, seeds=seeds)
+    assert res.rounds == collective_rounds(batch, cfg, limits) == g_rounds(batch, limits, 3) > g_rounds(batch, limits)
+    torch.testing.assert_close(res.importance, oar_g_importance(lm64, batch, 1e-3, seeds, limits, samples=3),
+                               rtol=1e-7, atol=1e-14)
+    # OAR-P ignores the key, like noise_std and seed
+    p_cfg = OARConfig(mode="perturbation", noise_samples=3, max_token_len_per_gpu=10)
+    assert collective_rounds(batch, p_cfg, limits) == collective_rounds(batch, OARConfig(mode="perturbation"), limits)
