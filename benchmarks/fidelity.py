@@ -10,6 +10,8 @@ tokens are scored by
   the token was drawn from: the "high-entropy minority tokens" heuristic),
 * **random** scores,
 * **OAR-P with k-token mask spans** (k = 2, 4: ``algorithm.oar.mask_span``, the cheaper approximation), against k = 1,
+* **OAR-G with K noise draws** (``algorithm.oar.noise_samples``, K = 1, 2, 4, 8, 16; ``--quick``: 1, 2, 4, 8): the
+  mean of K single-draw scores, with its seconds and peak extra memory (:func:`benchmarks.attribution.measure`),
 
 and compared by recall@k of the K causal digit tokens among the k = K top-ranked reasoning tokens, the share of the
 OAR-gated weight (τ = 0.4, β = 2) that lands on causal tokens, and the per-response Spearman correlation with OAR-P.
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 
 from benchmarks import REPO, task
+from benchmarks.attribution import measure
 from oar_verl.core.attribution import response_importance
 from oar_verl.core.config import OARConfig
 from oar_verl.core.gating import oar_token_weights
@@ -51,17 +54,17 @@ class Settings:
     sft_budget_s: float
     sft_target: float
     g_seeds: int  # OAR-G noise seeds (the spread across them is reported)
-    g_avg_draws: int  # OAR-G draws averaged for the noise-averaged diagnostic row
+    noise_samples: tuple[int, ...]  # OAR-G noise draws per response (algorithm.oar.noise_samples) swept, first probe
     random_draws: int
     real_n: int  # GSM problems for the real-text agreement
     real_max_tokens: int = 48
     extra_probes: tuple[str, ...] = ()
 
 
-QUICK = Settings(n_eval=48, sft_steps=2000, sft_budget_s=1500, sft_target=0.95, g_seeds=3, g_avg_draws=8,
-                 random_draws=50, real_n=2)
-FULL = Settings(n_eval=200, sft_steps=3000, sft_budget_s=2400, sft_target=0.98, g_seeds=5, g_avg_draws=16,
-                random_draws=200, real_n=6, extra_probes=("lt_logits",))
+QUICK = Settings(n_eval=48, sft_steps=2000, sft_budget_s=1500, sft_target=0.95, g_seeds=3,
+                 noise_samples=(1, 2, 4, 8), random_draws=50, real_n=2)
+FULL = Settings(n_eval=200, sft_steps=3000, sft_budget_s=2400, sft_target=0.98, g_seeds=5,
+                noise_samples=(1, 2, 4, 8, 16), random_draws=200, real_n=6, extra_probes=("lt_logits",))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -142,16 +145,36 @@ MASK_SPANS = (2, 4)  # the coarser OAR-P (k consecutive tokens masked at once), 
 
 
 def oar_scores(model, batch: task.VerlBatch, spans, *, mode: str, probe: str, mask_token_id: int, seed: int = 0,
-               chunk_size: int = 64, micro_batch_size: int = 8, mask_span: int = 1) -> tuple[torch.Tensor, float]:
+               chunk_size: int = 64, micro_batch_size: int = 8, mask_span: int = 1,
+               noise_samples: int = 1) -> tuple[torch.Tensor, float, float]:
+    """(B, T) importance, seconds and peak extra MiB (:func:`benchmarks.attribution.measure`) of one OAR run."""
     cfg = OARConfig(mode=mode, probe=probe, seed=seed, chunk_size=chunk_size, micro_batch_size=micro_batch_size,
-                    mask_span=mask_span)
+                    mask_span=mask_span, noise_samples=noise_samples)
     B = batch.prompts.shape[0]
     seeds = sequence_seeds(cfg.seed, 0, torch.arange(B)) if mode == "gradient" else None
-    start = time.perf_counter()
-    imp = response_importance(model, batch.prompts, batch.prompt_mask, batch.responses, batch.response_mask,
-                              spans.reasoning_mask, spans.answer_mask, cfg, global_step=0,
-                              mask_token_id=mask_token_id, seeds=seeds)
-    return imp.detach(), time.perf_counter() - start
+    out = {}
+
+    def run():
+        out["imp"] = response_importance(model, batch.prompts, batch.prompt_mask, batch.responses,
+                                         batch.response_mask, spans.reasoning_mask, spans.answer_mask, cfg,
+                                         global_step=0, mask_token_id=mask_token_id, seeds=seeds).detach()
+
+    _release_freed_memory()  # so that the resident-memory peak counts this run's own allocations
+    seconds, peak_mib = measure(run, next(model.parameters()).device.type)
+    return out["imp"], seconds, peak_mib
+
+
+def _release_freed_memory() -> None:
+    """Return the C heap's freed pages to the OS (glibc), so that a later peak of resident memory is not hidden by
+    memory freed but kept by an earlier run; a no-op elsewhere."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 @torch.no_grad()
@@ -168,35 +191,37 @@ def entropy_scores(model, batch: task.VerlBatch, micro_batch_size: int = 16) -> 
 
 
 def attribute_all(model, batch, spans, *, mask_token_id: int, probes: tuple[str, ...], g_seeds: int,
-                  g_avg_draws: int, chunk_size: int, micro_batch_size: int, log) -> dict[str, list[Scored]]:
+                  noise_samples: tuple[int, ...], chunk_size: int, micro_batch_size: int,
+                  log) -> dict[str, list[Scored]]:
     """OAR-P / OAR-G per probe (OAR-G once per noise seed), entropy, and (first probe) the coarser OAR-P with k-token
-    mask spans (``algorithm.oar.mask_span``) and the mean of ``g_avg_draws`` OAR-G draws, a diagnostic of how much of
-    OAR-G's error is its noise."""
+    mask spans (``algorithm.oar.mask_span``) and OAR-G with K noise draws per response for each K in
+    ``noise_samples`` (``algorithm.oar.noise_samples``; K = 1 is the OAR-G row), each once per noise seed."""
     out: dict[str, list[Scored]] = {}
     for probe in probes:
         suffix = "" if probe == probes[0] else f" [{probe}]"
-        imp, sec = oar_scores(model, batch, spans, mode="perturbation", probe=probe, mask_token_id=mask_token_id,
-                              chunk_size=chunk_size, micro_batch_size=micro_batch_size)
-        out[f"OAR-P{suffix}"] = [Scored(f"OAR-P{suffix}", imp, sec)]
+        imp, sec, mib = oar_scores(model, batch, spans, mode="perturbation", probe=probe,
+                                   mask_token_id=mask_token_id, chunk_size=chunk_size,
+                                   micro_batch_size=micro_batch_size)
+        out[f"OAR-P{suffix}"] = [Scored(f"OAR-P{suffix}", imp, sec, {"peak_mib": mib})]
         log(f"  OAR-P ({probe}): {sec:.1f} s")
         for k in MASK_SPANS if probe == probes[0] else ():
-            imp, sec = oar_scores(model, batch, spans, mode="perturbation", probe=probe, mask_token_id=mask_token_id,
-                                  chunk_size=chunk_size, micro_batch_size=micro_batch_size, mask_span=k)
-            out[f"OAR-P k={k}"] = [Scored(f"OAR-P k={k}", imp, sec)]
+            imp, sec, mib = oar_scores(model, batch, spans, mode="perturbation", probe=probe,
+                                       mask_token_id=mask_token_id, chunk_size=chunk_size,
+                                       micro_batch_size=micro_batch_size, mask_span=k)
+            out[f"OAR-P k={k}"] = [Scored(f"OAR-P k={k}", imp, sec, {"peak_mib": mib})]
             log(f"  OAR-P ({probe}, {k}-token mask spans): {sec:.1f} s")
-        runs = []
-        n_draws = max(g_seeds, g_avg_draws) if probe == probes[0] else g_seeds
-        for seed in range(n_draws):
-            imp, sec = oar_scores(model, batch, spans, mode="gradient", probe=probe, mask_token_id=mask_token_id,
-                                  seed=seed, chunk_size=chunk_size, micro_batch_size=micro_batch_size)
-            runs.append(Scored(f"OAR-G{suffix}", imp, sec, {"seed": seed}))
-        out[f"OAR-G{suffix}"] = runs[:g_seeds]
-        log(f"  OAR-G ({probe}): {np.mean([r.seconds for r in runs]):.1f} s per noise seed, {n_draws} seeds")
-        if n_draws > g_seeds or (probe == probes[0] and g_avg_draws > 1):
-            # diagnostic, not the method: the noise-averaged OAR-G score (its expectation over the noise)
-            mean_imp = torch.stack([r.importance for r in runs[:g_avg_draws]]).mean(0)
-            out[f"OAR-G avg{g_avg_draws}"] = [Scored(f"OAR-G avg{g_avg_draws}", mean_imp,
-                                                     sum(r.seconds for r in runs[:g_avg_draws]))]
+        sweep = sorted({1, *noise_samples}) if probe == probes[0] else [1]
+        for K in sweep:
+            name = f"OAR-G{suffix}" if K == 1 else f"OAR-G K={K}"
+            runs = []
+            for seed in range(g_seeds):
+                imp, sec, mib = oar_scores(model, batch, spans, mode="gradient", probe=probe,
+                                           mask_token_id=mask_token_id, seed=seed, chunk_size=chunk_size,
+                                           micro_batch_size=micro_batch_size, noise_samples=K)
+                runs.append(Scored(name, imp, sec, {"seed": seed, "noise_samples": K, "peak_mib": mib}))
+            out[name] = runs
+            log(f"  OAR-G ({probe}, noise_samples={K}): {np.mean([r.seconds for r in runs]):.1f} s per noise seed, "
+                f"peak +{max(r.extra['peak_mib'] for r in runs):.0f} MiB, {g_seeds} seeds")
     imp, sec = entropy_scores(model, batch)
     out["entropy"] = [Scored("entropy", imp, sec)]
     return out
@@ -261,7 +286,7 @@ def synthetic_part(out: Path, s: Settings, *, seed: int, reuse: bool, style: str
         f"{causal.sum(-1).double().mean():.2f} of them causal")
     probes = ("as_mean", *s.extra_probes)
     scored = attribute_all(model, batch, spans, mask_token_id=tok.pad_token_id, probes=probes, g_seeds=s.g_seeds,
-                           g_avg_draws=s.g_avg_draws, chunk_size=64, micro_batch_size=16, log=log)
+                           noise_samples=s.noise_samples, chunk_size=64, micro_batch_size=16, log=log)
 
     rng = np.random.default_rng(seed)
     causal_rows = [c.astype(bool) for c in rows_of(causal.double(), spans.reasoning_mask)]
@@ -281,7 +306,7 @@ def synthetic_part(out: Path, s: Settings, *, seed: int, reuse: bool, style: str
             share.append(float((w * causal).sum() / (w * spans.reasoning_mask).sum()))
         methods[name] = {"recall": recalls, "spearman_vs_p": rhos, "top20_overlap_vs_p": overlaps,
                          "w_causal": w_causal, "w_filler": w_filler, "causal_weight_share": share,
-                         "seconds": [r.seconds for r in runs]}
+                         "seconds": [r.seconds for r in runs], "peak_mib": [r.extra.get("peak_mib") for r in runs]}
     rand_recall, rand_rho, rand_overlap = [], [], []
     for _ in range(s.random_draws):
         rows = [rng.random(len(c)) for c in causal_rows]
@@ -306,7 +331,25 @@ def synthetic_part(out: Path, s: Settings, *, seed: int, reuse: bool, style: str
     return {"model": info, "style": style, "example_text": examples[0].response, "n_eval": s.n_eval,
             "mean_reasoning_tokens": float(R.mean()),
             "mean_causal_tokens": float(causal.sum(-1).double().mean()), "expected_random_recall": expected_random,
-            "methods": methods, "example": example, "per_row_spearman_g_vs_p": per_row_rho_g}
+            "methods": methods, "example": example, "per_row_spearman_g_vs_p": per_row_rho_g,
+            "noise_samples": noise_samples_rows(methods, s.noise_samples)}
+
+
+def noise_samples_rows(methods: dict, samples: tuple[int, ...]) -> list[dict]:
+    """One row per K of ``algorithm.oar.noise_samples``: recall@k, Spearman vs OAR-P (mean and sd over noise seeds),
+    seconds (mean) and peak extra MiB (max) of one OAR-G run over every held-out response."""
+    rows = []
+    for K in sorted({1, *samples}):
+        m = methods["OAR-G" if K == 1 else f"OAR-G K={K}"]
+        rows.append({"K": K, "recall": float(np.mean(m["recall"])), "recall_sd": _sd(m["recall"]),
+                     "spearman_vs_p": float(np.mean(m["spearman_vs_p"])), "spearman_sd": _sd(m["spearman_vs_p"]),
+                     "seconds": float(np.mean(m["seconds"])), "peak_mib": float(max(m["peak_mib"])),
+                     "seeds": len(m["recall"])})
+    return rows
+
+
+def _sd(x) -> float:
+    return float(np.std(x, ddof=1)) if len(x) > 1 else 0.0
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -368,7 +411,7 @@ def real_text_part(s: Settings, *, log) -> dict:
     spans = locate_answer_spans(batch.responses, batch.response_mask, tok, patterns=("gsm8k",), eos_token_ids=im_end)
     assert bool(spans.found.all()), "every reference chain of thought ends in #### N"
     scored = attribute_all(model, batch, spans, mask_token_id=mask_id, probes=("as_mean",), g_seeds=s.g_seeds,
-                           g_avg_draws=s.g_avg_draws, chunk_size=16, micro_batch_size=2, log=log)
+                           noise_samples=(1, s.noise_samples[-1]), chunk_size=16, micro_batch_size=2, log=log)
     rng = np.random.default_rng(0)
     p_rows = rows_of(scored["OAR-P"][0].importance, spans.reasoning_mask)
     number_rows = [np.array([any(ch.isdigit() for ch in tok.decode([int(t)])) for t in batch.responses[i][m]])
@@ -425,6 +468,30 @@ def synthetic_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def noise_samples_table(res: dict) -> str:
+    rows = res["noise_samples"]
+    lines = [f"OAR-G with K noise draws per response (algorithm.oar.noise_samples; AS-Mean probe, {res['n_eval']} "
+             f"held-out responses, {rows[0]['seeds']} noise seeds; seconds and peak extra resident MiB of one run over "
+             "all responses, 16 draw rows per round at most)",
+             "",
+             "| K | recall@k | Spearman vs OAR-P | seconds | peak extra MiB |",
+             "|---:|---|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['K']} | {r['recall']:.3f} ± {r['recall_sd']:.3f} | {r['spearman_vs_p']:.3f} ± "
+                     f"{r['spearman_sd']:.3f} | {r['seconds']:.1f} | {r['peak_mib']:.0f} |")
+    lines += ["", COST_MODEL]
+    return "\n".join(lines)
+
+
+# The cost columns above are a tiny model's; at real shapes (docs/scaling.md's model of an OAR-G round: teacher B,
+# student B + recomputation B + input backward B, against 4B + 3·Hd for the training step):
+COST_MODEL = ("Cost model at Qwen2.5-7B x 4k-token responses (FSDP, bf16, checkpointing, a 16k-token budget: 3 draw "
+              "rows of 1k + 4k per round): the student forward/backward (3B of the 4B of a K=1 round) runs once per "
+              "draw and the clean teacher forward (B) once per distinct row of a round, so time ~ 0.95 x (1 + 3K)/4 "
+              "to 0.95 x K training steps (K=16: ~12-15x); peak memory stays one round's, 10.5 GiB for every K (K "
+              "adds rounds, not memory), plus a (rows x K x L) fp32 score buffer (64 rows, K=16, L=5k: 20 MiB).")
+
+
 def real_table(res: dict) -> str:
     lines = [f"Real text: {res['model']}, {res['n']} GSM-Symbolic reference chains of thought "
              f"({min(res['reasoning_tokens'])}-{max(res['reasoning_tokens'])} reasoning tokens, prompts "
@@ -457,7 +524,7 @@ def plot(results: dict, path: Path) -> None:
     means = [np.mean(syn["methods"][n]["recall"]) for n in names]
     errs = [np.std(syn["methods"][n]["recall"], ddof=1) if len(syn["methods"][n]["recall"]) > 1 else 0
             for n in names]
-    colors = ["tab:blue" if n.startswith("OAR-P") else "navajowhite" if "avg" in n else
+    colors = ["tab:blue" if n.startswith("OAR-P") else "navajowhite" if "K=" in n else
               "tab:orange" if n.startswith("OAR-G") else
               "tab:green" if n == "entropy" else "tab:gray" for n in names]
     ax.bar(range(len(names)), means, yerr=errs, color=colors, capsize=4)
@@ -569,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
                                           log=log)
     results["synthetic_seconds"] = time.perf_counter() - t0
     print("\n" + synthetic_table(results["synthetic"]) + "\n", flush=True)
+    print(noise_samples_table(results["synthetic"]) + "\n", flush=True)
 
     if not args.synthetic_only:
         t0 = time.perf_counter()
@@ -579,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     results["total_seconds"] = time.perf_counter() - started
     (out / "fidelity.json").write_text(json.dumps(_jsonable(results), indent=1))
     (out / "fidelity.md").write_text(synthetic_table(results["synthetic"]) + "\n\n" +
+                                     noise_samples_table(results["synthetic"]) + "\n\n" +
                                      (real_table(results["real_text"]) + "\n" if "real_text" in results else ""))
     plot(results, out / "fidelity.png")
     if args.docs:

@@ -56,7 +56,8 @@ class OARConfig:
         seed: base seed of the OAR-G noise; per-sequence generators derive from (seed, step, sequence id).
         noise_samples: OAR-G noise draws per sequence, >= 1: the score is the mean of the single-draw scores (draw 0
             uses the sequence's own seed, so 1 is the single-draw method); costs K student passes per sequence, run
-            in the same rounds where the token budget allows. Ignored by OAR-P, like ``noise_std`` and ``seed``.
+            in the same rounds where the token budget allows (each draw counts as a sequence for the budget and for
+            ``micro_batch_size``). Ignored by OAR-P, like ``noise_std`` and ``seed``; the Megatron engine refuses > 1.
         mask_token_id: OAR-P replacement token; None = the tokenizer's pad token.
         max_token_len_per_gpu: token budget of one attribution pass (rows × columns it holds), >= 1; None = the actor's
             own (``log_prob_max_token_len_per_gpu`` / ``ppo_max_token_len_per_gpu`` with dynamic batch sizes, else the
