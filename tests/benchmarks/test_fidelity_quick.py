@@ -29,7 +29,7 @@ def test_fidelity_quick_synthetic(tmp_path):
     assert abs(sum(m["random"]["recall"]) / len(m["random"]["recall"]) - rand) < 0.05
     # gated weights: mean one over reasoning tokens, so causal tokens above 1 means filler below 1
     assert m["OAR-P"]["w_causal"][0] > 1.0 > m["OAR-P"]["w_filler"][0]
-    # OAR-G with K noise draws (algorithm.oar.noise_samples): the K = 1 row is the OAR-G row, K draws cost more
+    # OAR-G with K noise draws (algorithm.oar.noise_samples): the K = 1 row is the OAR-G row
     sweep = {r["K"]: r for r in res["noise_samples"]}
     assert sorted(sweep) == [1, 2, 4, 8] and all(0.0 <= r["recall"] <= 1.0 for r in sweep.values())
     assert abs(sweep[1]["recall"] - sum(m["OAR-G"]["recall"]) / len(m["OAR-G"]["recall"])) < 1e-9
