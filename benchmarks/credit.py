@@ -157,7 +157,7 @@ class Advantages:
     weights: torch.Tensor  # (B, T) OAR weights (1 for GRPO)
     importance: torch.Tensor  # (B, T) raw importance (0 for GRPO)
     reasoning: torch.Tensor  # (B, T) bool
-    attributed: torch.Tensor  # (B,) bool
+    attributed: torch.Tensor  # (B,) bool rows reshaped (GRPO: the rows OAR would reshape)
     seconds: float  # attribution time
 
 
@@ -178,10 +178,9 @@ def compute_advantages(method: str, model, tok, r: Rollouts, step: int, algo) ->
     base = base_advantage(scores, mask, r.uids, algo, cfg)
     spans = locate_answer_spans(b.responses, mask, tok, cfg.answer_patterns)
     B, T = mask.shape
-    if method == "grpo":
-        return Advantages(base[0], mask.float(), torch.zeros(B, T), spans.reasoning_mask,
-                          torch.zeros(B, dtype=torch.bool), 0.0)
     wanted = rows_to_reshape(sequence_advantage(base[0], mask), cfg.apply_to)
+    if method == "grpo":  # w = 1 on the rows OAR would reshape
+        return Advantages(base[0], mask.float(), torch.zeros(B, T), spans.reasoning_mask & mask.bool(), wanted, 0.0)
     importance = torch.zeros(B, T)
     reasoning = spans.reasoning_mask.clone()
     t0 = time.perf_counter()
@@ -277,8 +276,7 @@ def run_one(assets: dict, s: Settings, method: str, seed: int, *, log) -> dict:
         adv = compute_advantages(method, model, tok, r, step + 1, algo)  # verl's global steps count from 1
         roles = credit_task.token_roles(r.batch.responses, r.batch.response_mask, adv.reasoning, digits)
         model.train()
-        shares = gradient_shares(model, r.batch, adv.advantages, roles) if adv.attributed.any() or \
-            method == "grpo" else None
+        shares = gradient_shares(model, r.batch, adv.advantages, roles) if adv.attributed.any() else None
         t1 = time.perf_counter()
         loss, entropy = policy_loss(model, r.batch, adv.advantages)
         opt.zero_grad(set_to_none=True)
@@ -380,13 +378,18 @@ def _steps(values) -> str:
     return f"{np.median(ok):.0f} ({len(ok)}/{len(v)})" if len(ok) else f"never (0/{len(v)})"
 
 
-def report(summary: dict, s: Settings, assets: dict, wall_s: float) -> str:
+def _weights(method: str, r: dict) -> str:
+    return "1 / 1" if method == "grpo" else f"{r['w_decisive']:.2f} / {r['w_filler']:.2f}"
+
+
+def report(summary: dict, s: Settings, assets: dict) -> str:
     t = summary["methods"]
     order = [m for m in METHODS if m in t]
+    run_s = sum(r["wall_s"] * r["n_seeds"] for r in t.values())
     lines = [f"Last-digit task, {t[order[0]]['n_seeds']} seeds × {s.steps} steps, {s.prompts_per_step} prompts × "
              f"{s.rollout_n} rollouts per step, lr {s.lr:g}; validation {15 * s.val_repeats} samples at T = 1 "
              f"every {s.eval_every} steps. Warm start: {assets['sft_steps']} SFT steps, validation success "
-             f"{assets['val_success_t1']:.3f}. Study wall time {wall_s:.0f} s.", "",
+             f"{assets['val_success_t1']:.3f}. The runs took {run_s:.0f} s in all.", "",
              f"| method | step 0 | final (mean ± sd) | AUC (mean ± sd) | steps to {s.target:g} (median, reached) | "
              "entropy first → last | mean w decisive / filler | attribution s/step | s/step |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -394,7 +397,7 @@ def report(summary: dict, s: Settings, assets: dict, wall_s: float) -> str:
         r = t[m]
         lines.append(f"| {LABELS[m]} | {r['start']:.3f} | {_pm(r['final'])} | {_pm(r['auc'])} | "
                      f"{_steps(r['steps_to_target'])} | {r['entropy_first']:.3f} → {r['entropy_last']:.3f} | "
-                     f"{r['w_decisive']:.2f} / {r['w_filler']:.2f} | {r['attribution_s']:.3f} | {r['step_s']:.2f} |")
+                     f"{_weights(m, r)} | {r['attribution_s']:.3f} | {r['step_s']:.2f} |")
     if summary["vs_grpo"]:
         lines += ["", "| vs GRPO | Δ final [95 % bootstrap CI] | exact permutation p | Δ AUC [95 % bootstrap CI] | "
                   "exact permutation p |", "|---|---|---|---|---|"]
@@ -567,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verl_check:
         summary["verl_check"] = verl_check(assets, out, log=log, modes=("oar_g",) if args.quick else ("oar_g", "oar_p"))
     wall = time.perf_counter() - start
-    text = report(summary, s, assets, wall)
+    text = report(summary, s, assets)
     if "verl_check" in summary:
         text += ("\nverl cross-check (one step of python -m oar_verl.main per mode, the loop on its dumped "
                  "rollouts):\n\n")
