@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from benchmarks import REPO, credit_reward, credit_task, task
-from benchmarks.learning import permutation_p
+from benchmarks.learning import _nanmean, permutation_p
 
 METHODS = ("grpo", "oar_g", "oar_p", "entropy")
 LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P", "entropy": "entropy weights"}
@@ -339,8 +339,8 @@ def summarize(runs: list[dict], s: Settings) -> dict:
             "steps_to_target": [steps_to_reach(steps, v, s.target) for v in vals.tolist()],
             "entropy_first": float(np.mean([r["train"][0]["entropy"] for r in rs])),
             "entropy_last": float(np.mean([np.mean([t["entropy"] for t in r["train"][-3:]]) for r in rs])),
-            "w_decisive": float(np.nanmean([t["w_decisive"] for r in rs for t in r["train"]])),
-            "w_filler": float(np.nanmean([t["w_filler"] for r in rs for t in r["train"]])),
+            "w_decisive": _nanmean([t["w_decisive"] for r in rs for t in r["train"]]),
+            "w_filler": _nanmean([t["w_filler"] for r in rs for t in r["train"]]),
             "mass": {k: float(np.mean([sh["mass"][k] for sh in shares])) for k in ROLES} if shares else {},
             "grad_norm": {k: float(np.mean([sh["grad_norm"][k] for sh in shares])) for k in ROLES} if shares else {},
             "attribution_s": float(np.mean([t["attribution_s"] for r in rs for t in r["train"]])),
@@ -355,8 +355,10 @@ def summarize(runs: list[dict], s: Settings) -> dict:
             if method == "grpo":
                 continue
             comp = {}
-            for metric in ("final", "auc"):
+            for metric in ("final", "auc", "steps_to_target"):
                 a, b = np.array(row[metric]), np.array(g[metric])
+                if not (np.isfinite(a).all() and np.isfinite(b).all()):
+                    continue  # a seed never reached the target: no mean
                 comp[metric] = {"diff": float(a.mean() - b.mean()),
                                 "ci95": bootstrap_ci(a, b) if len(a) > 1 and len(b) > 1 else None,
                                 "p_perm": permutation_p(a.tolist(), b.tolist()) if len(a) > 1 and len(b) > 1
@@ -400,14 +402,18 @@ def report(summary: dict, s: Settings, assets: dict) -> str:
                      f"{_weights(m, r)} | {r['attribution_s']:.3f} | {r['step_s']:.2f} |")
     if summary["vs_grpo"]:
         lines += ["", "| vs GRPO | Δ final [95 % bootstrap CI] | exact permutation p | Δ AUC [95 % bootstrap CI] | "
-                  "exact permutation p |", "|---|---|---|---|---|"]
+                  f"exact permutation p | Δ steps to {s.target:g} (mean) [95 % bootstrap CI] | exact permutation p |",
+                  "|---|---|---|---|---|---|---|"]
         for m in order:
             if m not in summary["vs_grpo"]:
                 continue
             c = summary["vs_grpo"][m]
             cells = []
-            for metric in ("final", "auc"):
-                x = c[metric]
+            for metric in ("final", "auc", "steps_to_target"):
+                x = c.get(metric)
+                if x is None:
+                    cells += ["–", "–"]
+                    continue
                 ci = f" [{x['ci95'][0]:+.3f}, {x['ci95'][1]:+.3f}]" if x["ci95"] else ""
                 p = f"{x['p_perm']:.3f}" if x["p_perm"] is not None else "–"
                 cells += [f"{x['diff']:+.3f}{ci}", p]
