@@ -91,8 +91,10 @@ def main() -> None:
         }, batch_size=[len(ids)])
         # "hierarchical": OAR-P's segment level, then exact OAR-P inside the top segments (the ranks need different
         # numbers of passes at each level, known only after the first)
+        # "gradient_k3": OAR-G with 3 noise draws per sequence (draw rows packed under the same budget)
         policy = {"mode": "perturbation", "perturbation": "hierarchical", "segment_min_tokens": 1,
-                  "segment_max_tokens": 4, "refine_share": 0.3} if mode == "hierarchical" else {"mode": mode}
+                  "segment_max_tokens": 4, "refine_share": 0.3} if mode == "hierarchical" else \
+            {"mode": "gradient", "noise_samples": 3} if mode == "gradient_k3" else {"mode": mode}
         oar = OARConfig(**policy, probe="as_mean", max_token_len_per_gpu=BUDGET, target=target)
         # verl's RL datasets store the ground truth with every sample; target=reference reads it from there
         tu.assign_non_tensor(data, reward_model=[{"ground_truth": g, "style": "rule"} for g in GROUND_TRUTHS])
