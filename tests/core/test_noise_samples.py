@@ -133,9 +133,11 @@ def test_k_draws_are_budget_and_batch_composition_invariant(lm64, make_batch, se
     batch = build_attribution_batch(*rows, kinds)
     seeds = sequence_seeds(1, seed, torch.arange(5) * 31)
     ref = oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(10**6), samples=K)
-    # float64 model, float32 scores; a token's |Σ_h g·e| can cancel to far below the row's scale: tolerance relative
-    # to the largest score
-    tol = {"rtol": 1e-6, "atol": 1e-9 * float(ref.abs().max())}
+    # J ~ σ² is a difference of nearly equal probe values and a token's |Σ_h g·e| can cancel far below the row's
+    # scale, so another packing (other padding, other rounding) moves the smallest scores: by up to 3.6e-5 of the
+    # largest score over 800 examples, K = 1 among them (the single-draw path does it too). The tolerance is relative
+    # to the largest score; a wrong draw, seed or row moves scores by the size of the scores themselves
+    tol = {"rtol": 1e-5, "atol": 1e-4 * float(ref.abs().max())}
     torch.testing.assert_close(oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(tokens), samples=K), ref, **tol)
     idx = torch.tensor(sorted(subset))
     part = build_attribution_batch(*(r[idx] for r in rows), kinds[idx])
