@@ -25,6 +25,7 @@ usage: python -m benchmarks.credit [--quick] [--seeds N] [--steps N] [--methods 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import shutil
@@ -205,26 +206,38 @@ def compute_advantages(method: str, model, tok, r: Rollouts, step: int, algo) ->
     return Advantages(out.advantages, out.token_weights.weights, importance, reasoning & mask.bool(), wanted, seconds)
 
 
-def policy_loss(model, b: task.VerlBatch, advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl's vanilla PPO policy loss of one on-policy update (old log-probs = the current ones, detached), aggregated
-    ``seq-mean-token-mean``; returns (loss, (B, T) entropy)."""
-    from omegaconf import OmegaConf
-    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
-
+def policy_forward(model, b: task.VerlBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) log-probabilities of the response tokens (with the graph) and (B, T) policy entropy (detached)."""
     logits = task.response_logits(model, b)
     logp = torch.log_softmax(logits, -1).gather(-1, b.responses[..., None]).squeeze(-1)
-    actor = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 1e9,
-                              "global_batch_info": {}})
+    return logp, token_entropy(logits.detach())
+
+
+@functools.cache
+def _actor_config():
+    """The actor keys verl's vanilla policy loss reads (PPO clip 0.2, no dual-clip: the published set-up)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 1e9,
+                             "global_batch_info": {}})
+
+
+def policy_loss(logp: torch.Tensor, b: task.VerlBatch, advantages: torch.Tensor) -> torch.Tensor:
+    """verl's vanilla PPO policy loss of one on-policy update (old log-probs = ``logp`` detached), aggregated
+    ``seq-mean-token-mean``, from (B, T) log-probabilities of :func:`policy_forward`."""
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+
     loss, _ = compute_policy_loss_vanilla(logp.detach(), logp, advantages, b.response_mask,
-                                          loss_agg_mode="seq-mean-token-mean", config=actor)
-    return loss, token_entropy(logits.detach())
+                                          loss_agg_mode="seq-mean-token-mean", config=_actor_config())
+    return loss
 
 
-def gradient_shares(model, b: task.VerlBatch, advantages: torch.Tensor, roles: dict[str, torch.Tensor]
-                    ) -> dict[str, dict[str, float]]:
+def gradient_shares(model, logp: torch.Tensor, b: task.VerlBatch, advantages: torch.Tensor,
+                    roles: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
     """Where the policy gradient of one step goes, per token role: the share of the loss's advantage mass
     Σ|Â_t|/n_i and the share of the gradient norm (‖g_role‖ / Σ_roles ‖g_role‖, g_role the gradient of the loss
-    restricted to that role's tokens)."""
+    restricted to that role's tokens). ``logp`` is the step's :func:`policy_forward` output; its graph is kept for
+    the update."""
     mask = b.response_mask.float()
     per_token = advantages.abs() * mask / mask.sum(-1, keepdim=True).clamp(min=1)
     total = float(per_token.sum()) or 1.0
@@ -232,8 +245,8 @@ def gradient_shares(model, b: task.VerlBatch, advantages: torch.Tensor, roles: d
     norms = {}
     params = [p for p in model.parameters() if p.requires_grad]
     for k, m in roles.items():
-        loss, _ = policy_loss(model, b, advantages * m)
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        grads = torch.autograd.grad(policy_loss(logp, b, advantages * m), params, allow_unused=True,
+                                    retain_graph=True)
         norms[k] = math.sqrt(sum(float((g * g).sum()) for g in grads if g is not None))
     z = sum(norms.values()) or 1.0
     return {"mass": mass, "grad_norm": {k: v / z for k, v in norms.items()}}
@@ -276,9 +289,12 @@ def run_one(assets: dict, s: Settings, method: str, seed: int, *, log) -> dict:
         adv = compute_advantages(method, model, tok, r, step + 1, algo)  # verl's global steps count from 1
         roles = credit_task.token_roles(r.batch.responses, r.batch.response_mask, adv.reasoning, digits)
         model.train()
-        shares = gradient_shares(model, r.batch, adv.advantages, roles) if adv.attributed.any() else None
         t1 = time.perf_counter()
-        loss, entropy = policy_loss(model, r.batch, adv.advantages)
+        logp, entropy = policy_forward(model, r.batch)
+        t_shares = time.perf_counter()
+        shares = gradient_shares(model, logp, r.batch, adv.advantages, roles) if adv.attributed.any() else None
+        t1 += time.perf_counter() - t_shares  # a measurement, not part of the update
+        loss = policy_loss(logp, r.batch, adv.advantages)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
