@@ -132,8 +132,9 @@ def point(args) -> dict:
         info["grads_mib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     elif args.method == "oar_g":
         seeds = sequence_seeds(0, 0, torch.arange(args.rows)).to(device)
-        seconds, peak = measure(lambda: oar_g_importance(model, batch, 1e-3, seeds, limits, checkpointing=True),
-                                device)
+        seconds, peak = measure(lambda: oar_g_importance(model, batch, 1e-3, seeds, limits, checkpointing=True,
+                                                         samples=args.noise_samples), device)
+        info["noise_samples"] = args.noise_samples
     else:
         per_pass = max(1, tokens // (PROMPT + args.point_length))
         n_copies = int(batch.reasoning_mask[0].sum())
@@ -215,7 +216,7 @@ def run_points(args, lengths: list[int]) -> list[dict]:
         for method in ("train", "oar_g", "oar_p"):
             cmd = [sys.executable, "-m", "benchmarks.scaling", "--point", method, "--point-length", str(n),
                    "--device", args.device, "--dtype", args.dtype, "--shape", args.shape, "--rows", str(args.rows),
-                   "--oar-p-sample", str(args.oar_p_sample)]
+                   "--oar-p-sample", str(args.oar_p_sample), "--noise-samples", str(args.noise_samples)]
             cmd += ["--threads", str(args.threads)] if args.threads else []
             start = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--oar-p-sample", type=int, default=1,
                     help="sample exact OAR-P's passes when it has more than 3 x this many passes per row (0: never)")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--noise-samples", type=int, default=1, help="OAR-G noise draws (algorithm.oar.noise_samples)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model-only", action="store_true", help="print the cost model at Qwen2.5-7B / 32B shapes")
     ap.add_argument("--out", default="outputs/benchmarks")
