@@ -45,7 +45,7 @@ from benchmarks.attribution import measure
 from oar_verl.core.attribution import AttributionResult, run_attribution
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.config import OARConfig
-from oar_verl.core.hierarchical import refined_segments, segment_table, token_blocks
+from oar_verl.core.policies import refined_segments, segment_table, token_blocks
 from oar_verl.core.layout import build_attribution_batch, with_segments
 from oar_verl.core.perturbation import block_copies, clean_probe, oar_p_importance
 from oar_verl.core.probes import ProbeKind

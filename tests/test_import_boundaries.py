@@ -26,3 +26,14 @@ def test_package_does_not_import(package, forbidden):
     proc = subprocess.run([sys.executable, "-c", CHECK.format(package=package, forbidden=forbidden)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("module", ["oar_verl.integration.estimator", "oar_verl.integration.worker",
+                                    "oar_verl.integration.step", "oar_verl.integration.guard"])
+def test_plugin_loads_whatever_is_imported_first(module):
+    """verl loads our plugin on ``import verl``; a module of ours that imports verl first must not leave the plugin
+    half-loaded (an import cycle would make it log "plugin failed to load" and drop the ``oar`` estimator)."""
+    code = (f"import {module}\nfrom verl.trainer.ppo.core_algos import get_adv_estimator_fn\n"
+            "get_adv_estimator_fn('oar')\nfrom oar_verl.integration import plugin\nassert plugin.loaded\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "plugin failed to load" not in proc.stderr, proc.stderr[-4000:]

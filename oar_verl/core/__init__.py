@@ -11,9 +11,11 @@ shapes in docstrings use one notation:
 
 Modules, in the order a step uses them: ``config`` (OARConfig), ``token_bytes`` / ``answer_patterns`` / ``spans``
 (answer spans by byte offsets), ``layout`` (verl's padded layout → attribution batch), ``probes`` (the outcome
-probes), ``preprocess`` (rows → attribution inputs), ``perturbation`` (OAR-P), ``gradient`` (OAR-G),
-``attribution`` (one entry point for both), ``gating`` (importance → weights), ``metrics``; ``reference`` is the
-plain per-position specification the fast paths are tested against.
+probes), ``preprocess`` (rows → attribution inputs), ``engine`` (the backend interface methods are written on),
+``perturbation`` (OAR-P) with ``policies`` (exact, segment, hierarchical, auto), ``gradient`` (OAR-G), the backends
+``backend_hf`` (a plain or FSDP module) and ``backend_ulysses`` (sequence-sharded), ``attribution`` (one entry point
+for every method and backend), ``gating`` (importance → weights), ``metrics``; ``reference`` is the plain
+per-position specification the fast paths are tested against.
 """
 
 from oar_verl.core.attribution import collective_rounds, probe_kinds, response_importance, run_attribution

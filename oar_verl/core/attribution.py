@@ -1,7 +1,9 @@
-"""One entry point for token attribution: picks the probe for the step, runs OAR-P or OAR-G.
+"""One entry point for token attribution: picks the probe for the step, builds the runtime's backend, runs OAR-P or
+OAR-G on the attribution engine (:mod:`oar_verl.core.engine`).
 
-The verl worker calls :func:`run_attribution` on its own module (after :func:`oar_verl.core.preprocess.
-prepare_attribution`); tests and benchmarks call the same functions on a plain Hugging Face model.
+The verl worker calls :func:`run_attribution` with its engine's backend (after :func:`oar_verl.core.preprocess.
+prepare_attribution`); tests, benchmarks and core-only users (TRL, plain Hugging Face) call the same function on a
+plain module, which gets the same safe settings as the worker: a token budget, gradient checkpointing in OAR-G.
 """
 
 from __future__ import annotations
@@ -11,14 +13,17 @@ import torch
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from oar_verl.core import gradient, perturbation
+from oar_verl.core.backend_hf import ModuleBackend
+from oar_verl.core.backend_ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.budget import Fits, PassLimits
 from oar_verl.core.config import OARConfig
-from oar_verl.core.hierarchical import policy_importance
+from oar_verl.core.engine import AttributionBackend
+from oar_verl.core.gradient import oar_g
 from oar_verl.core.layout import AttributionBatch, build_attribution_batch, with_segments
+from oar_verl.core.perturbation import mask_blocks, oar_p, oar_p_passes
+from oar_verl.core.policies import policy_importance
+from oar_verl.core.memory import PassKind
 from oar_verl.core.probes import ProbeKind
-from oar_verl.core.sequence_parallel import (SequenceShards, collective_rounds_sharded, oar_g_importance_sharded,
-                                             oar_p_importance_sharded)
 
 # the budget when neither the configuration nor the trainer gives one (core-only use): a typical verl
 # ppo_max_token_len_per_gpu
@@ -59,22 +64,55 @@ def pass_limits(cfg: OARConfig, default_tokens: int | None = None, fits: Fits | 
                       key=f"{cfg.prefix}.max_token_len_per_gpu")
 
 
-def collective_rounds(batch: AttributionBatch, cfg: OARConfig, limits: PassLimits) -> int:
-    """Collective rounds the configured method runs on ``batch``; data-parallel ranks align on the max (OAR-P's
-    segment-level policies align level by level inside :func:`run_attribution` instead: give it ``align``)."""
+def attribution_backend(model: torch.nn.Module | None, cfg: OARConfig, limits: PassLimits, *,
+                        mask_token_id: int | None = None, checkpointing: bool = True,
+                        align: Callable[[int], int] | None = None, shards: SequenceShards | None = None,
+                        pad_id: int = 0) -> AttributionBackend:
+    """The backend of a Hugging Face module: whole sequences per pass, or sharded over a Ulysses group (``shards``)."""
+    if shards is not None:
+        return UlyssesBackend(model, limits, shards, mask_token_id=mask_token_id, pad_id=pad_id,
+                              checkpointing=checkpointing, align=align)
+    return ModuleBackend(model, limits, mask_token_id=mask_token_id, prefix_cache=cfg.prefix_cache,
+                         checkpointing=checkpointing, align=align)
+
+
+def collective_rounds(batch: AttributionBatch, cfg: OARConfig, limits: PassLimits,
+                      shards: SequenceShards | None = None) -> int:
+    """Collective rounds the configured method runs on ``batch`` with a Hugging Face module; data-parallel ranks
+    align on the max (OAR-P's segment-level policies align level by level inside :func:`run_attribution` instead:
+    give it ``align``)."""
+    backend = attribution_backend(None, cfg, limits, shards=shards)
     if cfg.mode == "perturbation":
-        return perturbation.collective_rounds(batch, limits, cfg.prefix_cache, cfg.mask_span)
-    return gradient.collective_rounds(batch, limits, cfg.noise_samples)
+        return len(oar_p_passes(backend, batch, mask_blocks(batch.reasoning_mask, cfg.mask_span)))
+    rows = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
+    return len(backend.plan(batch, rows.repeat_interleave(cfg.noise_samples), PassKind.INPUT_GRADIENT))
 
 
-def run_attribution(model: torch.nn.Module, batch: AttributionBatch, cfg: OARConfig, *, mask_token_id: int | None,
-                    seeds: torch.Tensor | None = None, limits: PassLimits | None = None, min_rounds: int = 0,
-                    checkpointing: bool = False, align: Callable[[int], int] | None = None,
-                    shards: SequenceShards | None = None, pad_id: int = 0) -> AttributionResult:
-    """Importance of the batch's reasoning tokens with the configured method.
+def check_inputs(cfg: OARConfig, mask_token_id: int | None, seeds: torch.Tensor | None) -> None:
+    """The per-method inputs are there: OAR-P's mask token, OAR-G's noise seeds."""
+    if cfg.mode == "gradient" and seeds is None:
+        raise ValueError("OAR-G needs per-sequence noise seeds (see oar_verl.core.gradient.sequence_seeds)")
+    if cfg.mode == "perturbation" and mask_token_id is None:
+        raise ValueError(f"OAR-P needs a mask token: set {cfg.prefix}.mask_token_id or give the tokenizer a pad token")
+
+
+def run_attribution(model: torch.nn.Module | AttributionBackend, batch: AttributionBatch, cfg: OARConfig, *,
+                    mask_token_id: int | None = None, seeds: torch.Tensor | None = None,
+                    limits: PassLimits | None = None, min_rounds: int = 0, checkpointing: bool = True,
+                    align: Callable[[int], int] | None = None, shards: SequenceShards | None = None,
+                    pad_id: int = 0) -> AttributionResult:
+    """Importance of the batch's reasoning tokens with the configured method, on any runtime.
+
+    Safe by default for core-only use: passes are packed under a token budget (:func:`pass_limits`: 16,384 tokens
+    unless the config or the caller says otherwise) and OAR-G's student pass checkpoints the decoder layers, so
+    attribution holds no more than a checkpointed training step on the same tokens. Pass ``checkpointing=False`` only
+    when memory is plentiful (it saves one recomputed forward per student pass).
 
     Args:
-        model: causal LM in eval mode.
+        model: a Hugging Face causal LM in eval mode (plain or FSDP-wrapped; with ``shards``: sharded over a Ulysses
+            group), or a ready :class:`~oar_verl.core.engine.AttributionBackend` (e.g. verl's Megatron engine's,
+            ``oar_verl.integration.megatron.backend.MegatronBackend``; then ``limits``, ``checkpointing``,
+            ``align``, ``shards`` and ``pad_id`` are the backend's own and ignored here).
         batch: AttributionBatch (B, L) (with ``segments`` for OAR-P's segment-level policies).
         cfg: OARConfig.
         mask_token_id: OAR-P mask token (required for perturbation).
@@ -85,49 +123,37 @@ def run_attribution(model: torch.nn.Module, batch: AttributionBatch, cfg: OARCon
         checkpointing: OAR-G checkpoints the decoder layers (the actor's gradient-checkpointing setting).
         align: maps this rank's collective rounds of a pass sequence to the rounds every data-parallel rank runs
             (the max over ranks); called once per level, on every rank alike.
-        shards: a Ulysses sequence-parallel group: every pass is sharded over it
-            (:mod:`oar_verl.core.sequence_parallel`); None: whole sequences.
+        shards: a Ulysses sequence-parallel group: every pass is sharded over it; None: whole sequences.
         pad_id: the token filling the last shard (with ``shards``).
 
     Returns:
         AttributionResult: (B, L) float32 importance (0 off the reasoning tokens) and what ran.
     """
-    limits = limits or pass_limits(cfg)
-    if align is None:
-        if min_rounds and cfg.mode == "perturbation" and cfg.perturbation != "exact":
-            raise ValueError(f"{cfg.prefix}.perturbation={cfg.perturbation!r} aligns ranks level by level: pass "
-                             "align, not min_rounds")
-        align = lambda n: max(n, min_rounds)  # noqa: E731 - the one rank's own rounds, at least min_rounds
+    check_inputs(cfg, mask_token_id, seeds)
+    if isinstance(model, torch.nn.Module) or model is None:
+        if align is None:
+            if min_rounds and cfg.mode == "perturbation" and cfg.perturbation != "exact":
+                raise ValueError(f"{cfg.prefix}.perturbation={cfg.perturbation!r} aligns ranks level by level: pass "
+                                 "align, not min_rounds")
+            align = lambda n: max(n, min_rounds)  # noqa: E731 - the one rank's own rounds, at least min_rounds
+        backend = attribution_backend(model, cfg, limits or pass_limits(cfg), mask_token_id=mask_token_id,
+                                      checkpointing=checkpointing, align=align, shards=shards, pad_id=pad_id)
+    else:
+        backend = model
     if cfg.mode == "gradient":
-        if seeds is None:
-            raise ValueError("OAR-G needs per-sequence noise seeds (see oar_verl.core.gradient.sequence_seeds)")
-        K = cfg.noise_samples
-        if shards is not None:
-            own = collective_rounds_sharded(batch, "gradient", limits, shards, samples=K)
-            return AttributionResult(oar_g_importance_sharded(model, batch, cfg.noise_std, seeds, limits, shards,
-                                                              pad_id, align(own), checkpointing, samples=K), own)
-        own = gradient.collective_rounds(batch, limits, K)
-        return AttributionResult(gradient.oar_g_importance(model, batch, cfg.noise_std, seeds, limits, align(own),
-                                                           checkpointing, samples=K), own)
-    if mask_token_id is None:
-        raise ValueError("OAR-P needs a mask token: set algorithm.oar.mask_token_id or give the tokenizer a pad token")
+        importance, own = oar_g(backend, batch, seeds, cfg.noise_std, cfg.noise_samples)
+        return AttributionResult(importance, own)
     own = 0
 
     def run_blocks(blocks: torch.Tensor) -> torch.Tensor:  # one level of the policy, aligned over the ranks
         nonlocal own
-        if shards is not None:
-            n = collective_rounds_sharded(batch, "perturbation", limits, shards, blocks=blocks)
-            own += n
-            return oar_p_importance_sharded(model, batch, mask_token_id, limits, shards, pad_id, align(n),
-                                            blocks=blocks)
-        n = perturbation.collective_rounds(batch, limits, cfg.prefix_cache, blocks=blocks)
+        importance, n = oar_p(backend, batch, blocks)
         own += n
-        return perturbation.oar_p_importance(model, batch, mask_token_id, limits, align(n),
-                                             prefix_cache=cfg.prefix_cache, blocks=blocks)
+        return importance
 
     res = policy_importance(run_blocks, batch.reasoning_mask, batch.segments, cfg.perturbation,
                             refine_share=cfg.refine_share, exact_max_tokens=cfg.exact_max_tokens,
-                            exact_blocks=perturbation.mask_blocks(batch.reasoning_mask, cfg.mask_span))
+                            exact_blocks=mask_blocks(batch.reasoning_mask, cfg.mask_span))
     return AttributionResult(res.importance, own, res.copies, res.refined, res.reasoning)
 
 
@@ -136,7 +162,8 @@ def response_importance(model: torch.nn.Module, prompts: torch.Tensor, prompt_ma
                         answer_mask: torch.Tensor, cfg: OARConfig, *, global_step: int = 0,
                         mask_token_id: int | None = None, seeds: torch.Tensor | None = None,
                         segments: torch.Tensor | None = None) -> torch.Tensor:
-    """Convenience wrapper over verl's padded layout: (B, T) response-aligned importance.
+    """Convenience wrapper over verl's padded layout: (B, T) response-aligned importance, with the safe defaults of
+    :func:`run_attribution` (a token budget, gradient checkpointing in OAR-G).
 
     Args:
         prompts: (B, P) left-padded.

@@ -176,3 +176,24 @@ def _capacity(window: int, limits: PassLimits, kind: str) -> int:
     while n > 0 and limits.fits is not None and not limits.fits(kind, n, window):
         n //= 2
     return n
+
+
+def pack_lengths(lengths: list[int], tokens: int, cap: int | None = None) -> list[list[int]]:
+    """Greedy packs of item indices, in order, whose lengths sum to at most ``tokens`` (an item over it alone), each
+    then split into chunks of at most ``cap`` items: for layouts that pack rows into one sequence without padding
+    (Ulysses), where a pass holds the sum of its rows' tokens.
+
+    Args:
+        lengths: host list of item lengths (0-length items are kept: the caller drops them first if it wants).
+        tokens: the budget of one pack. cap: optional item cap per pack.
+    """
+    groups, current, used = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and used + n > tokens:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        groups.append(current)
+    return [g[s:s + (cap or len(g))] for g in groups for s in range(0, len(g), cap or len(g))]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from oar_verl.core.answer_patterns import BUILTIN_PATTERNS, compile_answer_pattern
-from oar_verl.core.hierarchical import POLICIES as PERTURBATION_POLICIES
+from oar_verl.core.policies import POLICIES as PERTURBATION_POLICIES
 from oar_verl.core.segments import SEGMENT_SPLITS, compile_segment_split
 
 MODES = ("gradient", "perturbation")
@@ -67,7 +67,7 @@ class OARConfig:
             copies (same numbers, less compute; needs a model that supports ``past_key_values``).
         mask_span: OAR-P masks this many consecutive reasoning tokens per copy, >= 1; 1 is the exact method, k > 1
             is a k-times cheaper approximation (``perturbation=exact`` only).
-        perturbation: OAR-P policy for long reasoning (:mod:`oar_verl.core.hierarchical`): ``exact`` (one copy per
+        perturbation: OAR-P policy for long reasoning (:mod:`oar_verl.core.policies`): ``exact`` (one copy per
             token), ``segment`` (one copy per reasoning segment, its score spread over its tokens), ``hierarchical``
             (segments first, exact OAR-P inside the top segments) or ``auto`` (exact up to ``exact_max_tokens``
             reasoning tokens, hierarchical above).

@@ -148,7 +148,9 @@ def compute_oar_advantage(token_level_rewards: torch.Tensor, response_mask: torc
                           reasoning_mask: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """verl estimator ``oar``: returns (advantages, returns), each (B, T). See :func:`compute_oar`.
 
-    Inside an OAR step's handoff scope the per-token inputs come from the scope, and the full result goes back to it.
+    The live path: verl calls it with (rewards, response_mask, index, config) inside an OAR step's handoff scope; the
+    per-token inputs come from the scope, and the full result goes back to it. ``token_importance`` and
+    ``reasoning_mask`` are never passed by verl: they serve direct calls outside a trainer (tests, core-only use).
     """
     opened = handoff.current()
     attributed = base = None

@@ -122,9 +122,10 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
     copies, refined = torch.full((B,), -1.0), torch.full((B,), -1.0)
     if out is not None and len(rows):
         rounds = out["oar_rounds"].float() if "oar_rounds" in out else rounds
-        if "oar_weights" in out:
-            logp = out["oar_log_prob_weights"].double()
-            match = torch.where(logp.isnan(), float("nan"), (logp == out["oar_weights"].double()).double()).float()
+        if "oar_params_fingerprint" in out:
+            logp = out["oar_log_prob_params_fingerprint"].double()
+            now = out["oar_params_fingerprint"].double()
+            match = torch.where(logp.isnan(), float("nan"), (logp == now).double()).float()
         importance = scatter_rows(out["token_importance"].float(), rows, B, T)
         reasoning = scatter_rows(out["oar_reasoning_mask"].bool(), rows, B, T, fill=False)
         answer = scatter_rows(out["oar_answer_mask"].bool(), rows, B, T, fill=False)

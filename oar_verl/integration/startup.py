@@ -20,10 +20,8 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
     Raises:
         OARConfigError: an invalid ``algorithm.oar.*`` value (the message names the key and the allowed range).
         OARSetupError: a verl setting OAR cannot run with: an actor strategy other than FSDP/FSDP2/Megatron, a
-            Megatron layout the attribution does not support (or OAR-P's segment-level policies or OAR-G's
-            ``noise_samples`` > 1 on Megatron), or
-            rollout-correction bypass mode on the legacy
-            trainer (whose bypass path skips the pass OAR attributes in).
+            Megatron layout the attribution does not support, or rollout-correction bypass mode on the legacy trainer
+            (whose bypass path skips the pass OAR attributes in).
     """
     cfg = read_oar_config(config.algorithm)
     actor = config.actor_rollout_ref.actor
@@ -40,14 +38,6 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
                                     use_fused_kernels=bool(model.get("use_fused_kernels", False)))
         if msg is not None:
             raise OARSetupError(msg)
-        if cfg.mode == "perturbation" and cfg.perturbation != "exact":
-            raise OARSetupError(f"{cfg.prefix}.perturbation={cfg.perturbation!r} is not supported on the Megatron "
-                                f"engine yet (its OAR-P path runs exact masking only): set {cfg.prefix}.perturbation="
-                                "exact, or use the FSDP engine (actor_rollout_ref.actor.strategy=fsdp2)")
-        if cfg.mode == "gradient" and cfg.noise_samples != 1:
-            raise OARSetupError(f"{cfg.prefix}.noise_samples={cfg.noise_samples} is not supported on the Megatron "
-                                f"engine yet (its OAR-G path runs one noise draw per sequence): set {cfg.prefix}."
-                                "noise_samples=1, or use the FSDP engine (actor_rollout_ref.actor.strategy=fsdp2)")
     if cfg.base_estimator in ("gae",):
         raise OARConfigError(f"{cfg.prefix}.base_estimator='gae' needs a critic; OAR reshapes outcome advantages "
                              "(grpo, rloo, reinforce_plus_plus, ...)")

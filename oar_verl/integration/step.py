@@ -41,7 +41,7 @@ from oar_verl.core.metrics import oar_metrics
 from oar_verl.integration import dumps, handoff
 from oar_verl.integration.estimator import base_advantage, rows_to_reshape, sequence_advantage
 from oar_verl.integration.rows import BatchRows, StepAttribution, assemble, select_rows
-from oar_verl.integration.worker import CONFIG_KEY, STEP_KEY
+from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
 
 TIMER = "oar"  # -> timing_s/oar, inside timing_s/adv
 

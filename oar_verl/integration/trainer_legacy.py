@@ -26,7 +26,8 @@ from oar_verl.integration.guard import uses_oar
 from oar_verl.integration.rows import BatchRows
 from oar_verl.integration.startup import validate_oar_setup
 from oar_verl.integration.step import TIMER, OARStep
-from oar_verl.integration.worker import OUTPUT_FIELDS, actor_dp_size, swap_actor_worker
+from oar_verl.integration.fields import OUTPUT_FIELDS
+from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
 
 
 class LegacyIO:

@@ -32,7 +32,8 @@ from oar_verl.integration.guard import uses_oar
 from oar_verl.integration.rows import BatchRows
 from oar_verl.integration.startup import validate_oar_setup
 from oar_verl.integration.step import OARStep
-from oar_verl.integration.worker import OUTPUT_FIELDS, actor_dp_size, swap_actor_worker
+from oar_verl.integration.fields import OUTPUT_FIELDS
+from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
 
 # verl's V1 trainer modes OAR runs on, and the OAR trainer mode registered for each
 MODES = ("sync", "colocate_async", "separate_async")

@@ -22,25 +22,15 @@ from verl.utils import tensordict_utils as tu
 from verl.experimental.separation.engine_workers import DetachActorWorker
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from oar_verl.core.attribution import pass_limits, run_attribution
+from oar_verl.core.attribution import run_attribution
 from oar_verl.core.config import OARConfig
-from oar_verl.core.memory import memory_guard, model_shape
 from oar_verl.core.preprocess import prepare_attribution
-from oar_verl.core.sequence_parallel import SequenceShards
-from oar_verl.integration.budget import actor_token_budget
+from oar_verl.integration.actor_budget import actor_token_budget
+from oar_verl.integration.backends import engine_backend, engine_device, eval_numerics
 from oar_verl.integration.collectives import max_over_ranks
+from oar_verl.integration.fields import CONFIG_KEY, GROUND_TRUTH_KEY, STEP_KEY
 
 logger = logging.getLogger("oar_verl")
-
-# non-tensor entries the step attaches to the batch (prefixed: extra_info entries persist for later RPCs)
-CONFIG_KEY = "oar_config"
-STEP_KEY = "oar_global_step"
-GROUND_TRUTH_KEY = "oar_ground_truth"
-
-# what compute_token_importance returns: per row (nested, response-aligned) and per sequence
-OUTPUT_FIELDS = ("token_importance", "oar_reasoning_mask", "oar_answer_mask", "oar_span_found", "oar_answer_probe",
-                 "oar_rounds", "oar_copies", "oar_refined", "oar_weights", "oar_log_prob_weights")
-
 
 def unpack_rows(data: TensorDict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-row prompt and response token ids (unpadded) from verl's nested (V1) or padded (legacy) layout."""
@@ -75,7 +65,7 @@ def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
-def weights_fingerprint(engine) -> float:
+def params_fingerprint(engine) -> float:
     """A number that changes when the engine's weights change: the sum of this rank's shard of its first and last
     parameters, in float64 (policy consistency: attribution must see the weights of the old-log-prob pass)."""
     modules = engine.module if isinstance(engine.module, (list, tuple)) else [engine.module]
@@ -90,12 +80,12 @@ class TokenImportanceMixin:
     """The ``compute_token_importance`` RPC for a verl actor worker (mixed in before the worker class), and a record of
     the weights its last ``compute_log_prob`` ran with."""
 
-    _oar_log_prob_weights: float | None = None
+    _oar_log_prob_fingerprint: float | None = None
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_log_prob(self, data: TensorDict) -> TensorDict:
         """verl's ``compute_log_prob``, unchanged, after noting the weights it runs with."""
-        self._oar_log_prob_weights = weights_fingerprint(self.actor.engine)
+        self._oar_log_prob_fingerprint = params_fingerprint(self.actor.engine)
         return super().compute_log_prob(data)
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
@@ -108,82 +98,50 @@ class TokenImportanceMixin:
         Returns (on the engine's output-collecting ranks, None elsewhere):
             TensorDict of batch size B: nested (B, T_i) ``token_importance`` float32, ``oar_reasoning_mask`` and
             ``oar_answer_mask`` float 0/1; (B,) ``oar_span_found`` and ``oar_answer_probe`` float 0/1, and
-            ``oar_rounds``: the passes this rank needed (before padding to the slowest rank; -1 on Megatron),
+            ``oar_rounds``: the passes this rank needed (before padding to the slowest rank),
             ``oar_copies`` / ``oar_refined``: OAR-P's masked copies and reasoning tokens scored at token level per
-            row (-1 where not counted: OAR-G, Megatron),
-            ``oar_weights`` / ``oar_log_prob_weights``: :func:`weights_fingerprint` now and at the last
-            ``compute_log_prob`` (NaN if none ran since the last attribution).
+            row (-1 for OAR-G),
+            ``oar_params_fingerprint`` / ``oar_log_prob_params_fingerprint``: :func:`params_fingerprint` now and at
+            the last ``compute_log_prob`` (NaN if none ran since the last attribution).
         """
         cfg = _config(json.dumps(tu.get(data, CONFIG_KEY), sort_keys=True))
         step = int(tu.get(data, STEP_KEY, default=0))
         engine = self.actor.engine
-        weights = weights_fingerprint(engine)
-        log_prob_weights, self._oar_log_prob_weights = self._oar_log_prob_weights, None  # consumed once
-        megatron = type(engine).__module__.startswith("verl.workers.engine.megatron")  # FSDP installs lack mcore
-        own_rounds = -1  # passes this rank ran before padding to the slowest rank (not counted on Megatron)
-        copies = refined = None  # OAR-P masked copies and token-level-scored reasoning tokens per row, where counted
-        device = torch.device("cpu") if megatron else _module_device(engine.module)  # Megatron: a list of chunks
+        fingerprint = params_fingerprint(engine)
+        log_prob_fingerprint, self._oar_log_prob_fingerprint = self._oar_log_prob_fingerprint, None  # consumed once
+        device = engine_device(engine)
         prompts, responses = unpack_rows(data)
         truths = ground_truths(data) if cfg.target == "reference" else None
-        prepared = prepare_attribution(prompts, responses, self.actor.model_config.tokenizer, cfg, step,
-                                       ground_truths=truths, device=device)
+        tokenizer = self.actor.model_config.tokenizer
+        prepared = prepare_attribution(prompts, responses, tokenizer, cfg, step, ground_truths=truths, device=device)
         # the actor's own token budget; the longest sequence of any rank, so that every rank packs by the same budget
         lengths = prepared.batch.attention_mask.sum(-1)
         longest = max_over_ranks(int(lengths.max()) if lengths.numel() else 0, device)
-        tokens = actor_token_budget(cfg, self.actor.engine_config, longest)
-        checkpointing = bool(getattr(self.actor.model_config, "enable_gradient_checkpointing", False))
-        if megatron:  # the engine's own forward/backward over TP/PP/SP; it equalises its collectives over DP itself
-            from oar_verl.integration.megatron import megatron_token_importance
-
-            with engine.eval_mode():
-                importance = megatron_token_importance(engine, prepared.batch, cfg, pass_limits(cfg, tokens),
-                                                       mask_token_id=prepared.mask_token_id, seeds=prepared.seeds)
-        else:
-            shape = model_shape(engine.module)
-            guard = memory_guard(device, shape, checkpointing=checkpointing) if shape is not None else None
-            limits = pass_limits(cfg, tokens, guard)
-            with engine.eval_mode():
-                engine.module.eval()  # no dropout during attribution
-                # Ulysses (shards): every pass sharded over the group, like verl's own forward (docs/verl.md)
-                result = run_attribution(engine.module, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
-                                         seeds=prepared.seeds, limits=limits, checkpointing=checkpointing,
-                                         align=lambda n: max_over_ranks(n, device),
-                                         shards=_sequence_shards(engine),
-                                         pad_id=self.actor.model_config.tokenizer.pad_token_id or 0)
-            importance, own_rounds = result.importance, result.rounds
-            if result.copies is not None:
-                copies, refined = result.copies.cpu(), result.refined.cpu()
+        backend = engine_backend(engine, cfg, actor_token_budget(cfg, self.actor.engine_config, longest),
+                                 mask_token_id=prepared.mask_token_id, pad_id=tokenizer.pad_token_id or 0,
+                                 checkpointing=bool(getattr(self.actor.model_config, "enable_gradient_checkpointing",
+                                                            False)),
+                                 align=lambda n: max_over_ranks(n, device))
+        with engine.eval_mode():
+            eval_numerics(engine)
+            result = run_attribution(backend, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
+                                     seeds=prepared.seeds)
         if not engine.is_mp_src_rank_with_outputs():
             return None
         lens, spans = prepared.response_lengths, prepared.spans
         return TensorDict({
-            "token_importance": _nested(prepared.response_importance(importance)),
+            "token_importance": _nested(prepared.response_importance(result.importance)),
             "oar_reasoning_mask": _nested([spans.reasoning_mask[i, :n].float() for i, n in enumerate(lens)]),
             "oar_answer_mask": _nested([spans.answer_mask[i, :n].float() for i, n in enumerate(lens)]),
             "oar_span_found": spans.found.float(),
             "oar_answer_probe": prepared.answer_probe.float(),
-            "oar_rounds": torch.full((len(lens),), float(own_rounds)),
-            "oar_copies": torch.full((len(lens),), -1.0) if copies is None else copies.float(),
-            "oar_refined": torch.full((len(lens),), -1.0) if refined is None else refined.float(),
-            "oar_weights": torch.full((len(lens),), weights, dtype=torch.float64),
-            "oar_log_prob_weights": torch.full((len(lens),), float("nan") if log_prob_weights is None
-                                               else log_prob_weights, dtype=torch.float64),
+            "oar_rounds": torch.full((len(lens),), float(result.rounds)),
+            "oar_copies": torch.full((len(lens),), -1.0) if result.copies is None else result.copies.float().cpu(),
+            "oar_refined": torch.full((len(lens),), -1.0) if result.refined is None else result.refined.float().cpu(),
+            "oar_params_fingerprint": torch.full((len(lens),), fingerprint, dtype=torch.float64),
+            "oar_log_prob_params_fingerprint": torch.full((len(lens),), float("nan") if log_prob_fingerprint is None
+                                                          else log_prob_fingerprint, dtype=torch.float64),
         }, batch_size=[len(lens)]).cpu()
-
-
-def _sequence_shards(engine) -> SequenceShards | None:
-    """The engine's Ulysses sequence-parallel group as :class:`SequenceShards`, None without sequence parallelism."""
-    size = getattr(engine, "ulysses_sequence_parallel_size", 1) or 1
-    if size <= 1:
-        return None
-    return SequenceShards(engine.ulysses_parallel_group, engine.ulysses_device_mesh["sp"].get_local_rank(), size)
-
-
-def _module_device(module: torch.nn.Module) -> torch.device:
-    for p in module.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2 DTensor shards
-        return local.device
-    return torch.device("cpu")
 
 
 class OARActorRolloutRefWorker(TokenImportanceMixin, ActorRolloutRefWorker):

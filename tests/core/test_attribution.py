@@ -8,10 +8,10 @@ import torch
 from oar_verl.core import OARConfig, response_importance
 from oar_verl.core import reference
 from oar_verl.core.budget import PassLimits
-from oar_verl.core.gradient import collective_rounds as g_rounds
+from oar_verl.core.gradient import oar_g_rounds as g_rounds
 from oar_verl.core.gradient import oar_g_importance, sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
-from oar_verl.core.perturbation import collective_rounds as p_rounds
+from oar_verl.core.perturbation import oar_p_rounds as p_rounds
 from oar_verl.core.perturbation import oar_p_importance
 from oar_verl.core.probes import ProbeKind
 

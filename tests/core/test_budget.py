@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 from oar_verl.core import budget
 from oar_verl.core.budget import AttributionMemoryError, PassLimits, pack_copies, pack_rows, row_spans
-from oar_verl.core.gradient import collective_rounds as g_rounds
+from oar_verl.core.gradient import oar_g_rounds as g_rounds
 from oar_verl.core.gradient import oar_g_importance, sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.memory import PassKind
-from oar_verl.core.perturbation import collective_rounds as p_rounds
+from oar_verl.core.perturbation import oar_p_rounds as p_rounds
 from oar_verl.core.perturbation import masked_copies, oar_p_importance
 from oar_verl.core.probes import ProbeKind
 

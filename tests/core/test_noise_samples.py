@@ -12,16 +12,24 @@ from hypothesis import strategies as st
 from oar_verl.core import OARConfig, reference
 from oar_verl.core.attribution import collective_rounds, run_attribution
 from oar_verl.core.budget import PassLimits, pack_rows
-from oar_verl.core.gradient import (_noise_rows, draw_packs, draw_seeds, frozen_parameters, oar_g_importance,
-                                    sequence_seeds)
-from oar_verl.core.gradient import collective_rounds as g_rounds
+from oar_verl.core.backend_hf import ModuleBackend, column_window
+from oar_verl.core.gradient import draw_seeds, frozen_parameters, oar_g_importance, sequence_seeds
+from oar_verl.core.gradient import oar_g_rounds as g_rounds
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.memory import PassKind
-from oar_verl.core.perturbation import column_window
 from oar_verl.core.probes import ProbeKind, logits_at, outcome_shift, probe_forward, probe_from_logits, \
     probe_keep_positions
 
 AS_MEAN, LT_LOGITS, AS_JOINT = ProbeKind.AS_MEAN, ProbeKind.LT_LOGITS, ProbeKind.AS_JOINT
+
+
+def _noise_rows(reasoning_mask, hidden_size, noise_std, seeds):
+    """The noise as it was drawn before the engine: the k-th reasoning token of row i gets draw k of a generator seeded
+    with ``seeds[i]``, rows in order (part of the frozen oracle)."""
+    counts = reasoning_mask.sum(-1).tolist()
+    draws = [torch.randn(n, hidden_size, generator=torch.Generator().manual_seed(int(seeds[i])))
+             for i, n in enumerate(counts) if n]
+    return torch.cat(draws) * noise_std if draws else torch.zeros(0, hidden_size)
 
 
 def previous_single_draw(model, batch, noise_std, seeds, limits):
@@ -121,7 +129,8 @@ def test_draws_share_a_round_and_its_teacher_while_the_budget_allows(lm64, make_
         h.remove()
     assert g_rounds(batch, PassLimits(1), 4) == 12  # every draw alone
     assert g_rounds(batch, PassLimits(10**6), 4) == 1
-    packs = draw_packs(batch.attention_mask, PassLimits(10**6, rows=5), 4)
+    packs = ModuleBackend(None, PassLimits(10**6, rows=5)).plan(batch, torch.arange(3).repeat_interleave(4),
+                                                                PassKind.INPUT_GRADIENT)
     assert sorted(i for p in packs for i in p.tolist()) == list(range(12)) and max(len(p) for p in packs) == 5
 
 

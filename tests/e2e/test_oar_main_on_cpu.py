@@ -166,8 +166,6 @@ def _fails_fast(args, env_extra=None, timeout=300):
     ("algorithm.oar.tau=1.5", "algorithm.oar.tau=1.5 is out of range"),
     ("actor_rollout_ref.actor.strategy=megatron actor_rollout_ref.model.use_fused_kernels=True",
      "use_fused_kernels=True (actor_rollout_ref.model.use_fused_kernels)"),
-    ("actor_rollout_ref.actor.strategy=megatron algorithm.oar.mode=perturbation algorithm.oar.perturbation=auto",
-     "algorithm.oar.perturbation='auto' is not supported on the Megatron engine yet"),
     ("actor_rollout_ref.actor.strategy=dtensor_magic", "strategy='dtensor_magic' is not supported by OAR yet"),
     ("trainer.v1.trainer_mode=dreamy", "trainer.v1.trainer_mode='dreamy' has no OAR trainer; choose one of: sync"),
     ("trainer.use_v1=false algorithm.rollout_correction.bypass_mode=true",

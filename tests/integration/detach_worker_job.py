@@ -29,7 +29,8 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
 from oar_verl.core.config import OARConfig
-from oar_verl.integration.worker import CONFIG_KEY, STEP_KEY, OARDetachActorWorker
+from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
+from oar_verl.integration.worker import OARDetachActorWorker
 
 PROMPTS = ["What is 3 plus 4?", "What is 12 plus 30?", "Add 5 and 9.", "What is 7 plus 8?"]
 RESPONSES = ["3 plus 4 is 7. The answer is 7.", "12 plus 30 is 42. The answer is 42.",
@@ -97,7 +98,7 @@ def main() -> None:
 
         def attribute():
             out = wg.compute_token_importance(td(**{CONFIG_KEY: oar.to_dict(), STEP_KEY: 3}))
-            return {k: out[k] for k in ("token_importance", "oar_weights", "oar_log_prob_weights")}
+            return {k: out[k] for k in ("token_importance", "oar_params_fingerprint", "oar_log_prob_params_fingerprint")}
 
         # 1. π_old = W0, then one update: W1
         wg.save_model_to_cpu(0)

@@ -85,9 +85,9 @@ def test_separate_async_attributes_with_the_cycles_old_policy(tiny_assets, tmp_p
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = torch.load(out)
     inside, outside = res["inside"], res["outside"]
-    assert torch.equal(inside["oar_weights"], inside["oar_log_prob_weights"])  # the metric would read 1
-    assert not torch.equal(outside["oar_weights"], outside["oar_log_prob_weights"])  # ... and here 0
-    assert not torch.equal(inside["oar_weights"], outside["oar_weights"])  # the update changed the weights
+    assert torch.equal(inside["oar_params_fingerprint"], inside["oar_log_prob_params_fingerprint"])  # the metric would read 1
+    assert not torch.equal(outside["oar_params_fingerprint"], outside["oar_log_prob_params_fingerprint"])  # ... and here 0
+    assert not torch.equal(inside["oar_params_fingerprint"], outside["oar_params_fingerprint"])  # the update changed the weights
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

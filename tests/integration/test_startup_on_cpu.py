@@ -14,11 +14,13 @@ def config(strategy: str, **oar):
                              "actor_rollout_ref": {"actor": {"strategy": strategy}, "model": {}}, "trainer": {}})
 
 
-def test_megatron_refuses_several_oar_g_noise_samples():
-    with pytest.raises(OARSetupError, match=r"algorithm\.oar\.noise_samples=4 is not supported on the Megatron engine "
-                                            r"yet .* set algorithm\.oar\.noise_samples=1"):
-        validate_oar_setup(config("megatron", mode="gradient", noise_samples=4))
-    assert validate_oar_setup(config("megatron", mode="gradient", noise_samples=1)).noise_samples == 1
-    # FSDP runs K draws; OAR-P ignores the key (like noise_std and seed), on either engine
-    assert validate_oar_setup(config("fsdp2", mode="gradient", noise_samples=4)).noise_samples == 4
-    assert validate_oar_setup(config("megatron", mode="perturbation", noise_samples=4)).mode == "perturbation"
+def test_megatron_runs_every_method_and_refuses_unsupported_layouts():
+    # the one attribution engine runs K noise draws and every perturbation policy on Megatron as on FSDP
+    assert validate_oar_setup(config("megatron", mode="gradient", noise_samples=4)).noise_samples == 4
+    for policy in ("exact", "segment", "hierarchical", "auto"):
+        assert validate_oar_setup(config("megatron", mode="perturbation", perturbation=policy)).perturbation == policy
+    bad = config("megatron", mode="gradient")
+    bad.actor_rollout_ref.actor.megatron = {"context_parallel_size": 2}
+    with pytest.raises(OARSetupError, match=r"actor_rollout_ref\.actor\.megatron\.context_parallel_size=2: OAR "
+                                            r"attribution does not support context parallelism"):
+        validate_oar_setup(bad)

@@ -23,7 +23,7 @@ from oar_verl.cpu.tokenizers import train_tiny_bpe
 from oar_verl.integration import handoff
 from oar_verl.integration.rows import BatchRows
 from oar_verl.integration.step import OARStep
-from oar_verl.integration.worker import CONFIG_KEY, STEP_KEY
+from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
 
 PROMPTS = ["What is 3 plus 4?", "What is 3 plus 4?", "What is 5 plus 1?", "What is 5 plus 1?"]
 RESPONSES = ["3 plus 4 is 7. The answer is 7.", "3 plus 4 is 8. The answer is 8.", "5 plus 1 is 6. #### 6",
@@ -71,8 +71,8 @@ class InProcessIO:
                 "oar_answer_mask": pad([spans.answer_mask[i, :n].float() for i, n in enumerate(lens)]),
                 "oar_span_found": spans.found.float(), "oar_answer_probe": prepared.answer_probe.float(),
                 "oar_rounds": torch.full((len(idx),), 2.0),
-                "oar_weights": torch.full((len(idx),), 1.5, dtype=torch.float64),
-                "oar_log_prob_weights": torch.full((len(idx),), self.log_prob_weights, dtype=torch.float64)}
+                "oar_params_fingerprint": torch.full((len(idx),), 1.5, dtype=torch.float64),
+                "oar_log_prob_params_fingerprint": torch.full((len(idx),), self.log_prob_weights, dtype=torch.float64)}
 
 
 @pytest.fixture(scope="module")

@@ -109,7 +109,7 @@ def test_sequence_parallel_group_attributes_sharded_and_equals_core(tiny_assets,
     # the ranks ran the sharded passes (each holding half of every pass), not whole sequences each
     from transformers import AutoTokenizer
 
-    from oar_verl.core.sequence_parallel import SequenceShards, collective_rounds_sharded
+    from oar_verl.core.backend_ulysses import SequenceShards
 
     cfg = OARConfig.from_mapping(two["config"])
     prepared = prepare_attribution(two["prompts"], two["responses"], AutoTokenizer.from_pretrained(
@@ -117,5 +117,5 @@ def test_sequence_parallel_group_attributes_sharded_and_equals_core(tiny_assets,
     if mode == "hierarchical":  # two levels, each sharded; the copies are the core's
         assert two["copies"].tolist() == result.copies.float().tolist()
         return
-    sharded = collective_rounds_sharded(prepared.batch, mode, pass_limits(cfg), SequenceShards(None, 0, 2))
+    sharded = collective_rounds(prepared.batch, cfg, pass_limits(cfg), SequenceShards(None, 0, 2))
     assert two["rounds"].tolist() == [sharded] * 4

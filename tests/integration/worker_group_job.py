@@ -31,7 +31,8 @@ from verl.single_controller.ray.base import create_colocated_worker_cls
 from verl.utils import tensordict_utils as tu
 
 from oar_verl.core.config import OARConfig
-from oar_verl.integration.worker import CONFIG_KEY, STEP_KEY, OARActorRolloutRefWorker
+from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
+from oar_verl.integration.worker import OARActorRolloutRefWorker
 
 # Rank 0 gets the first half of the batch: short responses there, long ones on rank 1.
 PROMPTS = ["What is 3 plus 4?", "What is 12 plus 30?", "Add 5 and 9.", "What is 7 plus 8?"]

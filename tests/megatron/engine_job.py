@@ -48,11 +48,12 @@ def main(spec_path: str) -> None:
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine import EngineRegistry
 
-    from oar_verl.core.attribution import pass_limits, probe_kinds
+    from oar_verl.core.attribution import pass_limits, probe_kinds, run_attribution
     from oar_verl.core.config import OARConfig
-    from oar_verl.core.layout import build_attribution_batch
+    from oar_verl.core.layout import build_attribution_batch, with_segments
     from oar_verl.integration import megatron as ma
-    from oar_verl.integration.megatron import drivers, engine as mengine
+    from oar_verl.integration.megatron import engine as mengine
+    from oar_verl.integration.megatron.backend import MegatronBackend, embedding_module
 
     tp, pp, sp = spec["tp"], spec["pp"], bool(spec.get("sp", False))
     rmpad = bool(spec.get("remove_padding", False))
@@ -103,7 +104,7 @@ def main(spec_path: str) -> None:
 
     # record the embedding output layout on the first stage: [s/tp, b, h] chunks under sequence parallelism
     shapes = []
-    emb = drivers.embedding_module(engine)
+    emb = embedding_module(engine)
     rec = emb.register_forward_hook(lambda m, a, k, o: shapes.append((o.shape[0], k["input_ids"].shape[1])),
                                     with_kwargs=True) if emb is not None else None
 
@@ -111,14 +112,16 @@ def main(spec_path: str) -> None:
     for case in spec["cases"]:
         cfg = OARConfig.from_mapping(case["oar"])
         kinds = probe_kinds(cfg, 0, len(rows))
-        batch = build_attribution_batch(sel["prompts"], sel["prompt_mask"], sel["responses"], sel["response_mask"],
-                                        sel["reasoning"], sel["answer"], kinds)
+        batch = with_segments(build_attribution_batch(sel["prompts"], sel["prompt_mask"], sel["responses"],
+                                                      sel["response_mask"], sel["reasoning"], sel["answer"], kinds),
+                              sel["segments"])
         t0 = time.perf_counter()
+        mask_id = int(spec["mask_token_id"])
         with engine.eval_mode():
-            imp = ma.megatron_token_importance(engine, batch, cfg, pass_limits(cfg),
-                                               mask_token_id=int(spec["mask_token_id"]), seeds=sel["seeds"])
+            res = run_attribution(MegatronBackend(engine, pass_limits(cfg), mask_token_id=mask_id), batch, cfg,
+                                  mask_token_id=mask_id, seeds=sel["seeds"])
         seconds[case["name"]] = time.perf_counter() - t0
-        results[case["name"]] = imp
+        results[case["name"]] = res.importance if engine.is_mp_src_rank_with_outputs() else None
 
     if rec is not None:
         rec.remove()
@@ -139,7 +142,7 @@ def main(spec_path: str) -> None:
     # unsupported layouts are refused with a message naming them
     try:
         object.__setattr__(engine.engine_config, "context_parallel_size", 2)
-        ma.megatron_token_importance(engine, batch, cfg, pass_limits(cfg), mask_token_id=0, seeds=sel["seeds"])
+        MegatronBackend(engine, pass_limits(cfg), mask_token_id=0)
         checks["cp_error"] = None
     except ma.MegatronLayoutError as e:
         checks["cp_error"] = str(e)

@@ -8,7 +8,9 @@ produced silently wrong, non-causal numbers once: "it runs" proves nothing).
 
 Layouts: TP=PP=1 (one rank), TP=2, TP=2 with sequence parallelism, PP=2 (with a packed-sequence training layout, which
 attribution swaps for the padded one, and full activation recomputation), DP=2 with unequal work per rank (and the
-distributed optimizer), in fp32; and TP=PP=1 in bf16, the production dtype, against the bf16 error floor.
+distributed optimizer), in fp32; and TP=PP=1 in bf16, the production dtype, against the bf16 error floor. Cases: OAR-P
+and OAR-G with every probe, OAR-G with K = 3 noise draws, and OAR-P's segment, hierarchical and auto policies -- the
+core's methods run unchanged on the engine's backend.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from oar_verl.core.attribution import probe_kinds, run_attribution
 from oar_verl.core.config import OARConfig
-from oar_verl.core.layout import build_attribution_batch
+from oar_verl.core.layout import build_attribution_batch, with_segments
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).with_name("engine_job.py")
@@ -48,6 +50,13 @@ CASES = [  # chunk / micro-batch sizes that do not divide the row and copy count
     {"name": "g_lt", "oar": {"mode": "gradient", "probe": "lt_logits", "micro_batch_size": 3}},
     {"name": "g_mean", "oar": {"mode": "gradient", "probe": "as_mean", "micro_batch_size": 2}},
     {"name": "g_joint", "oar": {"mode": "gradient", "probe": "as_joint", "micro_batch_size": 4}},
+    # the core's engine brings every method to Megatron: K noise draws and the segment-level perturbation policies
+    {"name": "g_k3", "oar": {"mode": "gradient", "probe": "as_mean", "noise_samples": 3, "micro_batch_size": 5}},
+    {"name": "p_segment", "oar": {"mode": "perturbation", "probe": "as_mean", "perturbation": "segment"}},
+    {"name": "p_hier", "oar": {"mode": "perturbation", "probe": "lt_logits", "perturbation": "hierarchical",
+                               "refine_share": 0.3, "chunk_size": 5}},
+    {"name": "p_auto", "oar": {"mode": "perturbation", "probe": "as_joint", "perturbation": "auto",
+                               "exact_max_tokens": 10, "refine_share": 0.5}},
 ]
 B = 4
 # rows of each data-parallel rank; DP=2 gets one long-reasoning pair and one short one (unequal copy counts)
@@ -77,8 +86,9 @@ def assets(tmp_path_factory):
     reasoning = cols_r < reas_len[:, None]
     answer = (cols_r >= reas_len[:, None] + 2) & (cols_r < reas_len[:, None] + 4)
     seeds = torch.randint(0, 2**62, (B,), generator=g)
+    segments = torch.where(reasoning, cols_r // 4, -1)  # reasoning segments of 4 tokens (the last may be shorter)
     inputs = {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses, "response_mask": response_mask,
-              "reasoning": reasoning, "answer": answer, "seeds": seeds}
+              "reasoning": reasoning, "answer": answer, "seeds": seeds, "segments": segments}
     torch.save(inputs, root / "inputs.pt")
     return {"root": root, "model_dir": model_dir, "inputs": inputs, "pad": pad}
 
@@ -126,8 +136,9 @@ def reference(assets, rows, case, dtype=torch.float32):
                                                           attn_implementation="sdpa").eval()
     x = {k: v[rows] for k, v in assets["inputs"].items()}
     cfg = OARConfig.from_mapping(case["oar"])
-    batch = build_attribution_batch(x["prompts"], x["prompt_mask"], x["responses"], x["response_mask"],
-                                    x["reasoning"], x["answer"], probe_kinds(cfg, 0, len(rows)))
+    batch = with_segments(build_attribution_batch(x["prompts"], x["prompt_mask"], x["responses"], x["response_mask"],
+                                                  x["reasoning"], x["answer"], probe_kinds(cfg, 0, len(rows))),
+                          x["segments"])
     result = run_attribution(_HF[dtype], batch, cfg, mask_token_id=assets["pad"], seeds=x["seeds"])
     return result.importance.float(), batch
 

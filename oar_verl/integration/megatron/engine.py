@@ -12,7 +12,6 @@ own ``preprocess_bshd_engine``, exactly as the engine lays out its labels. megat
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -216,32 +215,20 @@ def full_recompute(engine) -> Iterator[None]:
             m.training = flag
 
 
-def fill_to_ranks(n: int, mbs: int) -> int:
-    """Rows to run: ``n`` topped up so that every rank runs the same number of micro-batches (max over ranks)."""
-    n_mb = max_over_ranks(math.ceil(n / mbs))
-    if n_mb > 0 and n == 0:
-        raise ValueError("Megatron attribution: this rank has no rows but others do; the trainer must give every "
-                         "data-parallel rank at least one row")
-    return n_mb * mbs
-
-
 @dataclass
 class CleanTable:
-    """Per-row clean probes kept on the last pipeline stage, keyed by row id."""
+    """Per-row clean probes kept on the last pipeline stage, keyed by batch row (the engine's
+    :class:`~oar_verl.core.engine.ProbeTable`)."""
 
     rows: dict[int, CleanProbe] = field(default_factory=dict)
 
-    def put(self, rows: list[int], probe: VPProbe) -> None:
+    def put(self, rows: torch.Tensor, probe: VPProbe) -> None:
         clean = detach_clean(probe)  # (tensor-parallel collective: every rank of the stage runs it)
-        for i, r in enumerate(rows):
-            if r >= 0:
-                self.rows[r] = CleanProbe(clean.zbar[i], clean.lse[i], clean.p[i], clean.psum[i], clean.phi[i])
+        for i, r in enumerate(rows.tolist()):
+            self.rows[r] = CleanProbe(clean.zbar[i], clean.lse[i], clean.p[i], clean.psum[i], clean.phi[i])
 
-    def get(self, rows: list[int], like: VPProbe) -> CleanProbe:
-        """The clean probes of ``rows``; filler rows (-1) get the live probe itself (a zero shift)."""
-        live = detach_clean(like)
-        out = [self.rows[r] if r >= 0 else
-               CleanProbe(live.zbar[i], live.lse[i], live.p[i], live.psum[i], live.phi[i]) for i, r in enumerate(rows)]
+    def get(self, rows: torch.Tensor) -> CleanProbe:
+        out = [self.rows[r] for r in rows.tolist()]
         return CleanProbe(*(torch.stack([getattr(o, f) for o in out]) for f in ("zbar", "lse", "p", "psum", "phi")))
 
 

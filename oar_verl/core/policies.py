@@ -1,4 +1,5 @@
-"""OAR-P for long reasoning: segment-level and hierarchical perturbation (docs/method.md §8, docs/scaling.md).
+"""OAR-P's perturbation policies: exact, and for long reasoning segment-level and hierarchical (docs/method.md §8,
+docs/scaling.md).
 
 Exact OAR-P runs one masked copy per reasoning token, and each copy recomputes its suffix, so its cost grows with the
 square of the reasoning length. Two cheaper policies mask whole reasoning *segments* (steps or sentences,
@@ -14,7 +15,8 @@ square of the reasoning length. Two cheaper policies mask whole reasoning *segme
 * **auto**: exact OAR-P on rows whose reasoning has at most ``exact_max_tokens`` tokens, hierarchical above.
 
 Every level runs through the same OAR-P engine (a block layout in, one score per block out: prefix key/value reuse,
-token budget and rank alignment included), given here as a callable so that every backend can plug in.
+token budget and rank alignment included: :func:`oar_verl.core.perturbation.oar_p` on the step's backend), given
+here as a callable.
 """
 
 from __future__ import annotations

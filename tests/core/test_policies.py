@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from oar_verl.core import OARConfig, reference
 from oar_verl.core.attribution import run_attribution
 from oar_verl.core.budget import PassLimits
-from oar_verl.core.hierarchical import policy_importance, refined_segments, segment_table, spread_segment_scores
+from oar_verl.core.policies import policy_importance, refined_segments, segment_table, spread_segment_scores
 from oar_verl.core.layout import build_attribution_batch, with_segments
 from oar_verl.core.perturbation import oar_p_importance
 from oar_verl.core.probes import ProbeKind

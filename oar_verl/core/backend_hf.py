@@ -1,0 +1,219 @@
+"""The attribution backend of a plain Hugging Face causal LM (or an FSDP-wrapped one): padded rows in column windows,
+a key/value prefix cache for OAR-P's copies, noise and gradient × input at the input-embedding output.
+
+A pass's rows are cut to the columns any of them uses (:func:`column_window`) and packed under the token budget as
+rows × window (:mod:`oar_verl.core.budget`), longest first; copies are packed in order. Full-vocabulary logits exist
+only at the probe positions (``logits_to_keep``).
+
+OAR-G's student pass: a forward hook on the input embedding returns the clean output plus the seeded noise on the
+reasoning tokens as a detached leaf, and every model parameter is frozen for the pass, so no parameter gradient is
+created (no leak into the policy update, no optimizer or FSDP reduce-scatter work) and the backward skips all
+weight-gradient matmuls. Under gradient checkpointing (the actor's setting, and the default here) the student pass
+keeps only each layer's input and recomputes one layer at a time in the backward, like the training step; it still
+runs with eval numerics (:func:`layer_checkpointing`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.utils.checkpoint
+
+from oar_verl.core.budget import PassLimits, pack_copies, pack_rows
+from oar_verl.core.engine import DenseProbeTable, OnProbe, Pass
+from oar_verl.core.gradient import frozen_parameters, input_saliency, mask_noise
+from oar_verl.core.layout import AttributionBatch
+from oar_verl.core.prefix_cache import shared_prefix_cache
+from oar_verl.core.probes import logits_at, outcome_shift, probe_from_logits, probe_keep_positions
+
+logger = logging.getLogger("oar_verl")
+
+
+def column_window(attention_mask: torch.Tensor, rows: torch.Tensor) -> tuple[int, int]:
+    """[lo, hi) columns that hold a real token in any of ``rows``; padding-only columns are skipped."""
+    used = attention_mask[rows].bool().any(0)
+    if not bool(used.any()):
+        return 0, attention_mask.shape[1]
+    cols = used.nonzero().squeeze(1)
+    return int(cols[0]), int(cols[-1]) + 1
+
+
+class ModuleBackend:
+    """A Hugging Face causal LM, whole sequences per pass (:mod:`oar_verl.core.engine`).
+
+    Args:
+        model: the causal LM (or an FSDP wrapper), in eval mode; None for planning only.
+        limits: the token budget of one pass (and optional caps and memory guard).
+        mask_token_id: OAR-P's replacement token.
+        prefix_cache: OAR-P copies reuse their row's clean key/value prefix (the model must support
+            ``past_key_values``).
+        checkpointing: checkpoint the decoder layers in OAR-G's student pass.
+        align: maps this rank's pass count to the count every data-parallel rank runs (default: its own).
+    """
+
+    def __init__(self, model: torch.nn.Module | None, limits: PassLimits, *, mask_token_id: int | None = None,
+                 prefix_cache: bool = True, checkpointing: bool = True, align: Callable[[int], int] | None = None):
+        self.model, self.limits, self.mask_token_id = model, limits, mask_token_id
+        self.prefix_cache, self.checkpointing = prefix_cache, checkpointing
+        self._align = align
+        self._cache = None  # (row, key/value cache) of the last clean pass run with cache="keep"
+
+    def plan(self, batch: AttributionBatch, rows: torch.Tensor, kind: str, ordered: bool = False
+             ) -> list[torch.Tensor]:
+        if ordered:  # copies, grouped by row: consecutive ones share a pass
+            return [torch.arange(s, e, device=rows.device)
+                    for s, e in pack_copies(rows, batch.attention_mask, self.limits, kind)]
+        return pack_rows(batch.attention_mask[rows], self.limits, kind)
+
+    def align(self, n: int) -> int:
+        return n if self._align is None else self._align(n)
+
+    def table(self, size: int) -> DenseProbeTable:
+        return DenseProbeTable(size)
+
+    def shift(self, clean, probe, joint: torch.Tensor) -> torch.Tensor:
+        return outcome_shift(clean, probe, joint)
+
+    def share(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # every rank read the probe itself
+
+    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe,
+            noise_std: float = 0.0) -> list[torch.Tensor | None]:
+        noisy = any(p.seeds is not None for p in passes)
+        with (_student_settings(self.model, self.checkpointing) if noisy else contextlib.nullcontext()):
+            try:
+                return [self._noisy(batch, p, i, on_probe, noise_std) if p.seeds is not None
+                        else self._forward(batch, p, i, on_probe) for i, p in enumerate(passes)]
+            finally:
+                self._cache = None
+
+    def _inputs(self, batch: AttributionBatch, p: Pass) -> tuple[int, int, dict]:
+        lo, hi = column_window(batch.attention_mask, p.rows)
+        inputs = batch.model_inputs(p.rows, lo, hi)
+        replaced = p.replaced()
+        if replaced is not None:
+            inputs["input_ids"] = inputs["input_ids"].masked_fill(replaced[:, lo:hi], self.mask_token_id)
+        return lo, hi, inputs
+
+    @torch.no_grad()
+    def _forward(self, batch: AttributionBatch, p: Pass, i: int, on_probe: OnProbe) -> None:
+        lo, hi, inputs = self._inputs(batch, p)
+        spec = batch.probe.index(p.rows).columns(lo, hi)
+        keep = probe_keep_positions(spec)
+        if p.cache == "keep":
+            out = self.model(**inputs, logits_to_keep=keep, use_cache=True)
+            self._cache = (int(p.rows[0]), out.past_key_values)
+            logits = out.logits
+        elif p.cache == "reuse":
+            logits = self._suffix_logits(p, lo, inputs, keep)
+        else:
+            logits = logits_at(self.model, keep, **inputs)
+        on_probe(i, probe_from_logits(logits, spec.logit_weight[:, keep], spec.target_ids[:, keep], spec.joint))
+
+    def _suffix_logits(self, p: Pass, lo: int, inputs: dict, keep: torch.Tensor) -> torch.Tensor:
+        """Copies of the cached row recompute only the columns from their first masked one, on the clean prefix."""
+        row, cache = self._cache or (None, None)
+        if row != int(p.rows[0]):
+            raise RuntimeError("a prefix-cache pass must follow its row's clean pass")
+        t0 = int(p.first.min()) - lo
+        if int(keep.min()) < t0:  # a probe position before the masked tokens: cannot come from the suffix
+            raise ValueError("prefix_cache needs every probe position after the perturbed tokens")
+        c = p.rows.shape[0]
+        return self.model(input_ids=inputs["input_ids"][:, t0:], attention_mask=inputs["attention_mask"],
+                          position_ids=inputs["position_ids"][:, t0:], past_key_values=shared_prefix_cache(cache, t0, c),
+                          logits_to_keep=keep - t0, use_cache=True).logits
+
+    def _noisy(self, batch: AttributionBatch, p: Pass, i: int, on_probe: OnProbe, noise_std: float) -> torch.Tensor:
+        """One student pass: (n, L) float32 |⟨∂J/∂e_t, e_t⟩| at the rows' reasoning tokens, 0 elsewhere."""
+        lo, hi, inputs = self._inputs(batch, p)
+        spec = batch.probe.index(p.rows).columns(lo, hi)
+        mask = batch.reasoning_mask[p.rows, lo:hi]
+        captured: dict[str, torch.Tensor] = {}
+
+        def add_noise(module, args, out):
+            clean = out.detach()
+            leaf = clean.clone()
+            leaf[mask] += mask_noise(mask, clean.shape[-1], noise_std, p.seeds).to(clean.dtype)
+            leaf.requires_grad_(True)
+            captured["clean"], captured["leaf"] = clean, leaf
+            return leaf
+
+        handle = self.model.get_input_embeddings().register_forward_hook(add_noise)
+        try:
+            with torch.enable_grad():
+                keep = probe_keep_positions(spec)
+                logits = logits_at(self.model, keep, **inputs)
+                student = probe_from_logits(logits, spec.logit_weight[:, keep], spec.target_ids[:, keep], spec.joint)
+                # rows are independent in a forward pass, so the sum gives each row its own gradient; plain backward
+                # works with every checkpointing mode, and the leaf is the only tensor that requires grad
+                on_probe(i, student).sum().backward()
+        finally:
+            handle.remove()
+        sal = torch.zeros(p.rows.shape[0], batch.input_ids.shape[1], dtype=torch.float32, device=mask.device)
+        sal[:, lo:hi] = torch.where(mask, input_saliency(captured["leaf"].grad, captured["clean"]), 0.0)
+        return sal
+
+
+@contextlib.contextmanager
+def _student_settings(model: torch.nn.Module, checkpointing: bool) -> Iterator[None]:
+    with frozen_parameters(model), layer_checkpointing(model, checkpointing):
+        yield
+
+
+@contextlib.contextmanager
+def layer_checkpointing(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Gradient checkpointing of the decoder layers for the duration, with eval numerics.
+
+    Hugging Face decoder layers (``GradientCheckpointingLayer``) checkpoint when their ``gradient_checkpointing`` and
+    ``training`` flags are both set; dropout reads the flags of their submodules. So the layers' own ``training`` flags
+    are raised (and checkpointing switched on where the model did not enable it), nothing else, and all is restored
+    after. Models without such layers run unchanged (logged once).
+    """
+    if not enabled:
+        yield
+        return
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        _warn_once("oar: the model has no Hugging Face checkpointing layers; OAR-G runs without gradient checkpointing")
+    saved = [(m, m.training, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in layers]
+    try:
+        for m in layers:
+            if not m.gradient_checkpointing:
+                m.gradient_checkpointing = True
+                m._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
+                                                                   use_reentrant=False)
+            m.training = True  # this module only: its submodules (dropout) stay in eval
+        yield
+    finally:
+        for m, training, checkpointing, func in saved:
+            m.training, m.gradient_checkpointing = training, checkpointing
+            if func is None:
+                m.__dict__.pop("_gradient_checkpointing_func", None)
+            else:
+                m._gradient_checkpointing_func = func
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
+
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
