@@ -102,8 +102,10 @@ def test_sequence_parallel_group_attributes_sharded_and_equals_core(tiny_assets,
     ref, spans, _, result = core_reference(tiny_assets.model_dir, two)
     got = padded(two["token_importance"])
     assert (ref != 0).sum() > 10
-    # fp32 models, another attention kernel: scores agree to 1e-5 of the largest (float64: tests/core, to 1e-6)
-    torch.testing.assert_close(got, ref, rtol=2e-3, atol=1e-5 * float(ref.abs().max()))
+    # fp32 models, another attention kernel (float64: tests/core, to 1e-6): OAR-G's smallest scores are differences of
+    # nearly equal probe values, and a fresh environment moved one of them by 2.4e-5 of the largest score with the
+    # code before and after the attribution engine alike (the same number): hence 5e-5 of the largest
+    torch.testing.assert_close(got, ref, rtol=2e-3, atol=5e-5 * float(ref.abs().max()))
     for a, b in zip(two["log_probs_before"], two["log_probs_after"]):
         assert torch.equal(a, b)
     # the ranks ran the sharded passes (each holding half of every pass), not whole sequences each
