@@ -126,7 +126,7 @@ def memory_guard(device: torch.device, shape: ModelShape, *, checkpointing: bool
     has no memory to guard (CPU). The free memory is read once, when the guard is made (right before the passes it
     guards), so every pass of a call is judged against the same figure and data-parallel ranks count their passes
     before running them. A pass fits when ``margin`` × its estimate is within ``headroom`` × the free memory: the
-    estimates were within 0.6-1.5× of measured peaks on CPU (docs/scaling.md), so the margin covers the low side."""
+    estimates were checked against measured peaks on CPU (docs/scaling.md), and the margin covers their low side."""
     free = free_accelerator_bytes(device)
     if free is None:
         return None

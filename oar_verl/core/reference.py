@@ -19,7 +19,8 @@ import torch
 
 from oar_verl.core.probes import ProbeKind
 
-__all__ = ["Outcome", "outcome", "shift", "oar_p", "oar_g", "token_weights", "batch_oar_p", "batch_oar_g"]
+__all__ = ["Outcome", "outcome", "shift", "oar_p", "oar_p_segments", "oar_p_hierarchical", "oar_g", "token_weights",
+           "batch_oar_p", "batch_oar_g"]
 
 
 @dataclass(frozen=True)

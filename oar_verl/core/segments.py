@@ -171,6 +171,36 @@ def reasoning_segments(
         ValueError: shapes differ or are not 2-D, a reasoning token id is negative, ``min_tokens < 1``,
             ``max_tokens < min_tokens``, or a bad ``split`` (see :func:`compile_segment_split`).
     """
+    min_tokens, max_tokens = _check_segment_args(response_ids, response_mask, reasoning_mask, min_tokens, max_tokens)
+    pattern = compile_segment_split(split)
+
+    device = response_ids.device
+    B, T = response_ids.shape
+    if B == 0 or T == 0:
+        return torch.full((B, T), -1, dtype=torch.long, device=device)
+
+    ids = response_ids.detach().to("cpu", torch.long)
+    sel = (response_mask.detach().to("cpu") != 0) & (reasoning_mask.detach().to("cpu") != 0)
+    if not sel.any():
+        return torch.full((B, T), -1, dtype=torch.long, device=device)
+    n_raw, counts = _raw_segments(ids, sel, tokenizer, pattern)
+
+    # Merge / cut over each row's segments: a host loop over segments (not tokens), which are few.
+    offsets_list = (n_raw.cumsum(0) - n_raw).tolist()
+    final = [_group_lengths(counts[o: o + n], min_tokens, max_tokens) for o, n in zip(offsets_list, n_raw.tolist())]
+    s_max = max(1, max(len(f) for f in final))
+    ends = torch.full((B, s_max), T + 1, dtype=torch.long)  # cumulative token ends per final segment, padded
+    for b, f in enumerate(final):
+        if f:
+            ends[b, : len(f)] = torch.tensor(f, dtype=torch.long).cumsum(0)
+    rank = sel.long().cumsum(dim=1) - 1  # index of each reasoning token among its row's reasoning tokens
+    seg = torch.searchsorted(ends, rank, right=True)
+    return torch.where(sel, seg, torch.full((), -1, dtype=torch.long)).to(device)
+
+
+def _check_segment_args(response_ids: torch.Tensor, response_mask: torch.Tensor, reasoning_mask: torch.Tensor,
+                        min_tokens, max_tokens) -> tuple[int, int | None]:
+    """The validated (min_tokens, max_tokens) of :func:`reasoning_segments`; raises ValueError on bad shapes or counts."""
     shape = response_ids.shape
     if response_ids.dim() != 2 or response_mask.shape != shape or reasoning_mask.shape != shape:
         raise ValueError(
@@ -184,17 +214,13 @@ def reasoning_segments(
         max_tokens = _check_count("max_tokens", max_tokens)
         if max_tokens < min_tokens:
             raise ValueError(f"max_tokens must be None or >= min_tokens ({min_tokens}), got {max_tokens}")
-    pattern = compile_segment_split(split)
+    return min_tokens, max_tokens
 
-    device = response_ids.device
-    B, T = response_ids.shape
-    if B == 0 or T == 0:
-        return torch.full((B, T), -1, dtype=torch.long, device=device)
 
-    ids = response_ids.detach().to("cpu", torch.long)
-    sel = (response_mask.detach().to("cpu") != 0) & (reasoning_mask.detach().to("cpu") != 0)
-    if not sel.any():
-        return torch.full((B, T), -1, dtype=torch.long, device=device)
+def _raw_segments(ids: torch.Tensor, sel: torch.Tensor, tokenizer, pattern) -> tuple[torch.Tensor, list[int]]:
+    """Raw segments (before merging and cutting) of the selected tokens of (B, T) ``ids``: (B,) segments per row and
+    the token count of every segment, rows in order (a host list)."""
+    B = ids.shape[0]
     # Byte offsets of every token, batch-wide: tokens off the reasoning get length 0, so they shift nothing.
     table, known, tok_len = selected_byte_lengths(ids, sel, tokenizer, "reasoning")
     starts = tok_len.cumsum(dim=1) - tok_len
@@ -219,15 +245,4 @@ def reasoning_segments(
     dense = new.long().cumsum(dim=1) - 1
     offsets = n_raw.cumsum(0) - n_raw
     counts = torch.bincount((offsets[:, None] + dense)[sel], minlength=int(n_raw.sum())).tolist()
-
-    # Merge / cut over each row's segments: a host loop over segments (not tokens), which are few.
-    n_raw_list, offsets_list = n_raw.tolist(), offsets.tolist()
-    final = [_group_lengths(counts[o: o + n], min_tokens, max_tokens) for o, n in zip(offsets_list, n_raw_list)]
-    s_max = max(1, max(len(f) for f in final))
-    ends = torch.full((B, s_max), T + 1, dtype=torch.long)  # cumulative token ends per final segment, padded
-    for b, f in enumerate(final):
-        if f:
-            ends[b, : len(f)] = torch.tensor(f, dtype=torch.long).cumsum(0)
-    rank = sel.long().cumsum(dim=1) - 1  # index of each reasoning token among its row's reasoning tokens
-    seg = torch.searchsorted(ends, rank, right=True)
-    return torch.where(sel, seg, torch.full((), -1, dtype=torch.long)).to(device)
+    return n_raw, counts

@@ -180,7 +180,7 @@ def main_ppo_overrides(
         f"trainer.default_local_dir={_quoted(Path(output_dir) / 'checkpoints')}",
         f"hydra.run.dir={_quoted(Path(output_dir) / 'hydra')}",
         # --- Ray: over-subscribed logical CPUs (TransferQueue, TaskRunner, workers and servers each take 1),
-        # one fake GPU for verl's resource checks, one storage unit (~0.7 GB each), a private temp dir
+        # one fake GPU for verl's resource checks, one storage unit each, a private temp dir
         f"ray_kwargs.ray_init.num_cpus={num_cpus}",
         "++ray_kwargs.ray_init.num_gpus=1",
         "++ray_kwargs.ray_init.include_dashboard=False",

@@ -73,7 +73,7 @@ class StepAttribution:
     """One step's attribution, in the batch's row order.
 
     Attributes:
-        estimator: what the ``oar`` estimator takes through the handoff, (B, T) / (B,).
+        estimator_inputs: what the ``oar`` estimator takes through the handoff, (B, T) / (B,).
         rows: (N,) attributed row indices.
         answer: (B, T) bool answer-span tokens of each response.
         found: (B,) bool an answer span was found in the response.
@@ -88,7 +88,7 @@ class StepAttribution:
             counted.
     """
 
-    estimator: EstimatorInputs
+    estimator_inputs: EstimatorInputs
     rows: torch.Tensor
     answer: torch.Tensor
     found: torch.Tensor

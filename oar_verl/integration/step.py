@@ -43,7 +43,7 @@ from oar_verl.integration.estimator import base_advantage, rows_to_reshape, sequ
 from oar_verl.integration.rows import BatchRows, StepAttribution, assemble, select_rows
 from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
 
-TIMER = "oar"  # -> timing_s/oar, inside timing_s/adv
+TIMER = "oar"  # -> timing_s/oar (verl times the attribution call inside its old-log-prob pass)
 
 
 class TrainerIO(Protocol):
@@ -89,7 +89,7 @@ class OARStep:
     def advantage(self, att: StepAttribution, global_step: int, metrics: dict) -> Iterator[StepAttribution]:
         """Steps 6-7: the handoff open around verl's advantage step (the with-block), then ``oar/*`` into
         ``metrics``."""
-        with handoff.scope(att.estimator) as opened:
+        with handoff.scope(att.estimator_inputs) as opened:
             yield att
         metrics.update(self.report(att, opened.result, global_step))
 
@@ -116,7 +116,7 @@ class OARStep:
         if result is None:
             raise RuntimeError("oar: the advantage step did not run the `oar` estimator (algorithm.adv_estimator was "
                                "changed after start-up?)")
-        response_mask = att.estimator.response_mask
+        response_mask = att.estimator_inputs.response_mask
         metrics = oar_metrics(result.token_weights, result.base_advantages, result.advantages, response_mask,
                               span_found=att.found[att.rows], answer_probe=att.answer_probe[att.rows])
         metrics["oar/attributed_seq_frac"] = len(att.rows.unique()) / max(int(response_mask.shape[0]), 1)
@@ -125,7 +125,7 @@ class OARStep:
             metrics["oar/rounds_max"], metrics["oar/rounds_min"] = float(att.rounds.max()), float(att.rounds.min())
         counted = att.copies >= 0  # OAR-P rows whose masked copies were counted (docs/scaling.md: the cost model)
         if bool(counted.any()):
-            reasoning = att.estimator.reasoning_mask.sum(-1).float()
+            reasoning = att.estimator_inputs.reasoning_mask.sum(-1).float()
             metrics["oar/perturbation_copies"] = float(att.copies[counted].sum())
             metrics["oar/refined_share"] = float(att.refined[counted].sum() / reasoning[counted].sum().clamp(min=1))
         if len(att.policy_match) and not bool(att.policy_match.isnan().any()):

@@ -152,4 +152,3 @@ def oar_trainer_mode(mode: str) -> str:
     raise ValueError(f"trainer.v1.trainer_mode={mode!r} has no OAR trainer; choose one of: {allowed}")
 
 
-TRAINER_MODE = OAR_MODE_PREFIX + "sync"  # the default

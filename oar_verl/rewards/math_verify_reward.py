@@ -114,7 +114,7 @@ def _verify_worker(solution_str: str, ground_truth: str, inner_timeout_s: int) -
 
 
 def _warmup() -> int:
-    import math_verify  # noqa: F401  (sympy + antlr: ~1-2 s per worker, paid once, outside any call's timeout)
+    import math_verify  # noqa: F401  (sympy + antlr: slow to import, paid once per worker, outside any call's timeout)
 
     return os.getpid()
 

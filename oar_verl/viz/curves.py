@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from oar_verl.cpu.launcher import read_metrics
+from oar_verl.viz.metrics_log import read_metrics
 
 __all__ = ["PANELS", "plot_curves"]
 

@@ -36,7 +36,6 @@ __all__ = ["BOOST_RGB", "SUPPRESS_RGB", "ANSWER_RGB", "load_dump", "render_html"
 SUPPRESS_RGB = (44, 123, 182)  # w at the page minimum
 BOOST_RGB = (215, 25, 28)  # w at the page maximum
 ANSWER_RGB = (26, 127, 55)  # answer-span border
-NEUTRAL_RGB = (255, 255, 255)  # w = 1
 
 _STEP_FILE = re.compile(r"step_(\d+)\.jsonl$")
 

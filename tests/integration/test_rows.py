@@ -76,7 +76,7 @@ def test_assemble_scatters_worker_rows_into_the_batch():
            "oar_span_found": torch.tensor([1.0, 0.0]), "oar_answer_probe": torch.tensor([1.0, 0.0])}
     base = (torch.ones(B, T), torch.ones(B, T))
     att = assemble(out, rows, batch, base)
-    est = att.estimator
+    est = att.estimator_inputs
     assert est.attributed.tolist() == [False, True, True, False]
     assert est.token_importance[1].tolist() == [1, 2, 3, 4, 5] and est.token_importance[0].abs().sum() == 0
     assert est.reasoning_mask[2].tolist() == [True, True, False, False, False]
@@ -86,4 +86,4 @@ def test_assemble_scatters_worker_rows_into_the_batch():
     assert est.base_advantages is base[0] and est.token_level_rewards is scores
     # nothing attributed: all zeros, no base handed on when there is none
     empty = assemble(None, torch.zeros(0, dtype=torch.long), batch, None)
-    assert not empty.estimator.attributed.any() and empty.estimator.base_advantages is None
+    assert not empty.estimator_inputs.attributed.any() and empty.estimator_inputs.base_advantages is None

@@ -119,7 +119,7 @@ def test_one_step_reads_top_to_bottom(setup, tmp_path, mode):
     assert torch.equal(adv[2:], torch.zeros_like(adv[2:]))  # zero-advantage rows untouched
     mask = io.response_mask.bool()
     seq = (adv * mask).sum(-1) / mask.sum(-1)
-    reasoning = att.estimator.reasoning_mask
+    reasoning = att.estimator_inputs.reasoning_mask
     for b in (0, 1):  # mass preserved, non-uniform weights
         w = adv[b][reasoning[b]] / adv[b][mask[b]][-1]
         assert abs(float(w.sum()) - int(reasoning[b].sum())) < 1e-3 and float(w.std()) > 1e-3
@@ -144,7 +144,7 @@ def test_top_up_and_kl_in_reward_and_no_work(setup, tmp_path):
     kl.use_kl_in_reward = True
     io_kl = InProcessIO(tok, model, prompts, responses, SCORES)
     _, att, _, _ = run_step(OARStep(OARConfig.from_mapping(kl.oar), kl, tok, None), io_kl)
-    assert io_kl.calls[0][0] == [0, 1, 2, 3] and att.estimator.base_advantages is None
+    assert io_kl.calls[0][0] == [0, 1, 2, 3] and att.estimator_inputs.base_advantages is None
     # every group agrees: nothing to attribute, no RPC, still every metric
     io_none = InProcessIO(tok, model, prompts, responses, [1.0, 1.0, 0.0, 0.0])
     out, _, _, metrics = run_step(step, io_none)
