@@ -24,11 +24,11 @@ import torch
 import torch.utils.checkpoint
 
 from oar_verl.core.budget import PassLimits, pack_copies, pack_rows
-from oar_verl.core.engine import DenseProbeTable, OnProbe, Pass
+from oar_verl.core.engine import DenseProbes, OnProbe, Pass
 from oar_verl.core.gradient import frozen_parameters, input_saliency, mask_noise
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.prefix_cache import shared_prefix_cache
-from oar_verl.core.probes import logits_at, outcome_shift, probe_from_logits, probe_keep_positions
+from oar_verl.core.probes import logits_at, probe_from_logits, probe_keep_positions
 
 logger = logging.getLogger("oar_verl")
 
@@ -42,7 +42,7 @@ def column_window(attention_mask: torch.Tensor, rows: torch.Tensor) -> tuple[int
     return int(cols[0]), int(cols[-1]) + 1
 
 
-class ModuleBackend:
+class ModuleBackend(DenseProbes):
     """A Hugging Face causal LM, whole sequences per pass (:mod:`oar_verl.core.engine`).
 
     Args:
@@ -68,18 +68,6 @@ class ModuleBackend:
             return [torch.arange(s, e, device=rows.device)
                     for s, e in pack_copies(rows, batch.attention_mask, self.limits, kind)]
         return pack_rows(batch.attention_mask[rows], self.limits, kind)
-
-    def align(self, n: int) -> int:
-        return n if self._align is None else self._align(n)
-
-    def table(self, size: int) -> DenseProbeTable:
-        return DenseProbeTable(size)
-
-    def shift(self, clean, probe, joint: torch.Tensor) -> torch.Tensor:
-        return outcome_shift(clean, probe, joint)
-
-    def share(self, x: torch.Tensor) -> torch.Tensor:
-        return x  # every rank read the probe itself
 
     def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe,
             noise_std: float = 0.0) -> list[torch.Tensor | None]:
@@ -132,30 +120,42 @@ class ModuleBackend:
         lo, hi, inputs = self._inputs(batch, p)
         spec = batch.probe.index(p.rows).columns(lo, hi)
         mask = batch.reasoning_mask[p.rows, lo:hi]
-        captured: dict[str, torch.Tensor] = {}
+        keep = probe_keep_positions(spec)
 
-        def add_noise(module, args, out):
-            clean = out.detach()
-            leaf = clean.clone()
-            leaf[mask] += mask_noise(mask, clean.shape[-1], noise_std, p.seeds).to(clean.dtype)
-            leaf.requires_grad_(True)
-            captured["clean"], captured["leaf"] = clean, leaf
-            return leaf
+        def loss() -> torch.Tensor:
+            logits = logits_at(self.model, keep, **inputs)
+            return on_probe(i, probe_from_logits(logits, spec.logit_weight[:, keep], spec.target_ids[:, keep],
+                                                 spec.joint))
 
-        handle = self.model.get_input_embeddings().register_forward_hook(add_noise)
-        try:
-            with torch.enable_grad():
-                keep = probe_keep_positions(spec)
-                logits = logits_at(self.model, keep, **inputs)
-                student = probe_from_logits(logits, spec.logit_weight[:, keep], spec.target_ids[:, keep], spec.joint)
-                # rows are independent in a forward pass, so the sum gives each row its own gradient; plain backward
-                # works with every checkpointing mode, and the leaf is the only tensor that requires grad
-                on_probe(i, student).sum().backward()
-        finally:
-            handle.remove()
+        saliency = noisy_embedding_saliency(self.model, mask, lambda h: mask_noise(mask, h, noise_std, p.seeds), loss)
         sal = torch.zeros(p.rows.shape[0], batch.input_ids.shape[1], dtype=torch.float32, device=mask.device)
-        sal[:, lo:hi] = torch.where(mask, input_saliency(captured["leaf"].grad, captured["clean"]), 0.0)
+        sal[:, lo:hi] = torch.where(mask, saliency, 0.0)
         return sal
+
+
+def noisy_embedding_saliency(model: torch.nn.Module, mask: torch.Tensor, noise: Callable[[int], torch.Tensor],
+                             loss: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """(b, s) float32 |⟨∂J/∂e_t, e_t⟩| of a forward whose input-embedding output (b, s, H) gets ``noise(H)`` (m, H) at
+    the m positions of ``mask`` (b, s) bool, J = ``loss()`` (per row, summed: rows are independent in a forward, so
+    each gets its own gradient). The embedding output is returned as a detached leaf, the only tensor that requires
+    grad; a plain backward works with every checkpointing mode."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def add_noise(module, args, out):
+        clean = out.detach()
+        leaf = clean.clone()
+        leaf[mask] += noise(clean.shape[-1]).to(clean.dtype)
+        leaf.requires_grad_(True)
+        captured["clean"], captured["leaf"] = clean, leaf
+        return leaf
+
+    handle = model.get_input_embeddings().register_forward_hook(add_noise)
+    try:
+        with torch.enable_grad():
+            loss().sum().backward()
+    finally:
+        handle.remove()
+    return input_saliency(captured["leaf"].grad, captured["clean"])
 
 
 @contextlib.contextmanager
@@ -197,17 +197,6 @@ def layer_checkpointing(model: torch.nn.Module, enabled: bool) -> Iterator[None]
                 m.__dict__.pop("_gradient_checkpointing_func", None)
             else:
                 m._gradient_checkpointing_func = func
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning(message)
-
-
 
 
 _warned: set[str] = set()

@@ -26,13 +26,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from oar_verl.core.backend_hf import layer_checkpointing
+from oar_verl.core.backend_hf import layer_checkpointing, noisy_embedding_saliency
 from oar_verl.core.budget import AttributionMemoryError, PassLimits, pack_lengths
-from oar_verl.core.engine import DenseProbeTable, OnProbe, Pass
-from oar_verl.core.gradient import frozen_parameters, input_saliency, reasoning_noise_at
+from oar_verl.core.engine import DenseProbes, OnProbe, Pass
+from oar_verl.core.gradient import frozen_parameters, reasoning_noise_at
 from oar_verl.core.layout import AttributionBatch
-from oar_verl.core.memory import PassKind
-from oar_verl.core.probes import ProbeOutput, outcome_shift
+from oar_verl.core.probes import ProbeOutput
 
 __all__ = ["SequenceShards", "UlyssesBackend"]
 
@@ -142,7 +141,7 @@ def _slot_rows(packed: _Packed, n_slots: int) -> torch.Tensor:
     return rows
 
 
-class UlyssesBackend:
+class UlyssesBackend(DenseProbes):
     """A Hugging Face module under Ulysses sequence parallelism (see the module docstring).
 
     Args:
@@ -178,18 +177,6 @@ class UlyssesBackend:
                                                  f"({self.limits.key}={self.limits.tokens})")
         return [torch.tensor([items[j] for j in p], dtype=torch.long, device=rows.device) for p in packs]
 
-    def align(self, n: int) -> int:
-        return n if self._align is None else self._align(n)
-
-    def table(self, size: int) -> DenseProbeTable:
-        return DenseProbeTable(size)
-
-    def shift(self, clean, probe, joint: torch.Tensor) -> torch.Tensor:
-        return outcome_shift(clean, probe, joint)
-
-    def share(self, x: torch.Tensor) -> torch.Tensor:
-        return x  # every rank read the probe itself
-
     def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe,
             noise_std: float = 0.0) -> list[torch.Tensor | None]:
         out = []
@@ -215,23 +202,10 @@ class UlyssesBackend:
         real = row >= 0
         reasoning = torch.zeros_like(real)
         reasoning[real] = batch.reasoning_mask[row[real], col[real]]
-        captured: dict[str, torch.Tensor] = {}
-
-        def add_noise(module, args, out):
-            clean = out.detach()
-            leaf = clean.clone()
-            leaf[0, reasoning] += _local_noise(batch, p, packed, reasoning, clean.shape[-1], noise_std).to(clean.dtype)
-            leaf.requires_grad_(True)
-            captured["clean"], captured["leaf"] = clean, leaf
-            return leaf
-
-        handle = self.model.get_input_embeddings().register_forward_hook(add_noise)
-        try:
-            with torch.enable_grad():
-                on_probe(i, _probe(self.model, batch, packed, len(p.rows), self.shards)).sum().backward()
-        finally:
-            handle.remove()
-        local = torch.where(reasoning, input_saliency(captured["leaf"].grad, captured["clean"])[0], 0.0)
+        local = noisy_embedding_saliency(
+            self.model, reasoning[None], lambda h: _local_noise(batch, p, packed, reasoning, h, noise_std),
+            lambda: on_probe(i, _probe(self.model, batch, packed, len(p.rows), self.shards)))
+        local = torch.where(reasoning, local[0], 0.0)
         if self.shards.size == 1:
             return local
         parts = [torch.empty_like(local) for _ in range(self.shards.size)]

@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from oar_verl.core.layout import AttributionBatch
-from oar_verl.core.probes import ProbeOutput
+from oar_verl.core.probes import ProbeOutput, outcome_shift
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,26 @@ class DenseProbeTable:
 
     def get(self, rows: torch.Tensor) -> ProbeOutput:
         return ProbeOutput(self.logp[rows], self.phi[rows])
+
+
+class DenseProbes:
+    """The members shared by the backends whose every rank reads whole (b, V) probes (a Hugging Face module, plain or
+    sequence-sharded): clean probes kept as dense tensors, the shift of :mod:`oar_verl.core.probes`, nothing to share,
+    and the rank alignment given at construction (``_align``; None: a single rank's own count)."""
+
+    _align: Callable[[int], int] | None = None
+
+    def align(self, n: int) -> int:
+        return n if self._align is None else self._align(n)
+
+    def table(self, size: int) -> DenseProbeTable:
+        return DenseProbeTable(size)
+
+    def shift(self, clean: ProbeOutput, probe: ProbeOutput, joint: torch.Tensor) -> torch.Tensor:
+        return outcome_shift(clean, probe, joint)
+
+    def share(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # every rank read the probe itself
 
 
 def with_fillers(passes: list[Pass], count: int, filler: Pass, batch: AttributionBatch) -> list[Pass]:
