@@ -214,3 +214,32 @@ def test_reference_token_weights_match_the_gate():
     for b in range(4):
         torch.testing.assert_close(fast[b].double(), reference.token_weights(imp[b], 0.4, 2.0, 0.1), rtol=1e-6,
                                    atol=1e-6)
+
+
+def test_core_entry_points_default_to_the_workers_safe_settings(lm64, make_batch):
+    """response_importance (core-only use, e.g. from TRL) checkpoints OAR-G's student pass and packs by a token budget
+    by default, as the verl worker does: each decoder layer's MLP runs a third time (the recomputation in the
+    backward), and the scores equal those without checkpointing."""
+    rows = make_batch(B=3, P=4, T=10, seed=2)
+    seeds = sequence_seeds(0, 0, torch.arange(3))
+    cfg = OARConfig(mode="gradient", probe="as_mean")
+    mlp = lm64.model.layers[0].mlp
+    forward, calls = mlp.forward, []
+
+    def counted(*args, **kwargs):  # module hooks do not fire in a checkpoint's recomputation; forward itself does
+        calls.append(torch.is_grad_enabled())
+        return forward(*args, **kwargs)
+
+    mlp.forward = counted
+    try:
+        safe = response_importance(lm64, *rows, cfg, seeds=seeds)
+        assert calls == [False, True, True]  # teacher, student, the student's recomputation in the backward
+    finally:
+        del mlp.forward
+    from oar_verl.core.attribution import DEFAULT_MAX_TOKENS, pass_limits
+
+    assert pass_limits(cfg).tokens == DEFAULT_MAX_TOKENS  # a token budget, not a row count
+    kinds = torch.full((3,), int(ProbeKind.AS_MEAN))
+    batch = build_attribution_batch(*rows, kinds)
+    plain = oar_g_importance(lm64, batch, cfg.noise_std, seeds, PassLimits(10**6), checkpointing=False)
+    torch.testing.assert_close(safe, plain[:, batch.response_start:], rtol=1e-9, atol=1e-12)
