@@ -1,4 +1,4 @@
-"""One attribution engine: each method plans passes once, each model runtime runs them (docs/method.md §9).
+"""One attribution engine: each method plans passes once, each model runtime runs them (docs/method.md §10).
 
 A *method* (OAR-P under every perturbation policy, OAR-G with K noise draws) says which passes to run -- rows of the
 batch, optionally with tokens swapped for the mask token (OAR-P's copies) or with seeded noise on the reasoning-token
