@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 
 from oar_verl.core.budget import PassLimits, pack_copies, pack_rows
 from oar_verl.core.engine import DenseProbes, OnProbe, Pass
-from oar_verl.core.gradient import frozen_parameters, input_saliency, mask_noise
+from oar_verl.core.gradient import embedding_projection, frozen_parameters, mask_noise
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.prefix_cache import shared_prefix_cache
 from oar_verl.core.probes import logits_at, probe_from_logits, probe_keep_positions
@@ -69,12 +69,12 @@ class ModuleBackend(DenseProbes):
                     for s, e in pack_copies(rows, batch.attention_mask, self.limits, kind)]
         return pack_rows(batch.attention_mask[rows], self.limits, kind)
 
-    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe,
-            noise_std: float = 0.0) -> list[torch.Tensor | None]:
+    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe, noise_std: float = 0.0,
+            project: str = "input") -> list[torch.Tensor | None]:
         noisy = any(p.seeds is not None for p in passes)
         with (_student_settings(self.model, self.checkpointing) if noisy else contextlib.nullcontext()):
             try:
-                return [self._noisy(batch, p, i, on_probe, noise_std) if p.seeds is not None
+                return [self._noisy(batch, p, i, on_probe, noise_std, project) if p.seeds is not None
                         else self._forward(batch, p, i, on_probe) for i, p in enumerate(passes)]
             finally:
                 self._cache = None
@@ -115,8 +115,9 @@ class ModuleBackend(DenseProbes):
                           position_ids=inputs["position_ids"][:, t0:], past_key_values=shared_prefix_cache(cache, t0, c),
                           logits_to_keep=keep - t0, use_cache=True).logits
 
-    def _noisy(self, batch: AttributionBatch, p: Pass, i: int, on_probe: OnProbe, noise_std: float) -> torch.Tensor:
-        """One student pass: (n, L) float32 |⟨∂J/∂e_t, e_t⟩| at the rows' reasoning tokens, 0 elsewhere."""
+    def _noisy(self, batch: AttributionBatch, p: Pass, i: int, on_probe: OnProbe, noise_std: float,
+               project: str) -> torch.Tensor:
+        """One backward pass: (n, L) float32 signed ⟨∂J/∂e_t, v_t⟩ at the rows' reasoning tokens, 0 elsewhere."""
         lo, hi, inputs = self._inputs(batch, p)
         spec = batch.probe.index(p.rows).columns(lo, hi)
         mask = batch.reasoning_mask[p.rows, lo:hi]
@@ -127,18 +128,20 @@ class ModuleBackend(DenseProbes):
             return on_probe(i, probe_from_logits(logits, spec.logit_weight[:, keep], spec.target_ids[:, keep],
                                                  spec.joint))
 
-        saliency = noisy_embedding_saliency(self.model, mask, lambda h: mask_noise(mask, h, noise_std, p.seeds), loss)
+        saliency = noisy_embedding_saliency(self.model, mask, lambda h: mask_noise(mask, h, noise_std, p.seeds), loss,
+                                            self.mask_token_id if project == "mask" else None)
         sal = torch.zeros(p.rows.shape[0], batch.input_ids.shape[1], dtype=torch.float32, device=mask.device)
         sal[:, lo:hi] = torch.where(mask, saliency, 0.0)
         return sal
 
 
 def noisy_embedding_saliency(model: torch.nn.Module, mask: torch.Tensor, noise: Callable[[int], torch.Tensor],
-                             loss: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """(b, s) float32 |⟨∂J/∂e_t, e_t⟩| of a forward whose input-embedding output (b, s, H) gets ``noise(H)`` (m, H) at
-    the m positions of ``mask`` (b, s) bool, J = ``loss()`` (per row, summed: rows are independent in a forward, so
-    each gets its own gradient). The embedding output is returned as a detached leaf, the only tensor that requires
-    grad; a plain backward works with every checkpointing mode."""
+                             loss: Callable[[], torch.Tensor], mask_token_id: int | None = None) -> torch.Tensor:
+    """(b, s) float32 signed ⟨∂J/∂e_t, v_t⟩ (:func:`~oar_verl.core.gradient.embedding_projection`; v_t = e_t, or
+    e_mask − e_t with ``mask_token_id``) of a forward whose input-embedding output (b, s, H) gets ``noise(H)`` (m, H)
+    at the m positions of ``mask`` (b, s) bool, J = ``loss()`` (per row, summed: rows are independent in a forward,
+    so each gets its own gradient). The embedding output is returned as a detached leaf, the only tensor that
+    requires grad; a plain backward works with every checkpointing mode."""
     captured: dict[str, torch.Tensor] = {}
 
     def add_noise(module, args, out):
@@ -147,6 +150,9 @@ def noisy_embedding_saliency(model: torch.nn.Module, mask: torch.Tensor, noise: 
         leaf[mask] += noise(clean.shape[-1]).to(clean.dtype)
         leaf.requires_grad_(True)
         captured["clean"], captured["leaf"] = clean, leaf
+        if mask_token_id is not None:  # the module's own forward (scaled embeddings too), no hooks
+            ids = torch.full((1, 1), mask_token_id, dtype=torch.long, device=clean.device)
+            captured["mask"] = module.forward(ids)[0, 0].detach()
         return leaf
 
     handle = model.get_input_embeddings().register_forward_hook(add_noise)
@@ -155,7 +161,7 @@ def noisy_embedding_saliency(model: torch.nn.Module, mask: torch.Tensor, noise: 
             loss().sum().backward()
     finally:
         handle.remove()
-    return input_saliency(captured["leaf"].grad, captured["clean"])
+    return embedding_projection(captured["leaf"].grad, captured["clean"], captured.get("mask"))
 
 
 @contextlib.contextmanager

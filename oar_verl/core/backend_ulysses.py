@@ -177,8 +177,8 @@ class UlyssesBackend(DenseProbes):
                                                  f"({self.limits.key}={self.limits.tokens})")
         return [torch.tensor([items[j] for j in p], dtype=torch.long, device=rows.device) for p in packs]
 
-    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe,
-            noise_std: float = 0.0) -> list[torch.Tensor | None]:
+    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe, noise_std: float = 0.0,
+            project: str = "input") -> list[torch.Tensor | None]:
         out = []
         for i, p in enumerate(passes):
             packed = _pack(batch, p.rows, self.shards, self.pad_id, p.replaced(), self.mask_token_id or 0)
@@ -188,7 +188,7 @@ class UlyssesBackend(DenseProbes):
                 out.append(None)
                 continue
             with frozen_parameters(self.model), layer_checkpointing(self.model, self.checkpointing):
-                sal = self._saliency(batch, p, packed, i, on_probe, noise_std)
+                sal = self._saliency(batch, p, packed, i, on_probe, noise_std, project)
             full = torch.zeros(p.rows.shape[0], batch.input_ids.shape[1], dtype=torch.float32, device=sal.device)
             real = packed.slot >= 0
             full[packed.slot[real], packed.col[real]] = sal[real]
@@ -196,7 +196,7 @@ class UlyssesBackend(DenseProbes):
         return out
 
     def _saliency(self, batch: AttributionBatch, p: Pass, packed: _Packed, i: int, on_probe: OnProbe,
-                  noise_std: float) -> torch.Tensor:
+                  noise_std: float, project: str) -> torch.Tensor:
         """(n_total,) saliency of every packed position (0 off reasoning), the same on every rank of the group."""
         row, col = packed.row[packed.lo:packed.hi], packed.col[packed.lo:packed.hi]
         real = row >= 0
@@ -204,7 +204,8 @@ class UlyssesBackend(DenseProbes):
         reasoning[real] = batch.reasoning_mask[row[real], col[real]]
         local = noisy_embedding_saliency(
             self.model, reasoning[None], lambda h: _local_noise(batch, p, packed, reasoning, h, noise_std),
-            lambda: on_probe(i, _probe(self.model, batch, packed, len(p.rows), self.shards)))
+            lambda: on_probe(i, _probe(self.model, batch, packed, len(p.rows), self.shards)),
+            self.mask_token_id if project == "mask" else None)
         local = torch.where(reasoning, local[0], 0.0)
         if self.shards.size == 1:
             return local

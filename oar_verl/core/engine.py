@@ -13,7 +13,8 @@ The interface, as a method sees it::
     prefix_cache: bool                              copies of one row may reuse its clean key/value prefix
     plan(batch, rows, kind, ordered) -> packs       index packs into ``rows`` (repeats allowed) under the budget
     align(n) -> n'                                  passes every data-parallel rank runs (the max over ranks)
-    run(batch, passes, on_probe, noise_std) -> sal  run passes in order; on_probe(i, probe) per pass
+    run(batch, passes, on_probe, noise_std,         run passes in order; on_probe(i, probe) per pass; backward
+        project) -> projections                     passes give ⟨∂J/∂e_t, e_t⟩ (or ⟨∂J/∂e_t, e_mask − e_t⟩)
     table(size) -> ProbeTable                       a store of clean probes in this backend's probe form
     shift(clean, probe, joint) -> (b,)              KL(P_clean ‖ P) or φ_clean − φ, in that form
     share(x) -> x                                   a result of the probe-reading ranks, on every rank
@@ -42,8 +43,9 @@ class Pass:
         rows: (n,) long batch rows, repeats allowed (OAR-P's copies of a row, OAR-G's noise draws).
         first: (n,) long first masked column of each copy (OAR-P), with ``blocks``; None: the clean rows.
         blocks: (B, L) long block layout the copies mask (shared by every pass, never copied per pass).
-        seeds: (n,) int64 noise seeds: a noisy forward whose per-row loss ``on_probe`` returns, then a backward
-            (OAR-G's student); None: a no-grad forward.
+        seeds: (n,) int64 noise seeds: a forward with seeded noise (σ = the run's ``noise_std``, 0: none) on the
+            reasoning-token embeddings whose per-row loss ``on_probe`` returns, then a backward (OAR-G's student);
+            None: a no-grad forward.
         cache: "keep": a one-row clean pass whose key/value cache the following "reuse" passes continue (copies of
             that row, recomputing only the columns from their first masked one); None otherwise.
         filler: run only so that every data-parallel rank issues the same collectives; results are dropped.
@@ -86,8 +88,8 @@ class AttributionBackend(Protocol):
 
     def align(self, n: int) -> int: ...
 
-    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe,
-            noise_std: float = 0.0) -> list[torch.Tensor | None]: ...
+    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe, noise_std: float = 0.0,
+            project: str = "input") -> list[torch.Tensor | None]: ...
 
     def table(self, size: int) -> ProbeTable: ...
 

@@ -89,6 +89,8 @@ def reasoning_noise_at(slot: torch.Tensor, rank: torch.Tensor, seeds: torch.Tens
     """
     device = slot.device
     out = torch.zeros(slot.shape[0], hidden_size, device=device)
+    if noise_std == 0:  # a clean-point backward: no draws to make
+        return out
     seed_list, count_list = seeds.tolist(), counts.tolist()  # host metadata, once per pass
     for s in slot.unique().tolist():  # one generator per row, never per token
         gen = torch.Generator(device=device).manual_seed(int(seed_list[s]))
@@ -105,12 +107,19 @@ def mask_noise(mask: torch.Tensor, hidden_size: int, noise_std: float, seeds: to
     return reasoning_noise_at(slot, rank, seeds, mask.sum(-1), hidden_size, noise_std)
 
 
-def input_saliency(grad: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
-    """(b, s) float32 |⟨∂J/∂e_t, e_t⟩| of (b, s, H) embedding gradients and clean embeddings, accumulated in fp32 at
-    least (bf16 products would cancel badly in the sum), one row at a time (the fp32 product of a whole pass would be
-    another (b, s, H) buffer)."""
+PROJECTIONS = ("input", "mask")
+
+
+def embedding_projection(grad: torch.Tensor, clean: torch.Tensor, mask_embedding: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """(b, s) float32 signed ⟨∂J/∂e_t, v_t⟩ of (b, s, H) embedding gradients: v_t = e_t, the clean embedding
+    (gradient × input, OAR-G), or v_t = e_mask − e_t with ``mask_embedding`` (H,) given (the first-order change of J
+    when token t is swapped for the mask token). Accumulated in fp32 at least (bf16 products would cancel badly in the
+    sum), one row at a time (the fp32 product of a whole pass would be another (b, s, H) buffer)."""
     acc = torch.promote_types(clean.dtype, torch.float32)
-    return torch.stack([(g.to(acc) * c.to(acc)).sum(-1) for g, c in zip(grad, clean)]).abs().float()
+    base = None if mask_embedding is None else mask_embedding.to(acc)
+    return torch.stack([(g.to(acc) * (c.to(acc) if base is None else base - c.to(acc))).sum(-1)
+                        for g, c in zip(grad, clean)]).float()
 
 
 @contextlib.contextmanager
@@ -166,7 +175,7 @@ def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Ten
     saliency = backend.run(batch, students, loss, noise_std)
     per_draw = torch.zeros(B * samples, L, dtype=torch.float32, device=device)
     for pack, sal in zip(packs, saliency):  # per round
-        per_draw[pack] = sal.to(device)
+        per_draw[pack] = sal.to(device).abs()
     return per_draw.view(B, samples, L).mean(1), len(packs)
 
 

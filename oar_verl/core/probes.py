@@ -73,6 +73,14 @@ class ProbeOutput:
     def index(self, rows: torch.Tensor) -> ProbeOutput:
         return ProbeOutput(self.logp[rows], self.phi[rows])
 
+    def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely outcomes of every row: (log-probabilities (b, k), token ids (b, k)), most likely first."""
+        return self.logp.topk(k, dim=-1)
+
+    def log_prob(self, ids: torch.Tensor) -> torch.Tensor:
+        """(b,) log-probability of outcome ``ids`` (b,) under every row's probe distribution."""
+        return self.logp.gather(-1, ids[:, None]).squeeze(-1)
+
 
 def build_probe_spec(input_ids: torch.Tensor, answer_mask: torch.Tensor, lt_position: torch.Tensor,
                      probe_kind: torch.Tensor) -> ProbeSpec:

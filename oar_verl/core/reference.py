@@ -13,14 +13,15 @@ answer tokens (the probe's teacher-forced answer), and a :class:`~oar_verl.core.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from oar_verl.core.probes import ProbeKind
 
-__all__ = ["Outcome", "outcome", "shift", "oar_p", "oar_p_segments", "oar_p_hierarchical", "oar_g", "token_weights",
-           "batch_oar_p", "batch_oar_g"]
+__all__ = ["Outcome", "outcome", "shift", "oar_p", "oar_p_segments", "oar_p_hierarchical", "oar_g", "fisher",
+           "token_weights", "batch_oar_p", "batch_oar_g", "batch_fisher"]
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,39 @@ def oar_g(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answe
     return importance
 
 
+def fisher(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int], kind: ProbeKind,
+           mask_token_id: int, outcomes: int) -> torch.Tensor:
+    """Second-order masking scores of one sequence (docs/method.md §11).
+
+    δ_t = e_mask − e_t. Distribution probes: the ``outcomes`` most likely answers v of the clean distribution p, and
+    I_t = ½ Σ_v p_v ⟨∂ log p_v / ∂e_t, δ_t⟩², one gradient of log p_v (all tokens at once) per kept v. AS-Joint:
+    I_t = −⟨∂φ/∂e_t, δ_t⟩.
+
+    Returns:
+        (L,) float64 scores, 0 off the reasoning positions.
+    """
+    importance = torch.zeros(len(ids), dtype=torch.float64)
+    if not reasoning:
+        return importance
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        embeddings = embed(ids[None])
+        delta = embed(torch.tensor([[mask_token_id]]))[0, 0].double() - embeddings[0].double()  # (L, H)
+    leaf = embeddings.clone().requires_grad_(True)
+    read = outcome(model(inputs_embeds=leaf).logits[0], ids, kind, reasoning, answer)
+    if read.phi is not None:
+        (grad,) = torch.autograd.grad(read.phi, leaf)
+        for t in reasoning:
+            importance[t] = -(grad[0, t].double() * delta[t]).sum()
+        return importance
+    top = read.logp.detach().topk(outcomes)
+    for logp_v, v in zip(top.values.tolist(), top.indices.tolist()):
+        (grad,) = torch.autograd.grad(read.logp[v], leaf, retain_graph=True)
+        for t in reasoning:
+            importance[t] += 0.5 * math.exp(logp_v) * float((grad[0, t].double() * delta[t]).sum()) ** 2
+    return importance
+
+
 def token_weights(importance: torch.Tensor, tau: float, beta: float, floor: float = 0.1) -> torch.Tensor:
     """OAR weights of one sequence's R reasoning tokens from their raw importance (docs/method.md §5).
 
@@ -231,5 +265,18 @@ def batch_oar_g(model, prompts, prompt_mask, responses, response_mask, reasoning
         ids, reasoning, answer, p = _row(prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,
                                          b)
         scores = oar_g(model, ids, reasoning, answer, kind, noise_std, int(seeds[b]), parameter_gradients)
+        out[b, : len(ids) - p] = scores[p:]
+    return out
+
+
+def batch_fisher(model, prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask, kind: ProbeKind,
+                 mask_token_id: int, outcomes: int) -> torch.Tensor:
+    """(B, T) float64 response-aligned second-order masking scores of a verl-layout batch, row by row with
+    :func:`fisher`."""
+    out = torch.zeros(responses.shape, dtype=torch.float64)
+    for b in range(responses.shape[0]):
+        ids, reasoning, answer, p = _row(prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,
+                                         b)
+        scores = fisher(model, ids, reasoning, answer, kind, mask_token_id, outcomes)
         out[b, : len(ids) - p] = scores[p:]
     return out

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.engine import OnProbe, Pass
-from oar_verl.core.gradient import input_saliency, mask_noise
+from oar_verl.core.gradient import embedding_projection, mask_noise
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.integration.collectives import max_over_ranks
 from oar_verl.integration.megatron.engine import (CleanTable, EngineRows, ProbeHook, engine_batch, engine_rows,
@@ -100,8 +100,8 @@ class MegatronBackend:
                        group=mpu.get_pipeline_model_parallel_group())
         return buf.to(x.device)
 
-    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe,
-            noise_std: float = 0.0) -> list[torch.Tensor | None]:
+    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe, noise_std: float = 0.0,
+            project: str = "input") -> list[torch.Tensor | None]:
         rows = self.rows(batch)
         mbs = max_over_ranks(max((p.rows.shape[0] for p in passes), default=0))
         if not passes or mbs == 0:
@@ -125,7 +125,7 @@ class MegatronBackend:
         def on_micro_batch(slots: torch.Tensor, probe: VPProbe, joint: torch.Tensor) -> torch.Tensor | None:
             k = int(slots[0]) // mbs
             n = passes[k].rows.shape[0]
-            loss = on_probe(k, VPProbe(probe.zbar[:n], probe.lse[:n], probe.phi[:n]))
+            loss = on_probe(k, probe.head(n))
             return None if loss is None else torch.cat([loss, loss.new_zeros(mbs - n)])  # dropped rows add nothing
 
         hook = ProbeHook(self.engine, rows, lambda slots: src_t[slots], on_micro_batch, need_loss=noisy)
@@ -133,14 +133,16 @@ class MegatronBackend:
         if not noisy:
             run_engine(self.engine, td, hook, forward_only=True)
             return [None] * len(passes)
-        return self._student_call(batch, passes, rows, ids, mbs, noise_std, td, hook)
+        return self._student_call(batch, passes, rows, ids, mbs, noise_std, project, td, hook)
 
     def _student_call(self, batch: AttributionBatch, passes: Sequence[Pass], rows: EngineRows,
-                      ids: list[torch.Tensor], mbs: int, noise_std: float, td, hook: ProbeHook) -> list[torch.Tensor]:
-        """OAR-G's student passes in one forward-backward: the (n, L) saliency of every pass, on every stage."""
+                      ids: list[torch.Tensor], mbs: int, noise_std: float, project: str, td,
+                      hook: ProbeHook) -> list[torch.Tensor]:
+        """Backward passes in one forward-backward: the (n, L) signed projection of every pass, on every stage."""
         from megatron.core import parallel_state as mpu
 
         emb = embedding_module(self.engine)
+        base = _mask_embedding(emb, int(self.mask_token_id)) if emb is not None and project == "mask" else None
         sp = bool(getattr(self.engine.tf_config, "sequence_parallel", False))
         tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
         scores: dict[int, tuple[torch.Tensor, bool]] = {}
@@ -173,7 +175,8 @@ class MegatronBackend:
             leaf = (clean + noise).requires_grad_(True)
 
             def grad_x_input(grad, clean=clean, k=k):
-                scores[k] = (input_saliency(grad.transpose(0, 1), clean.transpose(0, 1)), chunked)  # (b, s_local)
+                scores[k] = (embedding_projection(grad.transpose(0, 1), clean.transpose(0, 1), base),
+                             chunked)  # (b, s_local)
 
             leaf.register_hook(grad_x_input)
             return leaf
@@ -217,3 +220,17 @@ class MegatronBackend:
                            group=mpu.get_pipeline_model_parallel_group())
             sal = buf.cpu()
         return list(sal.split([p.rows.shape[0] for p in passes]))
+
+
+def _mask_embedding(emb, mask_token_id: int) -> torch.Tensor:
+    """(H,) the mask token's word embedding, read from the vocab-parallel table (its row lives on one tensor-parallel
+    rank; a sum over the group brings it to all). The attributed models add no absolute position embedding."""
+    from megatron.core import parallel_state as mpu
+
+    words = emb.word_embeddings
+    lo, hi = words.vocab_start_index, words.vocab_end_index
+    row = words.weight[mask_token_id - lo].detach().clone() if lo <= mask_token_id < hi else \
+        torch.zeros(words.weight.shape[-1], dtype=words.weight.dtype, device=words.weight.device)
+    if mpu.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(row, group=mpu.get_tensor_model_parallel_group())
+    return row

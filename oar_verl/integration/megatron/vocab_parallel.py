@@ -25,12 +25,45 @@ class VPProbe:
         zbar: (b, V_local) fp32, this rank's vocabulary shard of the weighted mean raw logits Σ_k w_k z_k.
         lse: (b,) logsumexp of zbar over the FULL vocabulary (identical on every tensor-parallel rank).
         phi: (b,) AS-Joint score (0 on other rows), identical on every tensor-parallel rank.
+        vocab_lo: global id of this rank's first vocabulary column.
     The probe distribution is log P = zbar − lse.
     """
 
     zbar: torch.Tensor
     lse: torch.Tensor
     phi: torch.Tensor
+    vocab_lo: int = 0
+
+    def head(self, n: int) -> VPProbe:
+        """The first ``n`` rows."""
+        return VPProbe(self.zbar[:n], self.lse[:n], self.phi[:n], self.vocab_lo)
+
+    def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely outcomes of every row over the full vocabulary: (log-probabilities (b, k), global token
+        ids (b, k)), the same on every tensor-parallel rank (each rank's top k, gathered; then the top k of those)."""
+        from megatron.core import parallel_state as mpu
+
+        local, idx = (self.zbar - self.lse[:, None]).topk(min(k, self.zbar.shape[-1]), dim=-1)
+        ids = idx + self.vocab_lo
+        tp = mpu.get_tensor_model_parallel_world_size()
+        if tp > 1:
+            group = mpu.get_tensor_model_parallel_group()
+            vals = [torch.empty_like(local) for _ in range(tp)]
+            gids = [torch.empty_like(ids) for _ in range(tp)]
+            dist.all_gather(vals, local.detach().contiguous(), group=group)
+            dist.all_gather(gids, ids.contiguous(), group=group)
+            local, pick = torch.cat(vals, -1).topk(k, dim=-1)
+            ids = torch.cat(gids, -1).gather(-1, pick)
+        return local, ids
+
+    def log_prob(self, ids: torch.Tensor) -> torch.Tensor:
+        """(b,) log-probability of global token ``ids`` (b,): the owner rank's logit, summed over the group (the
+        gradient flows through the owner's shard only), minus the replicated log-normaliser."""
+        v_local = self.zbar.shape[-1]
+        local = ids - self.vocab_lo
+        inside = (local >= 0) & (local < v_local)
+        picked = self.zbar.gather(-1, local.clamp(0, max(v_local - 1, 0))[:, None]).squeeze(-1)
+        return _tp_reduce(torch.where(inside, picked, torch.zeros_like(picked))) - self.lse
 
 
 @dataclass
@@ -108,7 +141,7 @@ def probe_from_vp_logits(logits: torch.Tensor, weight: torch.Tensor, target: tor
         tok_logp = _tp_reduce(torch.where(inside, picked, torch.zeros_like(picked))) - _vp_logsumexp(z)
         phi = torch.zeros(b, dtype=z.dtype, device=z.device).index_add(0, r, w * tok_logp)
         phi = torch.where(joint, phi, torch.zeros_like(phi))
-    return VPProbe(zbar, lse, phi)
+    return VPProbe(zbar, lse, phi, _vocab_lo(v_local))
 
 
 def detach_clean(probe: VPProbe) -> CleanProbe:

@@ -1,0 +1,61 @@
+"""Second-order attribution patching of the masking shift (oar_verl.core.fisher) against its float64 per-sequence
+reference, and the reference against the quantity it approximates: the masking KL's second-order term."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oar_verl.core import reference
+from oar_verl.core.backend_hf import ModuleBackend
+from oar_verl.core.budget import PassLimits
+from oar_verl.core.fisher import fisher
+from oar_verl.core.layout import build_attribution_batch
+from oar_verl.core.probes import ProbeKind
+
+MASK = 0
+
+
+@pytest.mark.parametrize("kind", [ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT])
+@pytest.mark.parametrize("tokens", [10**6, 24])  # one pass for everything; one draw row per pass
+def test_fisher_matches_the_per_sequence_reference(lm64, make_batch, kind, tokens):
+    rows = make_batch(B=4, P=4, T=9, seed=3)
+    batch = build_attribution_batch(*rows, torch.full((4,), int(kind)))
+    got, rounds = fisher(ModuleBackend(lm64, PassLimits(tokens), mask_token_id=MASK), batch, outcomes=3)
+    ref = reference.batch_fisher(lm64, *rows, kind, MASK, 3)
+    torch.testing.assert_close(got[:, batch.response_start:].double(), ref, rtol=1e-6, atol=1e-12)
+    assert bool((ref != 0).sum() > 10)
+    assert bool((got[~batch.reasoning_mask] == 0).all())
+    assert (rounds == 1) == (tokens > 10**5)  # the small budget spreads the 12 draw rows over several passes
+
+
+def test_the_quadratic_form_is_the_masking_kl_at_second_order(lm64, make_batch):
+    """With every outcome kept (K = V) the score is ½ δᵀJᵀFJδ exactly: KL(P_clean ‖ P(e_t + εδ_t)) / ε² tends to it."""
+    rows = make_batch(B=1, P=3, T=8, seed=7)
+    ids, reasoning, answer, _ = reference._row(*rows, 0)
+    kind = ProbeKind.AS_MEAN
+    V = lm64.config.vocab_size
+    scores = reference.fisher(lm64, ids, reasoning, answer, kind, MASK, V)
+    embed = lm64.get_input_embeddings()
+    with torch.no_grad():
+        e = embed(ids[None])
+        clean = reference.outcome(lm64(inputs_embeds=e).logits[0], ids, kind, reasoning, answer)
+        for t in reasoning[:3]:
+            delta = embed(torch.tensor([[MASK]]))[0, 0] - e[0, t]
+            eps = 1e-3
+            moved = e.clone()
+            moved[0, t] += eps * delta
+            kl = reference.shift(clean, reference.outcome(lm64(inputs_embeds=moved).logits[0], ids, kind, reasoning,
+                                                          answer))
+            assert float(kl) / eps**2 == pytest.approx(float(scores[t]), rel=1e-2)
+
+
+def test_fisher_is_budget_and_batch_composition_invariant(lm64, make_batch):
+    rows = make_batch(B=5, P=4, T=8, seed=11)
+    batch = build_attribution_batch(*rows, torch.full((5,), int(ProbeKind.AS_MEAN)))
+    whole, _ = fisher(ModuleBackend(lm64, PassLimits(10**6)), batch, outcomes=4)
+    sub = build_attribution_batch(*(r[[1, 3]] for r in rows), torch.full((2,), int(ProbeKind.AS_MEAN)))
+    part, _ = fisher(ModuleBackend(lm64, PassLimits(20, rows=1)), sub, outcomes=4)
+    scale = float(whole.abs().max())
+    torch.testing.assert_close(part[:, sub.response_start:], whole[[1, 3], batch.response_start:], rtol=1e-6,
+                               atol=1e-9 * scale)
