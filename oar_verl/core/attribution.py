@@ -18,6 +18,7 @@ from oar_verl.core.backend_ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.budget import Fits, PassLimits
 from oar_verl.core.config import OARConfig
 from oar_verl.core.engine import AttributionBackend
+from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import oar_g
 from oar_verl.core.layout import AttributionBatch, build_attribution_batch, with_segments
 from oar_verl.core.perturbation import mask_blocks, oar_p, oar_p_passes
@@ -84,16 +85,18 @@ def collective_rounds(batch: AttributionBatch, cfg: OARConfig, limits: PassLimit
     backend = attribution_backend(None, cfg, limits, shards=shards)
     if cfg.mode == "perturbation":
         return len(oar_p_passes(backend, batch, mask_blocks(batch.reasoning_mask, cfg.mask_span)))
+    draws = cfg.noise_samples if cfg.mode == "gradient" else cfg.fisher_outcomes
     rows = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
-    return len(backend.plan(batch, rows.repeat_interleave(cfg.noise_samples), PassKind.INPUT_GRADIENT))
+    return len(backend.plan(batch, rows.repeat_interleave(draws), PassKind.INPUT_GRADIENT))
 
 
 def check_inputs(cfg: OARConfig, mask_token_id: int | None, seeds: torch.Tensor | None) -> None:
     """The per-method inputs are there: OAR-P's mask token, OAR-G's noise seeds."""
     if cfg.mode == "gradient" and seeds is None:
         raise ValueError("OAR-G needs per-sequence noise seeds (see oar_verl.core.gradient.sequence_seeds)")
-    if cfg.mode == "perturbation" and mask_token_id is None:
-        raise ValueError(f"OAR-P needs a mask token: set {cfg.prefix}.mask_token_id or give the tokenizer a pad token")
+    if cfg.mode in ("perturbation", "fisher") and mask_token_id is None:
+        what = "OAR-P" if cfg.mode == "perturbation" else f"{cfg.prefix}.mode=fisher"
+        raise ValueError(f"{what} needs a mask token: set {cfg.prefix}.mask_token_id or give the tokenizer a pad token")
 
 
 def run_attribution(model: torch.nn.Module | AttributionBackend, batch: AttributionBatch, cfg: OARConfig, *,
@@ -143,6 +146,8 @@ def run_attribution(model: torch.nn.Module | AttributionBackend, batch: Attribut
     if cfg.mode == "gradient":
         importance, own = oar_g(backend, batch, seeds, cfg.noise_std, cfg.noise_samples)
         return AttributionResult(importance, own)
+    if cfg.mode == "fisher":
+        return AttributionResult(*fisher(backend, batch, cfg.fisher_outcomes))
     own = 0
 
     def run_blocks(blocks: torch.Tensor) -> torch.Tensor:  # one level of the policy, aligned over the ranks

@@ -16,7 +16,7 @@ from oar_verl.core.answer_patterns import BUILTIN_PATTERNS, compile_answer_patte
 from oar_verl.core.policies import POLICIES as PERTURBATION_POLICIES
 from oar_verl.core.segments import SEGMENT_SPLITS, compile_segment_split
 
-MODES = ("gradient", "perturbation")
+MODES = ("gradient", "perturbation", "fisher")
 PROBES = ("auto", "lt_logits", "as_mean", "as_joint")
 TARGETS = ("response", "reference")
 APPLY_TO = ("all", "negative", "positive")
@@ -40,7 +40,8 @@ class OARConfig:
     """OAR settings (``algorithm.oar.*`` in the trainer config).
 
     Attributes:
-        mode: ``gradient`` (OAR-G, gradient x input) or ``perturbation`` (OAR-P, one-token masking).
+        mode: ``gradient`` (OAR-G, gradient x input), ``perturbation`` (OAR-P, one-token masking) or ``fisher``
+            (OAR-P's masking KL to second order from clean-point gradients, docs/method.md §11).
         preset: ``paper`` (τ=0.4, β=2.0) or ``official_code`` (τ=0.25, β=1.0); explicit tau/beta win.
         tau: gating quantile level in [0, 1): about this fraction of each sequence's tokens is suppressed.
         beta: boost strength, >= 0: boosted raw weights lie in [1, 1 + beta].
@@ -57,7 +58,9 @@ class OARConfig:
         noise_samples: OAR-G noise draws per sequence, >= 1: the score is the mean of the single-draw scores (draw 0
             uses the sequence's own seed, so 1 is the single-draw method); costs K student passes per sequence, run
             in the same rounds where the token budget allows (each draw counts as a sequence for the budget and for
-            ``micro_batch_size``). Ignored by OAR-P, like ``noise_std`` and ``seed``; the Megatron engine refuses > 1.
+            ``micro_batch_size``). Ignored by OAR-P, like ``noise_std`` and ``seed``.
+        fisher_outcomes: ``fisher``: the most likely outcomes of each row's probe kept in the Fisher sum, >= 1; one
+            gradient pass per outcome and sequence.
         mask_token_id: OAR-P replacement token; None = the tokenizer's pad token.
         max_token_len_per_gpu: token budget of one attribution pass (rows × columns it holds), >= 1; None = the actor's
             own (``log_prob_max_token_len_per_gpu`` / ``ppo_max_token_len_per_gpu`` with dynamic batch sizes, else the
@@ -102,6 +105,7 @@ class OARConfig:
     noise_std: float = 1e-3
     seed: int = 0
     noise_samples: int = 1
+    fisher_outcomes: int = 4
     mask_token_id: int | None = None
     max_token_len_per_gpu: int | None = None
     chunk_size: int | None = None
@@ -143,6 +147,7 @@ class OARConfig:
         _number(p, "noise_std", self.noise_std, lo=0.0, lo_open=True)
         _integer(p, "seed", self.seed, lo=0)
         _integer(p, "noise_samples", self.noise_samples, lo=1)
+        _integer(p, "fisher_outcomes", self.fisher_outcomes, lo=1)
         if self.mask_token_id is not None:
             _integer(p, "mask_token_id", self.mask_token_id, lo=0)
         for key in ("max_token_len_per_gpu", "chunk_size"):

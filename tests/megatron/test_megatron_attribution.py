@@ -9,8 +9,8 @@ produced silently wrong, non-causal numbers once: "it runs" proves nothing).
 Layouts: TP=PP=1 (one rank), TP=2, TP=2 with sequence parallelism, PP=2 (with a packed-sequence training layout, which
 attribution swaps for the padded one, and full activation recomputation), DP=2 with unequal work per rank (and the
 distributed optimizer), in fp32; and TP=PP=1 in bf16, the production dtype, against the bf16 error floor. Cases: OAR-P
-and OAR-G with every probe, OAR-G with K = 3 noise draws, and OAR-P's segment, hierarchical and auto policies -- the
-core's methods run unchanged on the engine's backend.
+and OAR-G with every probe, OAR-G with K = 3 noise draws, OAR-P's segment, hierarchical and auto policies, and the
+second-order (fisher) mode -- the core's methods run unchanged on the engine's backend.
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ CASES = [  # chunk / micro-batch sizes that do not divide the row and copy count
                                "refine_share": 0.3, "chunk_size": 5}},
     {"name": "p_auto", "oar": {"mode": "perturbation", "probe": "as_joint", "perturbation": "auto",
                                "exact_max_tokens": 10, "refine_share": 0.5}},
+    # OAR-P's masking KL to second order: vocab-parallel top outcomes, gradients projected on e_mask - e_t
+    {"name": "f_mean", "oar": {"mode": "fisher", "probe": "as_mean", "fisher_outcomes": 3, "micro_batch_size": 5}},
+    {"name": "f_joint", "oar": {"mode": "fisher", "probe": "as_joint", "fisher_outcomes": 2}},
 ]
 B = 4
 # rows of each data-parallel rank; DP=2 gets one long-reasoning pair and one short one (unequal copy counts)
@@ -244,7 +247,10 @@ def test_bf16_engine(assets):
         err_hf = float((hf16 - ref)[m].norm() / ref[m].norm())
         r = float(torch.corrcoef(torch.stack([got[m], ref[m]]))[0, 1])
         print(f"   {case['name']:14s} {err:.3f} | {err_hf:.3f}; r = {r:.4f}")
-        assert err <= max(1.5 * err_hf, 0.05), f"bf16/{case['name']}: {err:.3f} vs HF bf16 {err_hf:.3f}"
+        # the fisher mode's AS-Joint score is one signed bf16 gradient projection on e_mask - e_t (a difference of two
+        # bf16 embeddings), with no averaging over draws or outcomes: its error spreads wider between kernels
+        factor = 2.0 if case["name"] == "f_joint" else 1.5
+        assert err <= max(factor * err_hf, 0.05), f"bf16/{case['name']}: {err:.3f} vs HF bf16 {err_hf:.3f}"
         assert r > 0.9, f"bf16/{case['name']}: correlation {r:.3f}"
 
 
