@@ -137,7 +137,7 @@ def frozen_parameters(params: torch.nn.Module | Iterable[torch.nn.Parameter]) ->
 
 
 def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Tensor, noise_std: float,
-          samples: int = 1) -> tuple[torch.Tensor, int]:
+          samples: int = 1, project: str = "input") -> tuple[torch.Tensor, int]:
     """OAR-G importance of every reasoning token, on any backend: the mean over ``samples`` noise draws of the
     single-draw score.
 
@@ -148,6 +148,8 @@ def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Ten
             ``draw_seeds(seeds, samples)[b, k]`` (draw 0: ``seeds[b]`` itself).
         noise_std: σ of the Gaussian embedding noise (absolute).
         samples: K >= 1 noise draws per row (``algorithm.oar.noise_samples``); K = 1 is the single-draw method.
+        project: ``input`` (gradient × input, OAR-G) or ``mask`` (gradient × (e_mask − e_t): the first-order change of
+            J when the token is swapped for the mask token).
 
     Returns:
         ((B, L) float32 mean over the K draws of |⟨∂J/∂e_t, e_t⟩| at reasoning positions, 0 elsewhere; the rounds this
@@ -172,7 +174,7 @@ def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Ten
         rows = students[i].rows
         return backend.shift(table.get(rows), probe, batch.probe.joint[rows])
 
-    saliency = backend.run(batch, students, loss, noise_std)
+    saliency = backend.run(batch, students, loss, noise_std, project)
     per_draw = torch.zeros(B * samples, L, dtype=torch.float32, device=device)
     for pack, sal in zip(packs, saliency):  # per round
         per_draw[pack] = sal.to(device).abs()
