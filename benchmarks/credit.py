@@ -18,7 +18,7 @@ the OAR trainer step for everything between the rollouts and the loss:
 importance. ``--verl-check`` runs verl's real trainer (``python -m oar_verl.main``) for one step per OAR mode with
 token dumps and shows that this loop gives the same importance, weights and advantages for those rollouts.
 
-usage: python -m benchmarks.credit [--quick] [--seeds N] [--steps N] [--methods grpo,oar_g,oar_p,entropy]
+usage: python -m benchmarks.credit [--quick] [--seeds N] [--steps N] [--methods grpo,oar_g,oar_p,fisher,entropy]
                                    [--verl-check] [--out DIR] [--docs] [--report-only]
 """
 
@@ -40,10 +40,11 @@ import torch
 from benchmarks import REPO, credit_reward, credit_task, task
 from benchmarks.learning import _nanmean, permutation_p
 
-METHODS = ("grpo", "oar_g", "oar_p", "entropy")
-LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P", "entropy": "entropy weights"}
-COLORS = {"grpo": "tab:gray", "oar_g": "tab:orange", "oar_p": "tab:blue", "entropy": "tab:green"}
-MODES = {"oar_g": "gradient", "oar_p": "perturbation"}
+METHODS = ("grpo", "oar_g", "oar_p", "fisher", "entropy")
+LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P", "fisher": "OAR fisher", "entropy": "entropy weights"}
+COLORS = {"grpo": "tab:gray", "oar_g": "tab:orange", "oar_p": "tab:blue", "fisher": "tab:purple",
+          "entropy": "tab:green"}
+MODES = {"oar_g": "gradient", "oar_p": "perturbation", "fisher": "fisher"}
 ROLES = ("decisive", "decoy", "filler", "answer")
 
 
@@ -555,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
                     "split a study over processes; --report-only merges every runs_*.json in --out)")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--lr", type=float)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default="grpo,oar_g,oar_p,entropy")
     ap.add_argument("--verl-check", action="store_true", help="also run verl's trainer one step per OAR mode (OAR-G "
                     "only with --quick)")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "credit")
