@@ -38,6 +38,8 @@ import torch
 from benchmarks import REPO
 from benchmarks.attribution import measure
 from oar_verl.core.budget import PassLimits
+from oar_verl.core.backend_hf import ModuleBackend
+from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import oar_g_importance, sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.memory import ModelShape, PassKind, pass_bytes
@@ -135,6 +137,10 @@ def point(args) -> dict:
         seconds, peak = measure(lambda: oar_g_importance(model, batch, 1e-3, seeds, limits, checkpointing=True,
                                                          samples=args.noise_samples), device)
         info["noise_samples"] = args.noise_samples
+    elif args.method == "fisher":  # OAR-P's masking KL to second order: one gradient pass per kept outcome
+        backend = ModuleBackend(model, limits, mask_token_id=0, checkpointing=True)
+        seconds, peak = measure(lambda: fisher(backend, batch, args.fisher_outcomes), device)
+        info["fisher_outcomes"] = args.fisher_outcomes
     else:
         per_pass = max(1, tokens // (PROMPT + args.point_length))
         n_copies = int(batch.reasoning_mask[0].sum())
@@ -264,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="outputs/benchmarks")
     ap.add_argument("--point", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--point-length", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--fisher-outcomes", type=int, default=1, help="outcomes kept by the fisher point (--point fisher)")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.shape = args.shape or ("cpu-quick" if args.quick else "cpu-scaled" if args.device == "cpu" else
