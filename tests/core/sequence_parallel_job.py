@@ -21,6 +21,7 @@ from oar_verl.core.probes import ProbeKind
 from oar_verl.core.attribution import collective_rounds
 from oar_verl.core.backend_ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.config import OARConfig
+from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import oar_g
 from oar_verl.core.perturbation import mask_blocks, oar_p
 from oar_verl.cpu import ulysses_attention
@@ -76,6 +77,8 @@ def main(out_dir: str) -> None:
             results[(int(kind), tokens, "g3")] = oar_g(UlyssesBackend(lm, limits, shards), b, seeds, 1e-3, 3)[0]
             results[(int(kind), tokens, "rounds_g3")] = collective_rounds(
                 b, OARConfig(mode="gradient", noise_samples=3), limits, shards)
+            # the fisher mode: clean-point gradients of the top 2 outcomes, projected on e_mask - e_t
+            results[(int(kind), tokens, "f")] = fisher(backend, b, outcomes=2)[0]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

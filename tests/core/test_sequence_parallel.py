@@ -1,4 +1,4 @@
-"""Sequence-sharded attribution (oar_verl.core.sequence_parallel) on 2 gloo ranks equals the unsharded method.
+"""Sequence-sharded attribution (oar_verl.core.backend_ulysses) on 2 gloo ranks equals the unsharded method.
 
 verl's Ulysses path wraps the CUDA flash-attention kernel, which cannot run on CPU; the ranks here use
 ``oar_verl.cpu.ulysses_attention`` (the same all-to-alls, through verl's own Ulysses utilities, around sdpa), so this
@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from oar_verl.core.backend_hf import ModuleBackend
 from oar_verl.core.budget import PassLimits
+from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import oar_g_importance, sequence_seeds
 from oar_verl.core.perturbation import oar_p_importance
 
@@ -51,6 +53,8 @@ def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
         if method in ("g", "g3"):
             ref = oar_g_importance(lm, b, 1e-3, sequence_seeds(3, 7, torch.arange(4)), PassLimits(10**6),
                                    samples=3 if method == "g3" else 1)
+        elif method == "f":
+            ref = fisher(ModuleBackend(lm, PassLimits(10**6), mask_token_id=0), b, outcomes=2)[0]
         else:
             ref = oar_p_importance(lm, b, 0, PassLimits(10**6), prefix_cache=False)
         assert ref.abs().sum() > 0
