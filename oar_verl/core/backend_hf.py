@@ -72,9 +72,10 @@ class ModuleBackend(DenseProbes):
     def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe, noise_std: float = 0.0,
             project: str = "input") -> list[torch.Tensor | None]:
         noisy = any(p.seeds is not None for p in passes)
+        base = embedding_row(self.model, self.mask_token_id) if noisy and project == "mask" else None
         with (_student_settings(self.model, self.checkpointing) if noisy else contextlib.nullcontext()):
             try:
-                return [self._noisy(batch, p, i, on_probe, noise_std, project) if p.seeds is not None
+                return [self._noisy(batch, p, i, on_probe, noise_std, base) if p.seeds is not None
                         else self._forward(batch, p, i, on_probe) for i, p in enumerate(passes)]
             finally:
                 self._cache = None
@@ -116,7 +117,7 @@ class ModuleBackend(DenseProbes):
                           logits_to_keep=keep - t0, use_cache=True).logits
 
     def _noisy(self, batch: AttributionBatch, p: Pass, i: int, on_probe: OnProbe, noise_std: float,
-               project: str) -> torch.Tensor:
+               base: torch.Tensor | None) -> torch.Tensor:
         """One backward pass: (n, L) float32 signed ⟨∂J/∂e_t, v_t⟩ at the rows' reasoning tokens, 0 elsewhere."""
         lo, hi, inputs = self._inputs(batch, p)
         spec = batch.probe.index(p.rows).columns(lo, hi)
@@ -129,18 +130,33 @@ class ModuleBackend(DenseProbes):
                                                  spec.joint))
 
         saliency = noisy_embedding_saliency(self.model, mask, lambda h: mask_noise(mask, h, noise_std, p.seeds), loss,
-                                            self.mask_token_id if project == "mask" else None)
+                                            base)
         sal = torch.zeros(p.rows.shape[0], batch.input_ids.shape[1], dtype=torch.float32, device=mask.device)
         sal[:, lo:hi] = torch.where(mask, saliency, 0.0)
         return sal
 
 
+def embedding_row(model: torch.nn.Module, token_id: int) -> torch.Tensor:
+    """(H,) the input embedding of ``token_id`` as the model's embedding module outputs it (with a scaled embedding's
+    ``embed_scale``). An FSDP2-sharded table (a DTensor) is gathered once for the call (V × H transiently, before any
+    pass), since verl shards untied embeddings on their own and they are resharded right after their forward."""
+    if token_id is None:
+        raise ValueError("a projection on e_mask - e_t needs the backend's mask_token_id")
+    emb = model.get_input_embeddings()
+    weight = emb.weight
+    with torch.no_grad():
+        table = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+        row = table[token_id].detach().clone()
+    return row * getattr(emb, "embed_scale", 1.0)
+
+
 def noisy_embedding_saliency(model: torch.nn.Module, mask: torch.Tensor, noise: Callable[[int], torch.Tensor],
-                             loss: Callable[[], torch.Tensor], mask_token_id: int | None = None) -> torch.Tensor:
+                             loss: Callable[[], torch.Tensor], mask_embedding: torch.Tensor | None = None
+                             ) -> torch.Tensor:
     """(b, s) float32 signed ⟨∂J/∂e_t, v_t⟩ (:func:`~oar_verl.core.gradient.embedding_projection`; v_t = e_t, or
-    e_mask − e_t with ``mask_token_id``) of a forward whose input-embedding output (b, s, H) gets ``noise(H)`` (m, H)
-    at the m positions of ``mask`` (b, s) bool, J = ``loss()`` (per row, summed: rows are independent in a forward,
-    so each gets its own gradient). The embedding output is returned as a detached leaf, the only tensor that
+    e_mask − e_t with ``mask_embedding`` (H,)) of a forward whose input-embedding output (b, s, H) gets ``noise(H)``
+    (m, H) at the m positions of ``mask`` (b, s) bool, J = ``loss()`` (per row, summed: rows are independent in a
+    forward, so each gets its own gradient). The embedding output is returned as a detached leaf, the only tensor that
     requires grad; a plain backward works with every checkpointing mode."""
     captured: dict[str, torch.Tensor] = {}
 
@@ -150,9 +166,6 @@ def noisy_embedding_saliency(model: torch.nn.Module, mask: torch.Tensor, noise: 
         leaf[mask] += noise(clean.shape[-1]).to(clean.dtype)
         leaf.requires_grad_(True)
         captured["clean"], captured["leaf"] = clean, leaf
-        if mask_token_id is not None:  # the module's own forward (scaled embeddings too), no hooks
-            ids = torch.full((1, 1), mask_token_id, dtype=torch.long, device=clean.device)
-            captured["mask"] = module.forward(ids)[0, 0].detach()
         return leaf
 
     handle = model.get_input_embeddings().register_forward_hook(add_noise)
@@ -161,7 +174,7 @@ def noisy_embedding_saliency(model: torch.nn.Module, mask: torch.Tensor, noise: 
             loss().sum().backward()
     finally:
         handle.remove()
-    return embedding_projection(captured["leaf"].grad, captured["clean"], captured.get("mask"))
+    return embedding_projection(captured["leaf"].grad, captured["clean"], mask_embedding)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from oar_verl.core.backend_hf import layer_checkpointing, noisy_embedding_saliency
+from oar_verl.core.backend_hf import embedding_row, layer_checkpointing, noisy_embedding_saliency
 from oar_verl.core.budget import AttributionMemoryError, PassLimits, pack_lengths
 from oar_verl.core.engine import DenseProbes, OnProbe, Pass
 from oar_verl.core.gradient import frozen_parameters, reasoning_noise_at
@@ -180,6 +180,8 @@ class UlyssesBackend(DenseProbes):
     def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe, noise_std: float = 0.0,
             project: str = "input") -> list[torch.Tensor | None]:
         out = []
+        base = embedding_row(self.model, self.mask_token_id) if project == "mask" and any(
+            p.seeds is not None for p in passes) else None
         for i, p in enumerate(passes):
             packed = _pack(batch, p.rows, self.shards, self.pad_id, p.replaced(), self.mask_token_id or 0)
             if p.seeds is None:
@@ -188,7 +190,7 @@ class UlyssesBackend(DenseProbes):
                 out.append(None)
                 continue
             with frozen_parameters(self.model), layer_checkpointing(self.model, self.checkpointing):
-                sal = self._saliency(batch, p, packed, i, on_probe, noise_std, project)
+                sal = self._saliency(batch, p, packed, i, on_probe, noise_std, base)
             full = torch.zeros(p.rows.shape[0], batch.input_ids.shape[1], dtype=torch.float32, device=sal.device)
             real = packed.slot >= 0
             full[packed.slot[real], packed.col[real]] = sal[real]
@@ -196,7 +198,7 @@ class UlyssesBackend(DenseProbes):
         return out
 
     def _saliency(self, batch: AttributionBatch, p: Pass, packed: _Packed, i: int, on_probe: OnProbe,
-                  noise_std: float, project: str) -> torch.Tensor:
+                  noise_std: float, base: torch.Tensor | None) -> torch.Tensor:
         """(n_total,) saliency of every packed position (0 off reasoning), the same on every rank of the group."""
         row, col = packed.row[packed.lo:packed.hi], packed.col[packed.lo:packed.hi]
         real = row >= 0
@@ -205,7 +207,7 @@ class UlyssesBackend(DenseProbes):
         local = noisy_embedding_saliency(
             self.model, reasoning[None], lambda h: _local_noise(batch, p, packed, reasoning, h, noise_std),
             lambda: on_probe(i, _probe(self.model, batch, packed, len(p.rows), self.shards)),
-            self.mask_token_id if project == "mask" else None)
+            base)
         local = torch.where(reasoning, local[0], 0.0)
         if self.shards.size == 1:
             return local

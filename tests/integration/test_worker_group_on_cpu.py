@@ -62,7 +62,7 @@ def padded(rows):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,target", [("gradient", "response"), ("gradient_k3", "response"),
                                          ("perturbation", "response"), ("perturbation", "reference"),
-                                         ("hierarchical", "response")])
+                                         ("hierarchical", "response"), ("fisher", "response")])
 def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
     two = run_job(tiny_assets.model_dir, tmp_path, 2, mode, target)
     ref, spans, rounds, result = core_reference(tiny_assets.model_dir, two)
@@ -80,7 +80,7 @@ def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
     # attribution leaves the policy as it was: the engine's log-probs are bit-identical before and after
     for a, b in zip(two["log_probs_before"], two["log_probs_after"]):
         assert torch.equal(a, b)
-    if mode.startswith("gradient"):
+    if mode.startswith("gradient") or mode == "fisher":  # gradient passes: no masked copies
         assert (two["copies"] == -1).all()
     else:  # the masked copies and token-level-scored tokens of every row, as the core counts them
         assert two["copies"].tolist() == result.copies.float().tolist()
