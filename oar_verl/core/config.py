@@ -105,7 +105,7 @@ class OARConfig:
     noise_std: float = 1e-3
     seed: int = 0
     noise_samples: int = 1
-    fisher_outcomes: int = 4
+    fisher_outcomes: int = 1
     mask_token_id: int | None = None
     max_token_len_per_gpu: int | None = None
     chunk_size: int | None = None
