@@ -1,6 +1,6 @@
 """One attribution engine: each method plans passes once, each model runtime runs them (docs/method.md §10).
 
-A *method* (OAR-P under every perturbation policy, OAR-G with K noise draws) says which passes to run -- rows of the
+A *method* (OAR-P under every perturbation policy, OAR-G with K noise draws, the second-order ``fisher`` mode) says which passes to run -- rows of the
 batch, optionally with tokens swapped for the mask token (OAR-P's copies) or with seeded noise on the reasoning-token
 embeddings and a backward (OAR-G's student) -- and what to do with each pass's outcome probe. A *backend* says where
 and how: how rows are laid out in a pass and packed under the token budget (padded rows of a plain Hugging Face
@@ -18,6 +18,9 @@ The interface, as a method sees it::
     table(size) -> ProbeTable                       a store of clean probes in this backend's probe form
     shift(clean, probe, joint) -> (b,)              KL(P_clean ‖ P) or φ_clean − φ, in that form
     share(x) -> x                                   a result of the probe-reading ranks, on every rank
+
+A probe handed to ``on_probe`` (:class:`~oar_verl.core.probes.ProbeOutput`, or Megatron's vocab-parallel ``VPProbe``)
+offers ``phi``, ``top(k)`` and ``log_prob(ids)``; the methods read it only through those and the backend's ``shift``.
 
 Backends: :class:`oar_verl.core.backend_hf.ModuleBackend`, :class:`oar_verl.core.backend_ulysses.UlyssesBackend`,
 ``oar_verl.integration.megatron.backend.MegatronBackend``.
