@@ -3,11 +3,11 @@
 A *method* (OAR-P under every perturbation policy, OAR-G with K noise draws, the second-order ``fisher`` mode) says
 which passes to run -- rows of the batch, optionally with tokens swapped for the mask token (OAR-P's copies) or with
 seeded noise on the reasoning-token embeddings and a backward (OAR-G's student) -- and what to do with each pass's
-outcome probe. A *backend* says where
-and how: how rows are laid out in a pass and packed under the token budget (padded rows of a plain Hugging Face
-module, a packed sequence sharded over a Ulysses group, micro-batches of verl's Megatron engine), the forward that
-reads the outcome probe (vocab-parallel where the logits are sharded), the embedding hook (noise in, gradient × input
-out), whether copies can reuse a clean key/value prefix, and how data-parallel ranks agree on a pass count.
+outcome probe. A *backend* says where and how: how rows are laid out in a pass and packed under the token budget
+(padded rows of a plain Hugging Face module, a packed sequence sharded over a Ulysses group, micro-batches of verl's
+Megatron engine), the forward that reads the outcome probe (vocab-parallel where the logits are sharded), the embedding
+hook (noise in, gradient × input out), whether copies can reuse a clean key/value prefix, and how data-parallel ranks
+agree on a pass count.
 
 The interface, as a method sees it::
 
