@@ -41,6 +41,7 @@ from benchmarks import REPO, credit_reward, credit_task, task
 from benchmarks.learning import _nanmean, permutation_p
 
 METHODS = ("grpo", "oar_g", "oar_p", "fisher", "entropy")
+DEFAULT_METHODS = ("grpo", "oar_g", "oar_p", "entropy")  # the study's protocol; fisher on request (--methods)
 LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P", "fisher": "OAR fisher", "entropy": "entropy weights"}
 COLORS = {"grpo": "tab:gray", "oar_g": "tab:orange", "oar_p": "tab:blue", "fisher": "tab:purple",
           "entropy": "tab:green"}
@@ -556,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                     "split a study over processes; --report-only merges every runs_*.json in --out)")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--lr", type=float)
-    ap.add_argument("--methods", default="grpo,oar_g,oar_p,entropy")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS))
     ap.add_argument("--verl-check", action="store_true", help="also run verl's trainer one step per OAR mode (OAR-G "
                     "only with --quick)")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "credit")

@@ -20,7 +20,7 @@ def test_credit_quick_and_verl_check(tmp_path):
     s, summary = res["settings"], res["summary"]
     assert 0.2 <= res["warm_start"]["val_success_t1"] <= 0.6, res["warm_start"]  # mixed rewards to learn from
     runs = [r for f in tmp_path.glob("runs_*.json") for r in json.loads(f.read_text())["runs"]]
-    assert sorted({r["method"] for r in runs}) == sorted(credit.METHODS) and len(runs) == 4 * s["seeds"]
+    assert sorted({r["method"] for r in runs}) == sorted(credit.DEFAULT_METHODS) and len(runs) == 4 * s["seeds"]
     for r in runs:
         assert r["val"]["steps"] == [0, 3, 6] and all(0.0 <= v <= 1.0 for v in r["val"]["values"])
         assert [t["step"] for t in r["train"]] == list(range(1, s["steps"] + 1))
