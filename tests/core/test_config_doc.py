@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from oar_verl.core import config_doc
-from oar_verl.core.config import GROUPS, OARConfig
+from oar_verl.core.config import GROUPS, PRESETS, OARConfig
 
 
 def test_generated_files_are_current():
@@ -55,3 +55,12 @@ def test_check_detects_an_edited_comment_and_a_hand_edited_reference(tmp_path, m
 def test_markers_are_required():
     with pytest.raises(ValueError, match="BEGIN generated"):
         config_doc.update_yaml("algorithm:\n  oar:\n    mode: gradient\n")
+
+
+def test_preset_help_states_the_preset_values():
+    """The preset's help names its values; changing PRESETS without the help would leave the reference wrong."""
+    help_text = next(f for f in config_doc.key_fields() if f.name == "preset").metadata["help"]
+    for name, values in PRESETS.items():
+        assert f"`{name}`" in help_text
+        for key, value in values.items():
+            assert f"{key} = {value}" in help_text, (name, key)
