@@ -35,95 +35,123 @@ class OARConfigError(ValueError):
     """An invalid OAR configuration value; the message names the key and the allowed range."""
 
 
+# The groups of `algorithm.oar.*`, in the order docs/config.md and the trainer YAML list them.
+GROUPS = ("method", "gating", "probe", "OAR-G noise", "OAR-P cost", "budgets", "dumps")
+
+
+def _key(default: Any, group: str, help: str) -> Any:  # noqa: A002  (TRL's name for the same metadata)
+    """A configuration key: its default plus the help text and group that docs/config.md and the YAML comments are
+    generated from (``python -m oar_verl.core.config_doc``)."""
+    if group not in GROUPS:
+        raise ValueError(f"unknown config group {group!r}; one of {GROUPS}")
+    return field(default=default, metadata={"group": group, "help": help})
+
+
 @dataclass(frozen=True)
 class OARConfig:
     """OAR settings (``algorithm.oar.*`` in the trainer config).
 
-    Attributes:
-        mode: ``gradient`` (OAR-G, gradient x input), ``perturbation`` (OAR-P, one-token masking) or ``fisher``
-            (OAR-P's masking KL to second order from clean-point gradients, docs/method.md §11).
-        preset: ``paper`` (τ=0.4, β=2.0) or ``official_code`` (τ=0.25, β=1.0); explicit tau/beta win.
-        tau: gating quantile level in [0, 1): about this fraction of each sequence's tokens is suppressed.
-        beta: boost strength, >= 0: boosted raw weights lie in [1, 1 + beta].
-        floor: lowest raw weight of a suppressed token, in (0, 1].
-        probe: outcome probe, ``auto`` | ``lt_logits`` | ``as_mean`` | ``as_joint``.
-        probe_warmup_steps: with ``probe=auto``, LT-Logits for the first this-many global steps, AS-Mean after.
-        target: ``response`` (the response's own answer span) or ``reference`` (teacher-force conclude_text plus the
-            ground-truth answer after the reasoning).
-        conclude_text: text placed between the reasoning and the ground-truth answer with ``target=reference``.
-        answer_patterns: answer-span patterns tried in order: built-in names (boxed, gsm8k, answer_is) or regexes
-            with a named group ``answer``.
-        noise_std: OAR-G Gaussian noise std (absolute) on reasoning-token embeddings, > 0.
-        seed: base seed of the OAR-G noise; per-sequence generators derive from (seed, step, sequence id).
-        noise_samples: OAR-G noise draws per sequence, >= 1: the score is the mean of the single-draw scores (draw 0
-            uses the sequence's own seed, so 1 is the single-draw method); costs K student passes per sequence, run
-            in the same rounds where the token budget allows (each draw counts as a sequence for the budget and for
-            ``micro_batch_size``). Ignored by OAR-P, like ``noise_std`` and ``seed``.
-        fisher_outcomes: ``fisher``: the most likely outcomes of each row's probe kept in the Fisher sum, >= 1; one
-            gradient pass per outcome and sequence.
-        mask_token_id: OAR-P replacement token; None = the tokenizer's pad token.
-        max_token_len_per_gpu: token budget of one attribution pass (rows × columns it holds), >= 1; None = the actor's
-            own (``log_prob_max_token_len_per_gpu`` / ``ppo_max_token_len_per_gpu`` with dynamic batch sizes, else the
-            micro-batch size × the longest sequence).
-        chunk_size: optional cap on OAR-P's masked copies per pass, >= 1 (None: the token budget alone).
-        prefix_cache: OAR-P reuses each sequence's clean key/value cache for the unchanged prefix of its masked
-            copies (same numbers, less compute; needs a model that supports ``past_key_values``).
-        mask_span: OAR-P masks this many consecutive reasoning tokens per copy, >= 1; 1 is the exact method, k > 1
-            is a k-times cheaper approximation (``perturbation=exact`` only).
-        perturbation: OAR-P policy for long reasoning (:mod:`oar_verl.core.policies`): ``exact`` (one copy per
-            token), ``segment`` (one copy per reasoning segment, its score spread over its tokens), ``hierarchical``
-            (segments first, exact OAR-P inside the top segments) or ``auto`` (exact up to ``exact_max_tokens``
-            reasoning tokens, hierarchical above).
-        segment_split: where reasoning segments end: ``line`` (line breaks), ``sentence`` (line breaks and sentence
-            ends) or a regex (a segment ends where a match ends).
-        segment_min_tokens: shorter segments merge into the next one, >= 1.
-        segment_max_tokens: longer segments are cut into near-equal parts, >= segment_min_tokens.
-        refine_share: hierarchical: share of a row's reasoning tokens refined at token level (top segments first),
-            in (0, 1]; 1 refines every segment, i.e. exact OAR-P.
-        exact_max_tokens: ``auto``: rows with at most this many reasoning tokens run exact OAR-P, >= 0.
-        micro_batch_size: optional cap on the sequences of one OAR-G round or clean probe pass, >= 1 (None: the
-            token budget alone).
-        apply_to: reshape ``all`` sequences, or only those with ``negative`` / ``positive`` advantage.
-        base_estimator: registered verl outcome estimator giving the sequence advantage (default ``grpo``).
-        skip_zero_advantage: attribute only sequences with non-zero base advantage (others keep w = 1).
-        dump_every: every this-many steps, dump attributed rollouts (tokens, importance, weights) as JSONL for token
-            heatmaps; 0 = never.
-        dump_dir: where the dumps go; None = ``<trainer.default_local_dir>/oar_dumps``.
-        dump_groups: prompt groups (all their rollouts) per dump, >= 1.
+    Each key's meaning, default and allowed values are in its field's ``metadata["help"]``; the rendered reference is
+    ``docs/config.md`` (generated, and checked by a test). ``prefix`` is not a key: it is the dotted path errors name.
     """
 
-    mode: str = "gradient"
-    preset: str = "paper"
-    tau: float | None = None
-    beta: float | None = None
-    floor: float = 0.1
-    probe: str = "auto"
-    probe_warmup_steps: int = 10
-    target: str = "response"
-    conclude_text: str = "Therefore, the final answer is \\boxed{"
-    answer_patterns: tuple[str, ...] = BUILTIN_PATTERNS
-    noise_std: float = 1e-3
-    seed: int = 0
-    noise_samples: int = 1
-    fisher_outcomes: int = 1
-    mask_token_id: int | None = None
-    max_token_len_per_gpu: int | None = None
-    chunk_size: int | None = None
-    prefix_cache: bool = True
-    mask_span: int = 1
-    perturbation: str = "exact"
-    segment_split: str = "sentence"
-    segment_min_tokens: int = 8
-    segment_max_tokens: int = 64
-    refine_share: float = 0.1
-    exact_max_tokens: int = 512
-    micro_batch_size: int | None = None
-    apply_to: str = "all"
-    base_estimator: str = "grpo"
-    skip_zero_advantage: bool = True
-    dump_every: int = 0
-    dump_dir: str | None = None
-    dump_groups: int = 2
+    mode: str = _key("gradient", "method",
+                     "`gradient` (OAR-G: gradient x input under embedding noise), `perturbation` (OAR-P: one-token "
+                     "masking, the probe's change per masked token) or `fisher` (OAR-P's masking KL to second order "
+                     "from clean-point gradients: about OAR-G's cost; docs/method.md §11).")
+    preset: str = _key("paper", "method",
+                       "`paper` (tau = 0.4, beta = 2.0, the paper's summaries) or `official_code` (tau = 0.25, "
+                       "beta = 1.0, the official OAR-main.py); an explicit `tau` / `beta` wins over the preset.")
+    tau: float | None = _key(None, "gating",
+                             "Gating quantile level in [0, 1): about this fraction of each sequence's tokens is "
+                             "suppressed. null = the preset's value.")
+    beta: float | None = _key(None, "gating",
+                              "Boost strength, >= 0: boosted raw weights lie in [1, 1 + beta]. null = the preset's "
+                              "value.")
+    floor: float = _key(0.1, "gating", "Lowest raw weight of a suppressed token, in (0, 1].")
+    probe: str = _key("auto", "probe",
+                      "Outcome probe: `auto` (LT-Logits for the first `probe_warmup_steps` steps, AS-Mean after) | "
+                      "`lt_logits` | `as_mean` | `as_joint`.")
+    probe_warmup_steps: int = _key(10, "probe",
+                                   "With `probe=auto`, LT-Logits for the first this-many global steps, AS-Mean after; "
+                                   ">= 0.")
+    target: str = _key("response", "probe",
+                       "`response` (the response's own answer span) or `reference` (teacher-force `conclude_text` "
+                       "plus the ground-truth answer after the reasoning).")
+    conclude_text: str = _key("Therefore, the final answer is \\boxed{", "probe",
+                              "Text placed between the reasoning and the ground-truth answer with "
+                              "`target=reference`.")
+    answer_patterns: tuple[str, ...] = _key(BUILTIN_PATTERNS, "probe",
+                                            "Answer-span patterns tried in order: built-in names (`boxed`: the last "
+                                            "balanced `\\boxed{...}`; `gsm8k`: `#### N`; `answer_is`: \"The answer "
+                                            "is N\") or regexes with a named group `(?P<answer>...)`.")
+    noise_std: float = _key(1e-3, "OAR-G noise",
+                            "OAR-G: std (absolute) of the Gaussian noise on reasoning-token embeddings, > 0. Ignored "
+                            "by OAR-P.")
+    seed: int = _key(0, "OAR-G noise",
+                     "OAR-G: base seed of the noise, >= 0; per-sequence generators derive from (seed, step, a "
+                     "fingerprint of the sequence's tokens), so the noise does not depend on batching or data "
+                     "parallelism. Ignored by OAR-P.")
+    noise_samples: int = _key(1, "OAR-G noise",
+                              "OAR-G: noise draws per sequence, >= 1; the score is the mean of the single-draw "
+                              "scores (draw 0 uses the sequence's own seed, so 1 is the single-draw method). Costs K "
+                              "student passes per sequence, run in the same rounds where the token budget allows "
+                              "(each draw counts as a sequence for the budget and for `micro_batch_size`). Ignored by "
+                              "OAR-P. Measured cost: docs/evidence.md.")
+    fisher_outcomes: int = _key(1, "method",
+                                "`fisher`: the most likely outcomes of each row's probe kept in the Fisher sum, >= 1; "
+                                "one gradient pass per outcome and sequence. Measured fidelity and cost: "
+                                "docs/faithfulness.md.")
+    mask_token_id: int | None = _key(None, "OAR-P cost",
+                                     "OAR-P: the replacement token id, >= 0; null = the tokenizer's pad token.")
+    max_token_len_per_gpu: int | None = _key(None, "budgets",
+                                             "Token budget of one attribution pass (rows x columns it holds), >= 1; "
+                                             "null = the actor's own (`log_prob_max_token_len_per_gpu` for OAR-P / "
+                                             "`ppo_max_token_len_per_gpu` for OAR-G with `use_dynamic_bsz`, else the "
+                                             "micro-batch size x the longest sequence).")
+    chunk_size: int | None = _key(None, "budgets",
+                                  "Optional cap on OAR-P's masked copies per pass, >= 1; null = the token budget "
+                                  "alone.")
+    prefix_cache: bool = _key(True, "OAR-P cost",
+                              "OAR-P reuses each sequence's clean key/value cache for the unchanged prefix of its "
+                              "masked copies (same numbers, less compute; needs a model that supports "
+                              "`past_key_values`).")
+    mask_span: int = _key(1, "OAR-P cost",
+                          "OAR-P masks this many consecutive reasoning tokens per copy, >= 1; 1 is the exact method, "
+                          "k > 1 a k-times cheaper approximation (`perturbation=exact` only).")
+    perturbation: str = _key("exact", "OAR-P cost",
+                             "OAR-P policy for long reasoning (docs/method.md): `exact` (one copy per token), "
+                             "`segment` (one copy per reasoning segment, its score spread over its tokens), "
+                             "`hierarchical` (segments first, exact OAR-P inside the top segments) or `auto` (exact up "
+                             "to `exact_max_tokens` reasoning tokens, hierarchical above).")
+    segment_split: str = _key("sentence", "OAR-P cost",
+                              "Where reasoning segments end: `line` (line breaks), `sentence` (line breaks and "
+                              "`. ! ? 。` before whitespace) or a regex (a segment ends where a match ends).")
+    segment_min_tokens: int = _key(8, "OAR-P cost", "Shorter segments merge into the next one; >= 1.")
+    segment_max_tokens: int = _key(64, "OAR-P cost",
+                                   "Longer segments are cut into near-equal parts; >= `segment_min_tokens`.")
+    refine_share: float = _key(0.1, "OAR-P cost",
+                               "`hierarchical`: share of a row's reasoning tokens refined at token level (top "
+                               "segments first), in (0, 1]; 1 refines every segment, i.e. exact OAR-P.")
+    exact_max_tokens: int = _key(512, "OAR-P cost",
+                                 "`auto`: rows with at most this many reasoning tokens run exact OAR-P; >= 0.")
+    micro_batch_size: int | None = _key(None, "budgets",
+                                        "Optional cap on the sequences of one OAR-G round or clean probe pass, >= 1; "
+                                        "null = the token budget alone.")
+    apply_to: str = _key("all", "method",
+                         "Reshape `all` sequences, or only those with `negative` / `positive` advantage.")
+    base_estimator: str = _key("grpo", "method",
+                               "Registered verl outcome estimator that gives the sequence advantage (`grpo`, "
+                               "`rloo`, `reinforce_plus_plus`, ...; not `oar`).")
+    skip_zero_advantage: bool = _key(True, "method",
+                                     "Attribute only sequences with a non-zero base advantage (the others keep "
+                                     "weight 1).")
+    dump_every: int = _key(0, "dumps",
+                           "Every this-many steps, dump attributed rollouts (tokens, importance, weights) as JSONL "
+                           "for token heatmaps (`python -m oar_verl.viz.heatmap`); 0 = never.")
+    dump_dir: str | None = _key(None, "dumps",
+                                "Where the dumps go; null = `<trainer.default_local_dir>/oar_dumps`.")
+    dump_groups: int = _key(2, "dumps", "Prompt groups (all their rollouts) per dump; >= 1.")
     prefix: str = field(default=DEFAULT_PREFIX, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -33,8 +38,35 @@ def batch(B=6, T=7, group=3, seed=0):
     return rewards, mask, index
 
 
+# Runs in a fresh interpreter that imports verl and nothing of ours: `oar` can only be registered there by verl loading
+# the `verl.plugins` entry point that pyproject.toml declares.
+_REGISTRY_PROBE = """
+import json, sys
+import verl
+from verl.trainer.ppo import core_algos
+try:
+    fn = core_algos.get_adv_estimator_fn("oar")
+    found = f"{fn.__module__}.{fn.__qualname__}"
+except ValueError:
+    found = None
+print(json.dumps({"oar": found, "plugin_loaded": "oar_verl.integration.plugin" in sys.modules}))
+"""
+
+
+def _probe_registry(**env: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", _REGISTRY_PROBE], env={**os.environ, **env}, capture_output=True,
+                         text=True, timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_registered_through_entry_point():
-    assert core_algos.get_adv_estimator_fn("oar") is compute_oar_advantage
+    """A process that imports only verl finds `oar` (the entry point loaded our plugin), and with verl's own switch
+    for entry-point discovery off the same probe does not (so the probe can fail when the entry point is missing)."""
+    with_plugins = _probe_registry(VERL_USE_EXTERNAL_PLUGINS="auto", VERL_USE_EXTERNAL_MODULES="")
+    assert with_plugins == {"oar": f"{compute_oar_advantage.__module__}.{compute_oar_advantage.__qualname__}",
+                            "plugin_loaded": True}
+    without_plugins = _probe_registry(VERL_USE_EXTERNAL_PLUGINS="none", VERL_USE_EXTERNAL_MODULES="")
+    assert without_plugins == {"oar": None, "plugin_loaded": False}
 
 
 def test_uniform_importance_equals_grpo():
