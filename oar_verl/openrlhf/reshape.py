@@ -22,7 +22,7 @@ from oar_verl.core.attribution import pass_limits, run_attribution
 from oar_verl.core.config import OARConfig
 from oar_verl.core.gating import TokenWeights, oar_token_weights
 from oar_verl.core.metrics import oar_metrics
-from oar_verl.core.preprocess import pad_rows, prepare_attribution
+from oar_verl.core.preprocess import prepare_attribution
 
 __all__ = ["ItemRows", "item_rows", "reshape_replay_buffer", "rows_to_reshape", "sequence_advantages"]
 
@@ -67,7 +67,7 @@ def _response_field(items: Sequence, name: str, rows: ItemRows) -> torch.Tensor:
     """(N, T) float64 ``item.<name>`` on each response's positions, right-padded with 0."""
     vals = [getattr(it, name).reshape(-1)[s: s + len(a)].double().cpu()
             for it, s, a in zip(items, rows.starts, rows.actions)]
-    return pad_rows(vals, 0, left=False)[0].double() if vals else torch.zeros(0, 0, dtype=torch.float64)
+    return _pad_float(vals, max((len(v) for v in vals), default=0))
 
 
 def _pad_float(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
