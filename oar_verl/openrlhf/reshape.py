@@ -105,15 +105,52 @@ def _max_over_ranks(value: int, device: torch.device) -> int:
     return int(t[0])
 
 
-def _mean_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Per-key mean over the default process group (same keys on every rank, in the same order)."""
-    if not metrics or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+_SUMS = ("adv_mass_before", "adv_mass_after", "reshaped_tokens")
+_PER_ITEM = ("reshaped_seq_frac", "attributed_seq_frac", "fallback_seq_frac")
+_PER_ATTRIBUTED = ("span_found_frac", "answer_probe_frac")
+_EXTREMES = {"weight_min": dist.ReduceOp.MIN, "weight_max": dist.ReduceOp.MAX}
+
+
+def _reduce_metrics(metrics: dict[str, float], counts: dict[str, float], device: torch.device,
+                    prefix: str = "oar/") -> dict[str, float]:
+    """``oar/*`` of the whole data-parallel batch from each rank's: masses and token counts summed, fractions weighted
+    by the rows they are fractions of, row/token statistics weighted by reshaped rows, min/max as min/max.
+
+    Args:
+        metrics: this rank's :func:`oar_verl.core.metrics.oar_metrics` (same keys on every rank).
+        counts: this rank's ``items``, ``attributed`` and ``reshaped`` row counts.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return metrics
-    keys = sorted(metrics)
-    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    t /= dist.get_world_size()
-    return {k: float(v) for k, v in zip(keys, t.tolist())}
+    keys = sorted(k for k in metrics if k[len(prefix):] not in _EXTREMES)
+
+    def weight(k: str) -> float:
+        name = k[len(prefix):]
+        if name in _SUMS:
+            return 1.0
+        if name in _PER_ITEM or name == "global_step":
+            return counts["items"]
+        return counts["attributed"] if name in _PER_ATTRIBUTED else counts["reshaped"]
+
+    w = torch.tensor([weight(k) for k in keys], dtype=torch.float64, device=device)
+    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device) * w
+    both = torch.cat([t, w])
+    dist.all_reduce(both, op=dist.ReduceOp.SUM)
+    t, w = both[: len(keys)], both[len(keys):]
+    out = {k: float(v) if k[len(prefix):] in _SUMS else (float(v / d) if d > 0 else float(metrics[k]))
+           for k, v, d in zip(keys, t.tolist(), w.tolist())}
+    mass = out.get(prefix + "adv_mass_before", 0.0)
+    if prefix + "adv_mass_rel_err" in out:
+        out[prefix + "adv_mass_rel_err"] = abs(out[prefix + "adv_mass_after"] - mass) / mass if mass > 0 else 0.0
+    reshaped = counts["reshaped"] > 0
+    for name, op in _EXTREMES.items():  # ranks without a reshaped row do not take part
+        k = prefix + name
+        if k in metrics:
+            fill = float("inf") if op == dist.ReduceOp.MIN else float("-inf")
+            v = torch.tensor([metrics[k] if reshaped else fill], dtype=torch.float64, device=device)
+            dist.all_reduce(v, op=op)
+            out[k] = float(v[0]) if torch.isfinite(v[0]) else 0.0
+    return out
 
 
 @dataclass(frozen=True)
@@ -125,7 +162,7 @@ class ReshapeResult:
         base_advantages / advantages: (N, T) float64 before / after, response-aligned.
         attributed: (N,) bool rows whose importance was computed.
         importance: (N, T) float64 raw importance (0 where not attributed).
-        metrics: ``oar/*`` scalars, averaged over the data-parallel ranks.
+        metrics: ``oar/*`` scalars of the whole data-parallel batch (:func:`_reduce_metrics`).
     """
 
     weights: TokenWeights
@@ -221,5 +258,7 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
     metrics = oar_metrics(tw, base, adv, action, span_found=found[attributed], answer_probe=probe[attributed])
     metrics["oar/attributed_seq_frac"] = float(attributed.float().mean()) if len(items) else 0.0
     metrics["oar/global_step"] = float(global_step)
-    metrics = _mean_over_ranks(metrics, device)
+    counts = {"items": float(len(items)), "attributed": float(attributed.sum()),
+              "reshaped": float(tw.reshaped.any(-1).sum())}
+    metrics = _reduce_metrics(metrics, counts, device)
     return ReshapeResult(tw, base, adv, attributed, importance, metrics)

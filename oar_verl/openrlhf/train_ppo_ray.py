@@ -131,7 +131,7 @@ def install(cfg: OARConfig, dry_run: bool = False) -> None:
 
     from oar_verl.openrlhf.actor import ARGS_KEY, OARPolicyModelActor
 
-    get_strategy = orl_utils.get_strategy
+    get_strategy = getattr(orl_utils.get_strategy, "__wrapped__", orl_utils.get_strategy)  # install() twice: rewrap
 
     def checked_get_strategy(args):
         check_args(args, cfg)
@@ -141,6 +141,7 @@ def install(cfg: OARConfig, dry_run: bool = False) -> None:
             raise SystemExit(0)
         return get_strategy(args)
 
+    checked_get_strategy.__wrapped__ = get_strategy
     ppo_actor.PolicyModelActor = OARPolicyModelActor
     orl_utils.get_strategy = checked_get_strategy
     if dry_run:  # train() starts Ray only when it is not running yet: a dry run never needs it

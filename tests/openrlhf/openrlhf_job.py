@@ -224,11 +224,13 @@ def job_zero(out, model_dir, stage, mode):
     args = openrlhf_args(BASE_ARGV + ["--algo.advantage.estimator", "group_norm"])
     exps = openrlhf_advantages(args, experiences(prompts, responses, rewards, per_batch=len(prompts)))
     items = buffer_items(exps)
-    # unequal shards: rank 0 gets 9 rows with 6 to reshape, rank 1 the zero-advantage group (nothing of its own to
-    # attribute: it must still take part in every aligned pass) plus one reshaped row
-    mine = list(range(0, 7)) + [10, 11] if rank == 0 else [8, 9, 12, 13, 14, 15] + [7]
+    # unequal shards: rank 0 gets the two mixed-reward groups (8 rows to reshape), rank 1 the zero-advantage group
+    # only (nothing of its own to attribute: it must still take part in every aligned pass, with a filler row)
+    mine = list(range(0, 8)) if rank == 0 else [8, 9, 10, 11]
     items = [items[i] for i in mine]
-    actor = Actor(model, attn_implementation="eager", param_dtype="fp32")
+    # fp32 (OpenRLHF loads from a path only in bf16/fp16): the instance path, which leaves packing_samples unset
+    actor = Actor(model, attn_implementation="eager")
+    actor.packing_samples = False
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
                  "zero_optimization": {"stage": stage}, "bf16": {"enabled": False}, "gradient_clipping": 1.0}
     optim = torch.optim.AdamW(actor.parameters(), lr=1e-3)
@@ -242,7 +244,8 @@ def job_zero(out, model_dir, stage, mode):
     glob = [mine[k] for k in rows]
     seq_adv = torch.zeros(len(prompts), dtype=torch.float64)
     seq_adv[glob] = seq_adv_all[rows]
-    expected, ok = core_reference(reference, tok, cfg, 3, prompts, responses, seq_adv, glob)
+    if glob:
+        expected, ok = core_reference(reference, tok, cfg, 3, prompts, responses, seq_adv, glob)
     diff = 0.0
     for k, (i, g) in enumerate(zip(rows, glob)):
         it = items[i]
@@ -268,11 +271,37 @@ def job_zero(out, model_dir, stage, mode):
     dist.destroy_process_group()
 
 
+def job_cli(out, cases_json):
+    """The entry point's ``main`` (OpenRLHF's CLI module run unchanged, ``--oar.dry_run``) on each case's argv, in one
+    process (OpenRLHF's imports cost most of the time): exit status and stderr per case."""
+    import contextlib
+    import io
+
+    from oar_verl.openrlhf.train_ppo_ray import main
+
+    res = []
+    for argv in json.loads(cases_json):
+        err, std = io.StringIO(), io.StringIO()
+        code = 0
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
+            try:
+                main(argv)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except Exception as e:  # noqa: BLE001 - reported per case, the test names it
+                code, _ = 1, err.write(f"{type(e).__name__}: {e}")
+        res.append({"argv": argv, "code": code, "stderr": err.getvalue()[-3000:], "stdout": std.getvalue()[-3000:]})
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     kind = sys.argv[1]
     if kind == "advantages":
         job_advantages(sys.argv[2], sys.argv[3])
+    elif kind == "cli":
+        job_cli(sys.argv[2], sys.argv[3])
     elif kind == "zero":
         job_zero(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     else:
