@@ -10,7 +10,7 @@
 #   PYTHON             interpreter for the venv  (default: python3; 3.10-3.12)
 #
 # Idempotent: a stamp file in the venv holds a hash of this script and pyproject.toml; when it matches, the script
-# only re-checks the imports. --force (or OAR_SETUP_FORCE=1) redoes all. Installs go through uv (from PATH, else
+# only re-checks the installed versions. --force (or OAR_SETUP_FORCE=1) redoes all. Installs go through uv (from PATH, else
 # installed into the venv with pip) because it resolves and unpacks this set several times faster than pip.
 #
 # torch: the CPU build 2.13.0+cpu, found through pip/uv find-links (PIP_FIND_LINKS) or indexes; if yours have none,
@@ -62,8 +62,9 @@ PY
 }
 
 if [[ "$FORCE" != 1 && -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]]; then
-  say "environment $VENV is up to date (stamp matches); checking imports only"
-  import_check
+  # the full import check costs close to a minute (OpenRLHF imports vLLM and DeepSpeed): versions only here
+  say "environment $VENV is up to date (stamp matches); checking installed versions only"
+  "$VENV/bin/python" -c 'import importlib.metadata as md; print("[setup_openrlhf_env]", *(f"{p} {md.version(p)}" for p in ("torch", "openrlhf", "transformers", "deepspeed", "ray")))'
   exit 0
 fi
 
