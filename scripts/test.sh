@@ -12,6 +12,11 @@ bash "$ROOT/scripts/setup_env.sh"
 if [ "${OAR_SKIP_MCORE:-0}" != 1 ]; then
   bash "$ROOT/scripts/setup_mcore_env.sh"
 fi
+# the OpenRLHF adapter tests run in their own environment (OpenRLHF 0.11.2 pins transformers/deepspeed/ray);
+# OAR_SKIP_OPENRLHF=1 skips building it (those tests then skip with a reason)
+if [ "${OAR_SKIP_OPENRLHF:-0}" != 1 ]; then
+  bash "$ROOT/scripts/setup_openrlhf_env.sh"
+fi
 cd "$ROOT"
 # torch.compile/inductor would compile C++ on first use; verl's own CPU lane disables them the same way
 export TORCH_COMPILE_DISABLE=1 TORCHINDUCTOR_DISABLE=1 TOKENIZERS_PARALLELISM=false

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -18,3 +19,19 @@ def test_patches_apply_compile_and_smoke():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     assert "SMOKE 0001 OK" in out and "SMOKE 0002/0003 OK" in out and "SMOKE 0004 OK" in out, out[-5000:]
+
+
+OPENRLHF_CHECK = CHECK.parent / "openrlhf" / "check.sh"
+OPENRLHF_PYTHON = Path(os.environ.get("OAR_OPENRLHF_VENV", CHECK.parents[1] / ".venv-openrlhf")) / "bin" / "python"
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="the `patch` program is not installed")
+@pytest.mark.skipif(os.environ.get("OAR_SKIP_OPENRLHF", "0") == "1" or not OPENRLHF_PYTHON.exists(),
+                    reason="no OpenRLHF environment (OAR_SKIP_OPENRLHF=1, or build it with "
+                           "`bash scripts/setup_openrlhf_env.sh`)")
+def test_openrlhf_patch_applies_compiles_and_parses():
+    """patches/openrlhf/: applies to the installed OpenRLHF 0.11.2, compiles, and its parser takes the new flag."""
+    proc = subprocess.run(["bash", str(OPENRLHF_CHECK), str(OPENRLHF_PYTHON)], capture_output=True, text=True,
+                          timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "SMOKE openrlhf/0001 OK" in out, out[-5000:]

@@ -215,3 +215,64 @@ def test_unknown_model_preset_is_refused():
     proc = subprocess.run(["bash", str(ROOT / "recipes" / "gsm8k" / "run_grpo.sh")], capture_output=True, text=True,
                           env={**os.environ, "DRY_RUN": "1", "MODEL": "llama-7b"})
     assert proc.returncode == 2 and "unknown MODEL=llama-7b" in proc.stderr
+
+
+# --- the OpenRLHF recipes (recipes/openrlhf/): bash -n, shellcheck, and OpenRLHF 0.11.2's own argument parser in the
+# .venv-openrlhf environment (the OAR entry point's --oar.dry_run: OpenRLHF's CLI module parses and checks the flags,
+# then OAR's start-up checks run; no Ray, no model)
+OPENRLHF_RECIPES = sorted((ROOT / "recipes" / "openrlhf").glob("*/run_*.sh"))
+OPENRLHF_SHELL = [*OPENRLHF_RECIPES, ROOT / "recipes" / "openrlhf" / "common.sh"]
+OPENRLHF_PYTHON = Path(os.environ.get("OAR_OPENRLHF_VENV", ROOT / ".venv-openrlhf")) / "bin" / "python"
+
+
+def test_openrlhf_recipes_exist():
+    assert {_id(p) for p in OPENRLHF_RECIPES} == {f"recipes/openrlhf/{t}/run_{a}.sh" for t in ("gsm8k", "math")
+                                                   for a in ("grpo", "oar_g", "oar_p")}
+
+
+@pytest.mark.parametrize("script", OPENRLHF_SHELL, ids=_id)
+def test_openrlhf_recipe_shell(script):
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (Debian: apt-get install -y shellcheck)")
+    proc = subprocess.run(["shellcheck", "-x", str(script)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def openrlhf_command(script: Path, **env: str) -> list[str]:
+    """The recipe's ``python -m MODULE ARGS...`` from its ``DRY_RUN=1`` output."""
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                          env={**os.environ, "DRY_RUN": "1", "DATA_DIR": "/data/oar", **env})
+    assert proc.returncode == 0, proc.stderr
+    return [shlex.split(line)[0] for line in proc.stdout.splitlines()]
+
+
+def test_openrlhf_recipes_differ_only_in_oar_flags():
+    for task in ("gsm8k", "math"):
+        cmds = {a: openrlhf_command(ROOT / "recipes" / "openrlhf" / task / f"run_{a}.sh", OUTPUT_DIR="/runs/out")
+                for a in ("grpo", "oar_g", "oar_p")}
+        assert cmds["grpo"][:3] == ["python", "-m", "openrlhf.cli.train_ppo_ray"]
+        for algo in ("oar_g", "oar_p"):
+            assert cmds[algo][:3] == ["python", "-m", "oar_verl.openrlhf.train_ppo_ray"]
+            assert [a for a in cmds[algo][3:] if not a.startswith("--oar.")] == cmds["grpo"][3:], algo
+        assert "--oar.mode=gradient" in cmds["oar_g"] and "--oar.mode=perturbation" in cmds["oar_p"]
+
+
+@pytest.mark.skipif(os.environ.get("OAR_SKIP_OPENRLHF", "0") == "1" or not OPENRLHF_PYTHON.exists(),
+                    reason="no OpenRLHF environment (OAR_SKIP_OPENRLHF=1, or build it with "
+                           "`bash scripts/setup_openrlhf_env.sh`)")
+def test_openrlhf_recipes_pass_openrlhf_parser(tmp_path):
+    """Every recipe x model through OpenRLHF's own parser and OAR's start-up checks, in one process."""
+    import json
+
+    cases = [openrlhf_command(s, MODEL=m)[3:] + ["--oar.dry_run"]
+             for s in OPENRLHF_RECIPES for m in ("qwen2.5-1.5b", "qwen2.5-7b")]
+    out = tmp_path / "cli.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.run([str(OPENRLHF_PYTHON), str(ROOT / "tests" / "openrlhf" / "openrlhf_job.py"), "cli", str(out),
+                           json.dumps(cases)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for case, r in zip(cases, json.loads(out.read_text())):
+        assert r["code"] == 0 and "arguments accepted with OAR" in r["stdout"], (case, r)

@@ -1,0 +1,59 @@
+"""The OAR policy actor for OpenRLHF 0.11: :class:`PolicyModelActor` whose ``fit`` reshapes the replay buffer first.
+
+OpenRLHF's trainer calls ``fit`` on every actor rank together, right before ``ppo_train``; the replay buffer then
+holds this rank's unpadded per-sample items with their outcome advantages. The OAR actor attributes them on its own
+DeepSpeed-wrapped module (:func:`oar_verl.openrlhf.reshape.reshape_replay_buffer`), then runs OpenRLHF's ``fit``
+unchanged and adds the ``oar/*`` metrics to the status it returns (OpenRLHF logs that status as is).
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+
+from oar_verl.core.config import OARConfig
+from oar_verl.openrlhf.reshape import reshape_replay_buffer
+
+FLAG_PREFIX = "--oar"  # OAR options on the command line: --oar.<key>=<value>
+ARGS_KEY = "oar"  # the validated OAR settings ride on OpenRLHF's args namespace (pickled to every actor)
+
+
+def token_budget(args) -> int | None:
+    """One attribution pass's token budget from OpenRLHF's own settings: ``--train.max_tokens_per_gpu`` with dynamic
+    batching (what one training micro-batch holds), else None (the micro-batch size x the longest sequence is taken
+    then, see :func:`micro_batch_rows`)."""
+    return int(args.train.max_tokens_per_gpu) if args.train.dynamic_batch_enable else None
+
+
+def micro_batch_rows(args) -> int:
+    """Rows of one training micro-batch (``--train.micro_batch_size``)."""
+    return int(args.train.micro_batch_size)
+
+
+class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
+    """OpenRLHF's policy actor with OAR applied to the replay buffer at the top of ``fit``."""
+
+    _oar_step = 0
+
+    def fit(self, kl_ctl: float = 0):
+        args = self.strategy.args
+        cfg = OARConfig.from_mapping(getattr(args, ARGS_KEY), prefix=FLAG_PREFIX)
+        self._oar_step += 1
+        t0 = time.time()
+        items = self.trainer.replay_buffer.items
+        model = self.actor.model.module if hasattr(self.actor.model, "module") else self.actor.model
+        longest = max((int(it.sequences.numel()) for it in items), default=0)
+        budget = token_budget(args) or micro_batch_rows(args) * max(longest, 1)
+        result = reshape_replay_buffer(items, model, self.tokenizer, cfg, self._oar_step, max_tokens=budget,
+                                       checkpointing=bool(args.actor.gradient_checkpointing_enable))
+        oar_time = time.time() - t0
+        status = super().fit(kl_ctl)
+        status.update(result.metrics)
+        status["timing/oar"] = oar_time
+        return status
+
+
+OARPolicyModelActor = ray.remote(num_gpus=1)(OARPolicyModelActorImpl)
+

@@ -1,0 +1,264 @@
+"""OAR on OpenRLHF's replay buffer: per-item rows -> core attribution -> gate -> w_t x A_seq written back.
+
+OpenRLHF 0.11 stores one unpadded :class:`openrlhf.trainer.ppo_utils.experience.Experience` per sample: ``sequences``
+(L,) prompt + response ids, ``action_mask`` (L-1,) with ``action_mask[j]`` marking ``sequences[j + 1]`` as a generated
+token (the shift of its log-probs), and ``advantages`` / ``returns`` (L-1,) aligned with ``action_mask``. The outcome
+estimators (``group_norm`` = GRPO, ``rloo``, ``reinforce_baseline``, ``dr_grpo``, ``flash_reinforce``) broadcast one
+value over the action tokens; OAR replaces it with ``w_t * A_seq``.
+
+This module reads the items by attribute only and imports no OpenRLHF module, so the core's numbers can be checked
+on the very rows the actor reshapes. The Ray actor (:mod:`oar_verl.openrlhf.actor`) calls :func:`reshape_replay_buffer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from oar_verl.core.attribution import pass_limits, run_attribution
+from oar_verl.core.config import OARConfig
+from oar_verl.core.gating import TokenWeights, oar_token_weights
+from oar_verl.core.metrics import oar_metrics
+from oar_verl.core.preprocess import prepare_attribution
+
+__all__ = ["ItemRows", "item_rows", "reshape_replay_buffer", "rows_to_reshape", "sequence_advantages"]
+
+
+@dataclass(frozen=True)
+class ItemRows:
+    """The replay-buffer items as (prompt, response) rows.
+
+    Attributes:
+        prompts: N 1-D prompt ids (everything up to the first generated token).
+        responses: N 1-D response ids (first to last generated token; tool/environment tokens in between stay, with
+            action 0).
+        actions: N 1-D bool, the generated tokens of each response.
+        starts: N offsets of each response's first token in the item's action-aligned tensors.
+    """
+
+    prompts: list[torch.Tensor]
+    responses: list[torch.Tensor]
+    actions: list[torch.Tensor]
+    starts: list[int]
+
+
+def item_rows(items: Sequence) -> ItemRows:
+    """Split every item's ``sequences`` at its first generated token (``action_mask`` is shifted by one).
+
+    Items without a generated token get an empty response.
+    """
+    prompts, responses, actions, starts = [], [], [], []
+    for it in items:  # per item: unpadded rows of different lengths
+        am = it.action_mask.bool().reshape(-1)
+        seq = it.sequences.reshape(-1)
+        pos = am.nonzero().flatten()
+        first, last = (int(pos[0]), int(pos[-1])) if len(pos) else (len(am), len(am) - 1)
+        prompts.append(seq[: first + 1].cpu())
+        responses.append(seq[first + 1: last + 2].cpu())
+        actions.append(am[first: last + 1].cpu())
+        starts.append(first)
+    return ItemRows(prompts, responses, actions, starts)
+
+
+def _response_field(items: Sequence, name: str, rows: ItemRows) -> torch.Tensor:
+    """(N, T) float64 ``item.<name>`` on each response's positions, right-padded with 0."""
+    vals = [getattr(it, name).reshape(-1)[s: s + len(a)].double().cpu()
+            for it, s, a in zip(items, rows.starts, rows.actions)]
+    return _pad_float(vals, max((len(v) for v in vals), default=0))
+
+
+def _pad_float(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width, dtype=torch.float64)
+    for i, r in enumerate(rows):  # per row: a slice copy
+        out[i, : len(r)] = r.double()
+    return out
+
+
+def sequence_advantages(advantages: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """(N,) mean advantage over each row's generated tokens (the outcome estimators broadcast one value).
+
+    Args:
+        advantages: (N, T). action_mask: (N, T) bool.
+    """
+    m = action_mask.to(advantages.dtype)
+    return (advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
+
+
+def rows_to_reshape(seq_adv: torch.Tensor, apply_to: str) -> torch.Tensor:
+    """(N,) bool rows OAR reshapes: non-zero sequence advantage, filtered by ``apply_to``."""
+    if apply_to == "negative":
+        return seq_adv < 0
+    if apply_to == "positive":
+        return seq_adv > 0
+    return seq_adv != 0
+
+
+def _max_over_ranks(value: int, device: torch.device) -> int:
+    """The max of an int over the default process group (the data-parallel ranks); the value itself without one."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0])
+
+
+_SUMS = ("adv_mass_before", "adv_mass_after", "reshaped_tokens")
+_PER_ITEM = ("reshaped_seq_frac", "attributed_seq_frac", "fallback_seq_frac")
+_PER_ATTRIBUTED = ("span_found_frac", "answer_probe_frac")
+_EXTREMES = {"weight_min": dist.ReduceOp.MIN, "weight_max": dist.ReduceOp.MAX}
+
+
+def _reduce_metrics(metrics: dict[str, float], counts: dict[str, float], device: torch.device,
+                    prefix: str = "oar/") -> dict[str, float]:
+    """``oar/*`` of the whole data-parallel batch from each rank's: masses and token counts summed, fractions weighted
+    by the rows they are fractions of, row/token statistics weighted by reshaped rows, min/max as min/max.
+
+    Args:
+        metrics: this rank's :func:`oar_verl.core.metrics.oar_metrics` (same keys on every rank).
+        counts: this rank's ``items``, ``attributed`` and ``reshaped`` row counts.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return metrics
+    keys = sorted(k for k in metrics if k[len(prefix):] not in _EXTREMES)
+
+    def weight(k: str) -> float:
+        name = k[len(prefix):]
+        if name in _SUMS:
+            return 1.0
+        if name in _PER_ITEM or name == "global_step":
+            return counts["items"]
+        return counts["attributed"] if name in _PER_ATTRIBUTED else counts["reshaped"]
+
+    w = torch.tensor([weight(k) for k in keys], dtype=torch.float64, device=device)
+    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device) * w
+    both = torch.cat([t, w])
+    dist.all_reduce(both, op=dist.ReduceOp.SUM)
+    t, w = both[: len(keys)], both[len(keys):]
+    out = {k: float(v) if k[len(prefix):] in _SUMS else (float(v / d) if d > 0 else float(metrics[k]))
+           for k, v, d in zip(keys, t.tolist(), w.tolist())}
+    mass = out.get(prefix + "adv_mass_before", 0.0)
+    if prefix + "adv_mass_rel_err" in out:
+        out[prefix + "adv_mass_rel_err"] = abs(out[prefix + "adv_mass_after"] - mass) / mass if mass > 0 else 0.0
+    reshaped = counts["reshaped"] > 0
+    for name, op in _EXTREMES.items():  # ranks without a reshaped row do not take part
+        k = prefix + name
+        if k in metrics:
+            fill = float("inf") if op == dist.ReduceOp.MIN else float("-inf")
+            v = torch.tensor([metrics[k] if reshaped else fill], dtype=torch.float64, device=device)
+            dist.all_reduce(v, op=op)
+            out[k] = float(v[0]) if torch.isfinite(v[0]) else 0.0
+    return out
+
+
+@dataclass(frozen=True)
+class ReshapeResult:
+    """What :func:`reshape_replay_buffer` did on this rank.
+
+    Attributes:
+        weights: TokenWeights (N, T) over the response positions of every item (1 on rows left alone).
+        base_advantages / advantages: (N, T) float64 before / after, response-aligned.
+        attributed: (N,) bool rows whose importance was computed.
+        importance: (N, T) float64 raw importance (0 where not attributed).
+        metrics: ``oar/*`` scalars of the whole data-parallel batch (:func:`_reduce_metrics`).
+    """
+
+    weights: TokenWeights
+    base_advantages: torch.Tensor
+    advantages: torch.Tensor
+    attributed: torch.Tensor
+    importance: torch.Tensor
+    metrics: dict[str, float]
+
+
+def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cfg: OARConfig, global_step: int, *,
+                          max_tokens: int | None, checkpointing: bool = False,
+                          device: torch.device | str | None = None,
+                          align: Callable[[int], int] | None = None) -> ReshapeResult:
+    """Attribute this rank's replay-buffer items and set each generated token's advantage to ``w_t * A_seq``.
+
+    Every data-parallel rank must call it together (ZeRO-3 gathers parameters inside every forward): the ranks agree
+    on whether anyone attributes at all, a rank with nothing to attribute runs one of its own rows as filler (result
+    discarded), and the attribution passes are aligned over the ranks (``align``, default: max over the default group).
+
+    Args:
+        items: the replay buffer's unpadded per-sample items (``sequences``, ``action_mask``, ``advantages``,
+            ``returns``, ``labels``); their ``advantages`` and ``returns`` are rewritten in place.
+        model: the policy's causal LM (the DeepSpeed engine's module), put in eval mode for the passes.
+        tokenizer: the policy's tokenizer.
+        cfg: OARConfig.
+        global_step: the training step (probe schedule, OAR-G noise seeds).
+        max_tokens: the token budget of one pass from the trainer's settings (``cfg.max_token_len_per_gpu`` wins).
+        checkpointing: the actor's gradient checkpointing.
+        device: where the model runs (default: its first parameter's device).
+        align: rounds -> rounds every rank runs (default: max over the default process group).
+
+    Returns:
+        ReshapeResult.
+    """
+    if device is None:
+        device = next(model.parameters()).device
+    device = torch.device(device)
+    align = align or (lambda n: _max_over_ranks(n, device))
+    rows = item_rows(items)
+    width = max((len(a) for a in rows.actions), default=0)
+    action = _pad_float([a.double() for a in rows.actions], width).bool()
+    base = _response_field(items, "advantages", rows)
+    base_ret = _response_field(items, "returns", rows) if all(it.returns is not None for it in items) else None
+    seq_adv = sequence_advantages(base, action)
+    has_action = action.any(-1)
+    wanted = (rows_to_reshape(seq_adv, cfg.apply_to) if cfg.skip_zero_advantage else torch.ones_like(has_action))
+    wanted &= has_action
+    sel = wanted.nonzero().flatten()
+    importance = torch.zeros(len(items), width, dtype=torch.float64)
+    reasoning = torch.zeros(len(items), width, dtype=torch.bool)
+    found = torch.zeros(len(items), dtype=torch.bool)
+    probe = torch.zeros(len(items), dtype=torch.bool)
+    if _max_over_ranks(len(sel), device) > 0:  # every rank takes part as soon as one has a row to attribute
+        run = sel if len(sel) else has_action.nonzero().flatten()[:1]  # filler: one own row, result discarded
+        if len(run) == 0:
+            raise RuntimeError("oar: this rank's replay buffer has no generated token to run the aligned "
+                               "attribution passes on")
+        truths = [items[i].labels[0] if items[i].labels else None for i in run.tolist()] \
+            if cfg.target == "reference" else None
+        prepared = prepare_attribution([rows.prompts[i] for i in run.tolist()],
+                                       [rows.responses[i] for i in run.tolist()], tokenizer, cfg, global_step,
+                                       ground_truths=truths, device=device)
+        lengths = prepared.batch.attention_mask.sum(-1)
+        longest = _max_over_ranks(int(lengths.max()), device)
+        limits = pass_limits(cfg, max(max_tokens or 0, longest) or None)
+        was_training = model.training
+        model.eval()  # eval numerics (no dropout) for the attribution passes
+        try:
+            result = run_attribution(model, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
+                                     seeds=prepared.seeds, limits=limits, checkpointing=checkpointing, align=align,
+                                     pad_id=tokenizer.pad_token_id or 0)
+        finally:
+            model.train(was_training)
+        if len(sel):
+            scores = prepared.response_importance(result.importance)
+            importance[sel] = _pad_float(scores, width)
+            spans = prepared.spans.reasoning_mask.bool()
+            reasoning[sel, : spans.shape[1]] = spans[:, :width]
+            found[sel] = prepared.spans.found.bool()
+            probe[sel] = prepared.answer_probe.bool()
+    attributed = torch.zeros(len(items), dtype=torch.bool)
+    attributed[sel] = True
+    tw = oar_token_weights(importance, reasoning & action, action, cfg.tau, cfg.beta, cfg.floor,
+                           reshape_rows=wanted & attributed)
+    w = tw.weights.double()
+    adv = base * w
+    for i, it in enumerate(items):  # write back each item's response slice (unpadded items of different lengths)
+        n, s = len(rows.actions[i]), rows.starts[i]
+        it.advantages.reshape(-1)[s: s + n] = adv[i, :n].to(it.advantages.dtype)
+        if base_ret is not None:
+            it.returns.reshape(-1)[s: s + n] = (base_ret[i, :n] * w[i, :n]).to(it.returns.dtype)
+    metrics = oar_metrics(tw, base, adv, action, span_found=found[attributed], answer_probe=probe[attributed])
+    metrics["oar/attributed_seq_frac"] = float(attributed.float().mean()) if len(items) else 0.0
+    metrics["oar/global_step"] = float(global_step)
+    counts = {"items": float(len(items)), "attributed": float(attributed.sum()),
+              "reshaped": float(tw.reshaped.any(-1).sum())}
+    metrics = _reduce_metrics(metrics, counts, device)
+    return ReshapeResult(tw, base, adv, attributed, importance, metrics)
