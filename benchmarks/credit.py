@@ -170,8 +170,8 @@ def compute_advantages(method: str, model, tok, r: Rollouts, step: int, algo) ->
     from oar_verl.core.attribution import run_attribution
     from oar_verl.core.preprocess import prepare_attribution
     from oar_verl.core.spans import locate_answer_spans
-    from oar_verl.integration.estimator import (base_advantage, compute_oar, read_oar_config, rows_to_reshape,
-                                                sequence_advantage)
+    from oar_verl.core.selection import rows_to_reshape, sequence_advantage
+    from oar_verl.integration.estimator import base_advantage, compute_oar, read_oar_config
 
     b = r.batch
     mask = b.response_mask

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from oar_verl.core.config import OARConfig
-from oar_verl.integration.estimator import sequence_advantage
+from oar_verl.core.selection import sequence_advantage
 from oar_verl.core.token_bytes import token_byte_table
 
 

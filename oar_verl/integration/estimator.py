@@ -17,6 +17,7 @@ from verl.trainer.ppo.core_algos import register_adv_est
 
 from oar_verl.core.config import OARConfig
 from oar_verl.core.gating import TokenWeights, oar_token_weights
+from oar_verl.core.selection import rows_to_reshape, sequence_advantage
 from oar_verl.integration import handoff
 
 ESTIMATOR_NAME = "oar"
@@ -59,21 +60,6 @@ def read_oar_config(algorithm: Any) -> OARConfig:
     if algorithm is not None:
         oar = algorithm.get("oar", None) if hasattr(algorithm, "get") else getattr(algorithm, "oar", None)
     return OARConfig.from_mapping(oar)
-
-
-def sequence_advantage(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) the sequence-level advantage: the mean over valid tokens (outcome estimators broadcast one value)."""
-    m = response_mask.to(advantages.dtype)
-    return (advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
-
-
-def rows_to_reshape(seq_adv: torch.Tensor, apply_to: str) -> torch.Tensor:
-    """(B,) bool rows whose weights OAR reshapes: non-zero advantage, filtered by ``apply_to``."""
-    if apply_to == "negative":
-        return seq_adv < 0
-    if apply_to == "positive":
-        return seq_adv > 0
-    return seq_adv != 0
 
 
 def base_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, algorithm: Any,

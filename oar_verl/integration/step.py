@@ -38,10 +38,11 @@ from verl.utils.profiler import marked_timer
 
 from oar_verl.core.config import OARConfig
 from oar_verl.core.metrics import oar_metrics
+from oar_verl.core.selection import rows_to_reshape, sequence_advantage
 from oar_verl.integration import dumps, handoff
-from oar_verl.integration.estimator import base_advantage, rows_to_reshape, sequence_advantage
-from oar_verl.integration.rows import BatchRows, StepAttribution, assemble, select_rows
+from oar_verl.integration.estimator import base_advantage
 from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
+from oar_verl.integration.rows import BatchRows, StepAttribution, assemble, select_rows
 
 TIMER = "oar"  # -> timing_s/oar (verl times the attribution call inside its old-log-prob pass)
 

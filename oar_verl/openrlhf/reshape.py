@@ -23,8 +23,9 @@ from oar_verl.core.config import OARConfig
 from oar_verl.core.gating import TokenWeights, oar_token_weights
 from oar_verl.core.metrics import oar_metrics
 from oar_verl.core.preprocess import prepare_attribution
+from oar_verl.core.selection import rows_to_reshape, sequence_advantage
 
-__all__ = ["ItemRows", "item_rows", "reshape_replay_buffer", "rows_to_reshape", "sequence_advantages"]
+__all__ = ["ItemRows", "item_rows", "reshape_replay_buffer"]
 
 
 @dataclass(frozen=True)
@@ -75,25 +76,6 @@ def _pad_float(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
     for i, r in enumerate(rows):  # per row: a slice copy
         out[i, : len(r)] = r.double()
     return out
-
-
-def sequence_advantages(advantages: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
-    """(N,) mean advantage over each row's generated tokens (the outcome estimators broadcast one value).
-
-    Args:
-        advantages: (N, T). action_mask: (N, T) bool.
-    """
-    m = action_mask.to(advantages.dtype)
-    return (advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
-
-
-def rows_to_reshape(seq_adv: torch.Tensor, apply_to: str) -> torch.Tensor:
-    """(N,) bool rows OAR reshapes: non-zero sequence advantage, filtered by ``apply_to``."""
-    if apply_to == "negative":
-        return seq_adv < 0
-    if apply_to == "positive":
-        return seq_adv > 0
-    return seq_adv != 0
 
 
 def _max_over_ranks(value: int, device: torch.device) -> int:
@@ -207,7 +189,7 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
     action = _pad_float([a.double() for a in rows.actions], width).bool()
     base = _response_field(items, "advantages", rows)
     base_ret = _response_field(items, "returns", rows) if all(it.returns is not None for it in items) else None
-    seq_adv = sequence_advantages(base, action)
+    seq_adv = sequence_advantage(base, action)
     has_action = action.any(-1)
     wanted = (rows_to_reshape(seq_adv, cfg.apply_to) if cfg.skip_zero_advantage else torch.ones_like(has_action))
     wanted &= has_action
