@@ -320,17 +320,23 @@ def row_segments(batch, length: int, spec: str) -> torch.Tensor:
 
 
 def cost_point(shape: str, length: int, splits: list[str], device: str, dtype: torch.dtype, rows: int, shares,
-               validate: bool, log) -> dict:
-    model = scaling.build_model(shape, device, dtype)
+               validate: bool, log, *, model=None, segments_of=None) -> dict:
+    """Training step, clean forward and three sampled exact OAR-P passes measured on one model; every policy's time
+    estimated from the measured time per recomputed token. ``model``: reuse a built ``scaling`` model of ``shape``;
+    ``segments_of(batch, length, spec)``: the (B, L) segment ids (default: GSM-style text's, via the Qwen2.5
+    tokenizer)."""
+    segments_of = segments_of or row_segments
+    model = model if model is not None else scaling.build_model(shape, device, dtype)
     batch = scaling.make_rows(rows, length, model.config.vocab_size, device)
     P = batch.response_start
-    segments = row_segments(batch, length, splits[0]).to(device)
+    segments = segments_of(batch, length, splits[0]).to(device)
     batch = dataclasses.replace(batch, segments=segments)  # already in full-sequence coordinates
     tokens = rows * (P + length)  # the training micro-step's budget: all rows at once
     limits = PassLimits(tokens)
     for p in model.parameters():
         p.requires_grad_(True)
     train_s, train_peak = measure(lambda: scaling.train_step(model, batch), device)
+    model.zero_grad(set_to_none=True)  # the gradients are not part of an attribution pass's memory
     for p in model.parameters():
         p.requires_grad_(False)
     per_pass = max(1, tokens // (P + length))
@@ -343,7 +349,7 @@ def cost_point(shape: str, length: int, splits: list[str], device: str, dtype: t
     rate = max(sample_s - clean_s, 1e-9) / sample_work
     layouts, per_row = {}, {}
     for spec in splits:
-        seg = row_segments(batch, length, spec)
+        seg = segments_of(batch, length, spec)
         per_row[spec] = float(len(block_copies(seg)[0]) / rows)
         for name, value in policy_layouts(batch, seg, shares).items():
             layouts[name if len(splits) == 1 or name == "exact" else f"{name} ({spec})"] = value

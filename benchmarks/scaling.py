@@ -49,6 +49,7 @@ SHAPES = {
     # V ≈ 42 H, 128-wide heads, GQA), scaled down to what 2 CPU cores run in minutes
     "cpu-scaled": (12, 1024, 8, 2, 128, 5504, 43008, False),
     "cpu-quick": (12, 256, 2, 1, 128, 1376, 10752, False),
+    "tiny": (2, 64, 2, 1, 32, 176, 1024, False),  # CI smoke runs of the GPU driver (benchmarks.gpu_check --tiny)
     "qwen2.5-1.5b": (28, 1536, 12, 2, 128, 8960, 151936, True),
     "qwen2.5-7b": (28, 3584, 28, 4, 128, 18944, 152064, False),
     "qwen2.5-32b": (64, 5120, 40, 8, 128, 27648, 152064, False),
@@ -64,8 +65,13 @@ def build_model(shape: str, device: str, dtype: torch.dtype):
                       head_dim=head_dim, intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
                       max_position_embeddings=32768 + PROMPT, attn_implementation="sdpa")
     torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(cfg).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: a 7B model never exists in fp32 on the device
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(cfg).to(dtype)
+    finally:
+        torch.set_default_dtype(default)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.eval()
 
