@@ -40,6 +40,7 @@ def _run(tmp_path: Path, out: Path) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_gpu_check_tiny_cpu_without_verl(tmp_path):
     out = tmp_path / "out"
