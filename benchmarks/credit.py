@@ -107,7 +107,8 @@ def build_assets(root: Path, s: Settings, *, log) -> dict:
                                              tokenizers.__file__])
     info = {"model_dir": str(root / "model"), **json.loads((root / "model" / WARM_INFO).read_text()),
             "from_cache": hit}
-    log(f"[credit] warm-started in {info['sft_seconds']:.0f} s: validation success at T=1 {info['val_success_t1']:.3f}")
+    log(f"[credit] warm-started in {info['sft_seconds']:.0f} s{' (earlier, cached)' if hit else ''}: validation "
+        f"success at T=1 {info['val_success_t1']:.3f}")
     info_file.write_text(json.dumps(info, indent=1))
     return info
 

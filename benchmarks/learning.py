@@ -125,8 +125,8 @@ def build_assets(root: Path, s: Settings, *, log) -> dict:
                                               n_val=s.val_rows)
     info = {"model_dir": str(model_dir), "train_file": str(train_file), "val_file": str(val_file),
             **json.loads((model_dir / WARM_INFO).read_text()), "from_cache": hit}
-    log(f"[learning] warm-started in {info['sft_seconds']:.0f} s: success rate at T=1 "
-        f"{info['sampled_accuracy_t1']:.3f} (HF sampling, 120 samples), greedy {info['greedy_accuracy']:.3f} "
+    log(f"[learning] warm-started in {info['sft_seconds']:.0f} s{' (earlier, cached)' if hit else ''}: success rate "
+        f"at T=1 {info['sampled_accuracy_t1']:.3f} (HF sampling, 120 samples), greedy {info['greedy_accuracy']:.3f} "
         "(30 prompts)")
     info_file.write_text(json.dumps(info, indent=1))
     return info

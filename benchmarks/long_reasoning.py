@@ -42,6 +42,7 @@ import torch
 
 from benchmarks import REPO, fidelity, scaling, task
 from benchmarks.attribution import measure
+from benchmarks.progress import progress
 from oar_verl.core.attribution import AttributionResult, run_attribution
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.config import OARConfig
@@ -464,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [int(x) for x in args.lengths.split(",")]
         log(f"[long] cost on {args.shape} ({args.device}, {args.dtype}), {args.rows} rows, splits {splits}")
         result["cost"] = [cost_point(args.shape, n, splits, args.device, getattr(torch, args.dtype), args.rows,
-                                     SHARES, validate=(n == lengths[0]), log=log) for n in lengths]
+                                     SHARES, validate=(n == lengths[0]), log=log)
+                          for n in progress(lengths, desc="[long] cost points", unit="length")]
         log(cost_table(result["cost"]))
     result["wall_seconds"] = time.perf_counter() - start
     (out / "long_reasoning.json").write_text(json.dumps(result, indent=1))

@@ -37,6 +37,7 @@ import torch
 
 from benchmarks import REPO
 from benchmarks.attribution import measure
+from benchmarks.progress import progress
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.gradient import oar_g_importance, sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
@@ -218,21 +219,21 @@ def extrapolate(prompt: int = 1024, budget: int = 16384, gpus: int = 8) -> list[
 
 def run_points(args, lengths: list[int]) -> list[dict]:
     out = []
-    for n in lengths:
-        for method in ("train", "oar_g", "oar_p"):
-            cmd = [sys.executable, "-m", "benchmarks.scaling", "--point", method, "--point-length", str(n),
-                   "--device", args.device, "--dtype", args.dtype, "--shape", args.shape, "--rows", str(args.rows),
-                   "--oar-p-sample", str(args.oar_p_sample), "--noise-samples", str(args.noise_samples)]
-            cmd += ["--threads", str(args.threads)] if args.threads else []
-            start = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{method} at {n} tokens failed:\n{proc.stderr[-3000:]}")
-            row = json.loads(proc.stdout.strip().splitlines()[-1])
-            row["predicted_mib"] = predicted(args.shape, getattr(torch, args.dtype), args.rows, n)[method]
-            print(f"  {method:6s} {n:6d} tokens: {row['seconds']:9.1f} s  peak {row['peak_mib']:9.0f} MiB  "
-                  f"(model {row['predicted_mib']:8.0f} MiB; {time.perf_counter() - start:.0f} s wall)", flush=True)
-            out.append(row)
+    units = [(n, method) for n in lengths for method in ("train", "oar_g", "oar_p")]
+    for n, method in progress(units, desc="[scaling] points (length x method)", unit="point"):
+        cmd = [sys.executable, "-m", "benchmarks.scaling", "--point", method, "--point-length", str(n),
+               "--device", args.device, "--dtype", args.dtype, "--shape", args.shape, "--rows", str(args.rows),
+               "--oar-p-sample", str(args.oar_p_sample), "--noise-samples", str(args.noise_samples)]
+        cmd += ["--threads", str(args.threads)] if args.threads else []
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{method} at {n} tokens failed:\n{proc.stderr[-3000:]}")
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        row["predicted_mib"] = predicted(args.shape, getattr(torch, args.dtype), args.rows, n)[method]
+        print(f"  {method:6s} {n:6d} tokens: {row['seconds']:9.1f} s  peak {row['peak_mib']:9.0f} MiB  "
+              f"(model {row['predicted_mib']:8.0f} MiB; {time.perf_counter() - start:.0f} s wall)", flush=True)
+        out.append(row)
     return out
 
 
