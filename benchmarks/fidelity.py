@@ -39,6 +39,7 @@ import torch
 
 from benchmarks import REPO, task, warm_cache
 from benchmarks.attribution import measure
+from benchmarks.progress import progress
 from oar_verl.core.attribution import response_importance
 from oar_verl.core.config import OARConfig
 from oar_verl.core.gating import oar_token_weights
@@ -215,7 +216,7 @@ def attribute_all(model, batch, spans, *, mask_token_id: int, probes: tuple[str,
         for K in sweep:
             name = f"OAR-G{suffix}" if K == 1 else f"OAR-G K={K}"
             runs = []
-            for seed in range(g_seeds):
+            for seed in progress(range(g_seeds), desc=f"[fidelity] OAR-G K={K} noise seeds", unit="seed"):
                 imp, sec, mib = oar_scores(model, batch, spans, mode="gradient", probe=probe,
                                            mask_token_id=mask_token_id, seed=seed, chunk_size=chunk_size,
                                            micro_batch_size=micro_batch_size, noise_samples=K)
