@@ -289,9 +289,10 @@ def recomputed_tokens(blocks: torch.Tensor, ends: torch.Tensor) -> int:
 def policy_layouts(batch, segments: torch.Tensor, shares, draws: int = 20) -> dict[str, tuple[float, float]]:
     """Per policy: (masked copies, recomputed tokens), the hierarchical ones averaged over ``draws`` random segment
     rankings (on a random-init model the real ranking means nothing; cost depends only on which segments refine)."""
-    ends = batch.attention_mask.sum(-1)
-    out = {"exact": (float(batch.reasoning_mask.sum()), float(recomputed_tokens(token_blocks(batch.reasoning_mask),
-                                                                               ends)))}
+    # layout arithmetic on CPU: the segment ids come from the CPU, the batch may live on the GPU
+    ends, reasoning = batch.attention_mask.sum(-1).cpu(), batch.reasoning_mask.cpu()
+    segments = segments.cpu()
+    out = {"exact": (float(reasoning.sum()), float(recomputed_tokens(token_blocks(reasoning), ends)))}
     seg_work = recomputed_tokens(segments, ends)
     n_seg = float(len(block_copies(segments)[0]))
     out["segment"] = (n_seg, float(seg_work))
