@@ -78,6 +78,24 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def warm_up(model, rows: int, device: str) -> None:
+    """One untimed training step, OAR-G and OAR-P pass at a short length: the first call on a device pays for the
+    CUDA context, cuBLAS handles and kernel selection, which would otherwise land in the first measured figure."""
+    length = 64
+    batch = scaling.make_rows(rows, length, model.config.vocab_size, device)
+    limits = PassLimits(rows * (scaling.PROMPT + length))
+    for p in model.parameters():
+        p.requires_grad_(True)
+    scaling.train_step(model, batch)
+    model.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    oar_g_importance(model, batch, 1e-3, sequence_seeds(0, 0, torch.arange(rows)).to(device), limits,
+                     checkpointing=True)
+    oar_p_importance(model, scaling.sample_reasoning(batch, 3, rows)[0], 0, limits, prefix_cache=True)
+    _release(device)
+
+
 def attribution_point(model, length: int, rows: int, device: str) -> dict:
     """Training step vs OAR-G (each K of NOISE_SAMPLES) vs exact OAR-P (three passes, extrapolated) on the same
     rows and token budget (one micro-batch of ``rows`` sequences)."""
@@ -119,6 +137,7 @@ def run_part(kind: str, shape: str, lengths: list[int], rows: int, device: str, 
     """Every length of one part on one model; each finished point is written to ``partial`` at once (a part killed
     by its time limit keeps what it measured)."""
     model = scaling.build_model(shape, device, dtype)
+    warm_up(model, rows, device)
     result: dict = {"part": f"{kind}-{shape}", "shape": shape, "shape_values": scaling.SHAPES[shape], "points": []}
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     for i, n in enumerate(progress(lengths, desc=f"{kind}-{shape}", unit="length")):
