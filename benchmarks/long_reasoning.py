@@ -48,7 +48,7 @@ from oar_verl.core.budget import PassLimits
 from oar_verl.core.config import OARConfig
 from oar_verl.core.hierarchical import refined_segments, segment_table, token_blocks
 from oar_verl.core.layout import build_attribution_batch, with_segments
-from oar_verl.core.perturbation import block_copies, clean_probe, oar_p_importance
+from oar_verl.core.perturbation import block_copies, oar_p_importance
 from oar_verl.core.probes import ProbeKind
 from oar_verl.core.segments import reasoning_segments
 from oar_verl.core.spans import locate_answer_spans
@@ -321,6 +321,14 @@ def row_segments(batch, length: int, spec: str) -> torch.Tensor:
     return torch.where(batch.reasoning_mask.cpu(), segments, -1)
 
 
+def clean_forward(model, batch) -> None:
+    """The clean pass a prefix-cached OAR-P run starts with: the decoder body over every row, keeping its KV cache
+    (the head at the answer positions is negligible next to it)."""
+    with torch.no_grad():
+        model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                    use_cache=True)
+
+
 def cost_point(shape: str, length: int, splits: list[str], device: str, dtype: torch.dtype, rows: int, shares,
                validate: bool, log, *, model=None, segments_of=None) -> dict:
     """Training step, clean forward and three sampled exact OAR-P passes measured on one model; every policy's time
@@ -342,7 +350,7 @@ def cost_point(shape: str, length: int, splits: list[str], device: str, dtype: t
     for p in model.parameters():
         p.requires_grad_(False)
     per_pass = max(1, tokens // (P + length))
-    clean_s, _ = measure(lambda: clean_probe(model, batch, limits), device)  # one clean forward per row
+    clean_s, _ = measure(lambda: clean_forward(model, batch), device)  # one clean forward per row
     sampled, _ = scaling.sample_reasoning(batch, 3, per_pass)
     sample_s, peak = measure(lambda: oar_p_importance(model, sampled, 0, limits, prefix_cache=True), device)
     ends = batch.attention_mask.sum(-1)
