@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import REPO
+from benchmarks.progress import progress
 from oar_verl.core import reference
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.gradient import oar_g_importance, sequence_seeds
@@ -230,18 +231,18 @@ class RSSSampler:
 
 def memory_table(args, lengths: list[int]) -> list[dict]:
     rows = []
-    for n in lengths:
-        for path in ("ours", "naive"):
-            # the naive path materialises [R, L, V] logits: skip it where that alone would exceed ~4 GiB
-            L = args.prompt + n + 2 + args.answer
-            if path == "naive" and n * L * SHAPES[args.shape][5] * 4 > 4 * 2**30:
-                rows.append({"reasoning": n, "path": path, "seconds": float("nan"), "peak_extra_mib": float("nan")})
-                continue
-            cmd = [sys.executable, "-m", "benchmarks.attribution", "--memory-point", str(n), "--path", path,
-                   "--device", args.device, "--dtype", args.dtype, "--shape", args.shape, "--prompt", str(args.prompt),
-                   "--answer", str(args.answer), "--chunk", str(args.chunk)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO)
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for n, path in progress([(n, p) for n in lengths for p in ("ours", "naive")],
+                            desc="[attribution] memory points (length x path)", unit="point"):
+        # the naive path materialises [R, L, V] logits: skip it where that alone would exceed ~4 GiB
+        L = args.prompt + n + 2 + args.answer
+        if path == "naive" and n * L * SHAPES[args.shape][5] * 4 > 4 * 2**30:
+            rows.append({"reasoning": n, "path": path, "seconds": float("nan"), "peak_extra_mib": float("nan")})
+            continue
+        cmd = [sys.executable, "-m", "benchmarks.attribution", "--memory-point", str(n), "--path", path,
+               "--device", args.device, "--dtype", args.dtype, "--shape", args.shape, "--prompt", str(args.prompt),
+               "--answer", str(args.answer), "--chunk", str(args.chunk)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO)
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     return rows
 
 

@@ -37,8 +37,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks import REPO, credit_reward, credit_task, task
+from benchmarks import REPO, credit_reward, credit_task, task, warm_cache
 from benchmarks.learning import _nanmean, permutation_p
+from benchmarks.progress import progress
+from oar_verl.cpu import tiny_assets, tokenizers
 
 METHODS = ("grpo", "oar_g", "oar_p", "fisher", "entropy")
 DEFAULT_METHODS = ("grpo", "oar_g", "oar_p", "entropy")  # the study's protocol; fisher on request (--methods)
@@ -77,23 +79,38 @@ FULL = Settings(seeds=5, steps=40, prompts_per_step=8, rollout_n=8, lr=3e-4, eva
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+WARM_INFO = "warm_start_info.json"  # the warm start's own numbers, cached with its model
+
+
 def build_assets(root: Path, s: Settings, *, log) -> dict:
     """Warm-started model under ``root / "model"`` (reused when present); returns its path and warm-start numbers."""
     info_file = root / "warm_start.json"
     if info_file.exists():
         log(f"[credit] reusing the warm-started model in {root / 'model'}")
         return json.loads(info_file.read_text())
-    torch.manual_seed(0)
-    model, tok = task.build_model_dir(root / "model", seed=0, intermediate_size=256,
-                                      examples=credit_task.make_examples(4000, "tok-0"))
-    log(f"[credit] warm start: {s.warm_steps} supervised steps on responses with uniform random digits")
-    sft = task.sft_train(model, tok, steps=s.warm_steps, batch_size=32, lr=3e-3, seed=0, warmup=50, answer_weight=5.0,
-                         example_fn=credit_task.make_example, log=log)
-    task.save_model(model, tok, root / "model")
-    acc = validate(model, tok, 16, torch.Generator().manual_seed(12345), s.max_new_tokens)
-    info = {"model_dir": str(root / "model"), "sft_steps": sft["steps"], "sft_seconds": sft["seconds"],
-            "sft_loss": sft["loss"], "val_success_t1": acc, "params": sum(p.numel() for p in model.parameters())}
-    log(f"[credit] warm-started in {sft['seconds']:.0f} s: validation success at T=1 {acc:.3f}")
+
+    def build(model_dir: Path) -> None:
+        torch.manual_seed(0)
+        model, tok = task.build_model_dir(model_dir, seed=0, intermediate_size=256,
+                                          examples=credit_task.make_examples(4000, "tok-0"))
+        log(f"[credit] warm start: {s.warm_steps} supervised steps on responses with uniform random digits")
+        sft = task.sft_train(model, tok, steps=s.warm_steps, batch_size=32, lr=3e-3, seed=0, warmup=50,
+                             answer_weight=5.0, example_fn=credit_task.make_example, log=log)
+        task.save_model(model, tok, model_dir)
+        acc = validate(model, tok, 16, torch.Generator().manual_seed(12345), s.max_new_tokens)
+        warm = {"sft_steps": sft["steps"], "sft_seconds": sft["seconds"], "sft_loss": sft["loss"],
+                "val_success_t1": acc, "params": sum(p.numel() for p in model.parameters())}
+        (model_dir / WARM_INFO).write_text(json.dumps(warm))
+
+    # keyed on what the warm start depends on: its steps, the generation length of the validation, and the code
+    hit = warm_cache.materialise(root / "model", name="credit-warm", log=log, build=build,
+                                 settings={"warm_steps": s.warm_steps, "max_new_tokens": s.max_new_tokens},
+                                 code_files=[__file__, task.__file__, credit_task.__file__, tiny_assets.__file__,
+                                             tokenizers.__file__])
+    info = {"model_dir": str(root / "model"), **json.loads((root / "model" / WARM_INFO).read_text()),
+            "from_cache": hit}
+    log(f"[credit] warm-started in {info['sft_seconds']:.0f} s{' (earlier, cached)' if hit else ''}: validation "
+        f"success at T=1 {info['val_success_t1']:.3f}")
     info_file.write_text(json.dumps(info, indent=1))
     return info
 
@@ -586,10 +603,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = [r for f in sorted(out.glob("runs_*.json")) for r in json.loads(f.read_text())["runs"]]
     else:
         runs = []
-        for seed in range(args.first_seed, args.first_seed + s.seeds):
-            for method in methods:
-                runs.append(run_one(assets, s, method, seed, log=log))
-                runs_file.write_text(json.dumps({"settings": asdict(s), "runs": runs}))
+        units = [(seed, method) for seed in range(args.first_seed, args.first_seed + s.seeds) for method in methods]
+        for seed, method in progress(units, desc="[credit] runs (seed x method)", unit="run"):
+            runs.append(run_one(assets, s, method, seed, log=log))
+            runs_file.write_text(json.dumps({"settings": asdict(s), "runs": runs}))
     summary = summarize(runs, s)
     if args.verl_check:
         summary["verl_check"] = verl_check(assets, out, log=log, modes=("oar_g",) if args.quick else ("oar_g", "oar_p"))

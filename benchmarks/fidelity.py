@@ -37,13 +37,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks import REPO, task
+from benchmarks import REPO, task, warm_cache
 from benchmarks.attribution import measure
+from benchmarks.progress import progress
 from oar_verl.core.attribution import response_importance
 from oar_verl.core.config import OARConfig
 from oar_verl.core.gating import oar_token_weights
 from oar_verl.core.gradient import sequence_seeds
 from oar_verl.core.spans import locate_answer_spans
+from oar_verl.cpu import tiny_assets, tokenizers
 
 
 
@@ -214,7 +216,7 @@ def attribute_all(model, batch, spans, *, mask_token_id: int, probes: tuple[str,
         for K in sweep:
             name = f"OAR-G{suffix}" if K == 1 else f"OAR-G K={K}"
             runs = []
-            for seed in range(g_seeds):
+            for seed in progress(range(g_seeds), desc=f"[fidelity] OAR-G K={K} noise seeds", unit="seed"):
                 imp, sec, mib = oar_scores(model, batch, spans, mode="gradient", probe=probe,
                                            mask_token_id=mask_token_id, seed=seed, chunk_size=chunk_size,
                                            micro_batch_size=micro_batch_size, noise_samples=K)
@@ -251,17 +253,27 @@ def train_synthetic_model(out: Path, s: Settings, *, seed: int, reuse: bool, sty
         info = json.loads(info_file.read_text())
         log(f"[fidelity] reusing the trained model in {model_dir}")
     else:
-        model, tok = task.build_model_dir(model_dir, seed=seed, intermediate_size=256, style=style)
-        n_params = sum(p.numel() for p in model.parameters())
-        log(f"[fidelity] training a {n_params / 1e3:.0f}k-parameter Qwen2 on the digit-sum task "
-            f"(until teacher-forced answer accuracy >= {s.sft_target} or {s.sft_budget_s:.0f} s)")
-        info = task.sft_train(model, tok, steps=s.sft_steps, batch_size=32, lr=3e-3, seed=seed, eval_every=250,
-                              answer_weight=5.0, style=style,
-                              eval_fn=lambda: task.answer_accuracy(model, tok, held_out[:256]),
-                              target=s.sft_target, time_budget_s=s.sft_budget_s, log=log)
-        info["params"] = n_params
-        task.save_model(model, tok, model_dir)
-        info_file.write_text(json.dumps(info))
+        def build(target: Path) -> None:
+            model, tok = task.build_model_dir(target, seed=seed, intermediate_size=256, style=style)
+            n_params = sum(p.numel() for p in model.parameters())
+            log(f"[fidelity] training a {n_params / 1e3:.0f}k-parameter Qwen2 on the digit-sum task "
+                f"(until teacher-forced answer accuracy >= {s.sft_target} or {s.sft_budget_s:.0f} s)")
+            info = task.sft_train(model, tok, steps=s.sft_steps, batch_size=32, lr=3e-3, seed=seed, eval_every=250,
+                                  answer_weight=5.0, style=style,
+                                  eval_fn=lambda: task.answer_accuracy(model, tok, held_out[:256]),
+                                  target=s.sft_target, time_budget_s=s.sft_budget_s, log=log)
+            info["params"] = n_params
+            task.save_model(model, tok, target)
+            (target / info_file.name).write_text(json.dumps(info))
+
+        # the SFT stops at a target accuracy or a time budget: both are part of the key
+        warm_cache.materialise(model_dir, name=f"fidelity-digit-sum-{style}", log=log, build=build,
+                               settings={"seed": seed, "style": style, "sft_steps": s.sft_steps,
+                                         "sft_target": s.sft_target, "sft_budget_s": s.sft_budget_s},
+                               code_files=[__file__, task.__file__, tiny_assets.__file__, tokenizers.__file__])
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        model = Qwen2ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
+        info = json.loads(info_file.read_text())
     model.eval()
     info["answer_accuracy"] = task.answer_accuracy(model, tok, held_out)
     prompts = held_out[:128]

@@ -36,7 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import REPO, digit_sum_reward, task
+from benchmarks import REPO, digit_sum_reward, task, warm_cache
+from benchmarks.progress import progress
+from oar_verl.cpu import tiny_assets, tokenizers
 from oar_verl.cpu.launcher import (cpu_env, main_ppo_overrides, new_ray_temp_dir, read_metrics,
                                           run_main_ppo)
 
@@ -88,6 +90,9 @@ FULL = Settings(seeds=3, steps=16, test_freq=4, train_batch_size=8, rollout_n=8,
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+WARM_INFO = "warm_start_info.json"  # the warm start's own numbers, cached with its model
+
+
 def build_assets(root: Path, s: Settings, *, log) -> dict:
     """Warm-started model + parquet data under ``root``; returns paths and the warm-start accuracies."""
     import torch
@@ -97,24 +102,32 @@ def build_assets(root: Path, s: Settings, *, log) -> dict:
     if info_file.exists():
         log(f"[learning] reusing the warm-started model in {model_dir}")
         return json.loads(info_file.read_text())
-    torch.manual_seed(0)
-    model, tok = task.build_model_dir(model_dir, seed=0, intermediate_size=256)
-    log(f"[learning] warm start: {s.warm_steps} supervised steps on correct digit-sum examples (plain torch)")
-    sft = task.sft_train(model, tok, steps=s.warm_steps, batch_size=32, lr=3e-3, seed=0, warmup=50, answer_weight=5.0,
-                         log=log)
-    task.save_model(model, tok, model_dir)
-    val_examples = [task.make_example(random.Random(i), start=i % 10, n_digits=task.DIGIT_COUNTS[(i // 10) % 3])
-                    for i in range(30)] * 4
-    acc_t1 = task.sampled_accuracy(model, tok, val_examples, temperature=1.0, seed=0)
-    acc_greedy = task.sampled_accuracy(model, tok, val_examples[:30], temperature=0.0)
+
+    def build(target: Path) -> None:
+        torch.manual_seed(0)
+        model, tok = task.build_model_dir(target, seed=0, intermediate_size=256)
+        log(f"[learning] warm start: {s.warm_steps} supervised steps on correct digit-sum examples (plain torch)")
+        sft = task.sft_train(model, tok, steps=s.warm_steps, batch_size=32, lr=3e-3, seed=0, warmup=50,
+                             answer_weight=5.0, log=log)
+        task.save_model(model, tok, target)
+        val_examples = [task.make_example(random.Random(i), start=i % 10, n_digits=task.DIGIT_COUNTS[(i // 10) % 3])
+                        for i in range(30)] * 4
+        warm = {"sft_steps": sft["steps"], "sft_seconds": sft["seconds"], "sft_loss": sft["loss"],
+                "sampled_accuracy_t1": task.sampled_accuracy(model, tok, val_examples, temperature=1.0, seed=0),
+                "greedy_accuracy": task.sampled_accuracy(model, tok, val_examples[:30], temperature=0.0),
+                "max_prompt_tokens": max(len(p) for p in task.encode(tok, val_examples[:30])[0])}
+        (target / WARM_INFO).write_text(json.dumps(warm))
+
+    hit = warm_cache.materialise(model_dir, name="learning-warm", log=log, build=build,
+                                 settings={"warm_steps": s.warm_steps},
+                                 code_files=[__file__, task.__file__, tiny_assets.__file__, tokenizers.__file__])
     train_file, val_file = task.write_parquet(data_dir, n_train=max(512, s.steps * s.train_batch_size),
                                               n_val=s.val_rows)
-    prompt_lens = [len(p) for p in task.encode(tok, val_examples[:30])[0]]
     info = {"model_dir": str(model_dir), "train_file": str(train_file), "val_file": str(val_file),
-            "sft_steps": sft["steps"], "sft_seconds": sft["seconds"], "sft_loss": sft["loss"],
-            "sampled_accuracy_t1": acc_t1, "greedy_accuracy": acc_greedy, "max_prompt_tokens": max(prompt_lens)}
-    log(f"[learning] warm-started in {sft['seconds']:.0f} s: success rate at T=1 {acc_t1:.3f} (HF sampling, "
-        f"120 samples), greedy {acc_greedy:.3f} (30 prompts)")
+            **json.loads((model_dir / WARM_INFO).read_text()), "from_cache": hit}
+    log(f"[learning] warm-started in {info['sft_seconds']:.0f} s{' (earlier, cached)' if hit else ''}: success rate "
+        f"at T=1 {info['sampled_accuracy_t1']:.3f} (HF sampling, 120 samples), greedy {info['greedy_accuracy']:.3f} "
+        "(30 prompts)")
     info_file.write_text(json.dumps(info, indent=1))
     return info
 
@@ -369,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.append({**r, **curves(read_metrics(metrics_path))})
     else:
         runs = []
-        for seed, method in itertools.product(range(s.seeds), methods):  # interleaved: load drift hits all alike
+        units = list(itertools.product(range(s.seeds), methods))  # interleaved: load drift hits all alike
+        for seed, method in progress(units, desc="[learning] verl runs (seed x method)", unit="run"):
             runs.append(run_one(assets, s, method, seed, out, log=log))
             (out / "runs.json").write_text(json.dumps(runs, indent=1))
     summary = summarize(runs, s)

@@ -42,12 +42,13 @@ import torch
 
 from benchmarks import REPO, fidelity, scaling, task
 from benchmarks.attribution import measure
+from benchmarks.progress import progress
 from oar_verl.core.attribution import AttributionResult, run_attribution
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.config import OARConfig
 from oar_verl.core.policies import refined_segments, segment_table, token_blocks
 from oar_verl.core.layout import build_attribution_batch, with_segments
-from oar_verl.core.perturbation import block_copies, clean_probe, oar_p_importance
+from oar_verl.core.perturbation import block_copies, oar_p_importance
 from oar_verl.core.probes import ProbeKind
 from oar_verl.core.segments import reasoning_segments
 from oar_verl.core.spans import locate_answer_spans
@@ -288,9 +289,10 @@ def recomputed_tokens(blocks: torch.Tensor, ends: torch.Tensor) -> int:
 def policy_layouts(batch, segments: torch.Tensor, shares, draws: int = 20) -> dict[str, tuple[float, float]]:
     """Per policy: (masked copies, recomputed tokens), the hierarchical ones averaged over ``draws`` random segment
     rankings (on a random-init model the real ranking means nothing; cost depends only on which segments refine)."""
-    ends = batch.attention_mask.sum(-1)
-    out = {"exact": (float(batch.reasoning_mask.sum()), float(recomputed_tokens(token_blocks(batch.reasoning_mask),
-                                                                               ends)))}
+    # layout arithmetic on CPU: the segment ids come from the CPU, the batch may live on the GPU
+    ends, reasoning = batch.attention_mask.sum(-1).cpu(), batch.reasoning_mask.cpu()
+    segments = segments.cpu()
+    out = {"exact": (float(reasoning.sum()), float(recomputed_tokens(token_blocks(reasoning), ends)))}
     seg_work = recomputed_tokens(segments, ends)
     n_seg = float(len(block_copies(segments)[0]))
     out["segment"] = (n_seg, float(seg_work))
@@ -319,22 +321,36 @@ def row_segments(batch, length: int, spec: str) -> torch.Tensor:
     return torch.where(batch.reasoning_mask.cpu(), segments, -1)
 
 
+def clean_forward(model, batch) -> None:
+    """The clean pass a prefix-cached OAR-P run starts with: the decoder body over every row, keeping its KV cache
+    (the head at the answer positions is negligible next to it)."""
+    with torch.no_grad():
+        model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                    use_cache=True)
+
+
 def cost_point(shape: str, length: int, splits: list[str], device: str, dtype: torch.dtype, rows: int, shares,
-               validate: bool, log) -> dict:
-    model = scaling.build_model(shape, device, dtype)
+               validate: bool, log, *, model=None, segments_of=None) -> dict:
+    """Training step, clean forward and three sampled exact OAR-P passes measured on one model; every policy's time
+    estimated from the measured time per recomputed token. ``model``: reuse a built ``scaling`` model of ``shape``;
+    ``segments_of(batch, length, spec)``: the (B, L) segment ids (default: GSM-style text's, via the Qwen2.5
+    tokenizer)."""
+    segments_of = segments_of or row_segments
+    model = model if model is not None else scaling.build_model(shape, device, dtype)
     batch = scaling.make_rows(rows, length, model.config.vocab_size, device)
     P = batch.response_start
-    segments = row_segments(batch, length, splits[0]).to(device)
+    segments = segments_of(batch, length, splits[0]).to(device)
     batch = dataclasses.replace(batch, segments=segments)  # already in full-sequence coordinates
     tokens = rows * (P + length)  # the training micro-step's budget: all rows at once
     limits = PassLimits(tokens)
     for p in model.parameters():
         p.requires_grad_(True)
     train_s, train_peak = measure(lambda: scaling.train_step(model, batch), device)
+    model.zero_grad(set_to_none=True)  # the gradients are not part of an attribution pass's memory
     for p in model.parameters():
         p.requires_grad_(False)
     per_pass = max(1, tokens // (P + length))
-    clean_s, _ = measure(lambda: clean_probe(model, batch, limits), device)  # one clean forward per row
+    clean_s, _ = measure(lambda: clean_forward(model, batch), device)  # one clean forward per row
     sampled, _ = scaling.sample_reasoning(batch, 3, per_pass)
     sample_s, peak = measure(lambda: oar_p_importance(model, sampled, 0, limits, prefix_cache=True), device)
     ends = batch.attention_mask.sum(-1)
@@ -343,7 +359,7 @@ def cost_point(shape: str, length: int, splits: list[str], device: str, dtype: t
     rate = max(sample_s - clean_s, 1e-9) / sample_work
     layouts, per_row = {}, {}
     for spec in splits:
-        seg = row_segments(batch, length, spec)
+        seg = segments_of(batch, length, spec)
         per_row[spec] = float(len(block_copies(seg)[0]) / rows)
         for name, value in policy_layouts(batch, seg, shares).items():
             layouts[name if len(splits) == 1 or name == "exact" else f"{name} ({spec})"] = value
@@ -458,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [int(x) for x in args.lengths.split(",")]
         log(f"[long] cost on {args.shape} ({args.device}, {args.dtype}), {args.rows} rows, splits {splits}")
         result["cost"] = [cost_point(args.shape, n, splits, args.device, getattr(torch, args.dtype), args.rows,
-                                     SHARES, validate=(n == lengths[0]), log=log) for n in lengths]
+                                     SHARES, validate=(n == lengths[0]), log=log)
+                          for n in progress(lengths, desc="[long] cost points", unit="length")]
         log(cost_table(result["cost"]))
     result["wall_seconds"] = time.perf_counter() - start
     (out / "long_reasoning.json").write_text(json.dumps(result, indent=1))

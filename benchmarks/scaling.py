@@ -37,6 +37,7 @@ import torch
 
 from benchmarks import REPO
 from benchmarks.attribution import measure
+from benchmarks.progress import progress
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.backend_hf import ModuleBackend
 from oar_verl.core.fisher import fisher
@@ -51,6 +52,7 @@ SHAPES = {
     # V ≈ 42 H, 128-wide heads, GQA), scaled down to what 2 CPU cores run in minutes
     "cpu-scaled": (12, 1024, 8, 2, 128, 5504, 43008, False),
     "cpu-quick": (12, 256, 2, 1, 128, 1376, 10752, False),
+    "tiny": (2, 64, 2, 1, 32, 176, 1024, False),  # CI smoke runs of the GPU driver (benchmarks.gpu_check --tiny)
     "qwen2.5-1.5b": (28, 1536, 12, 2, 128, 8960, 151936, True),
     "qwen2.5-7b": (28, 3584, 28, 4, 128, 18944, 152064, False),
     "qwen2.5-32b": (64, 5120, 40, 8, 128, 27648, 152064, False),
@@ -66,8 +68,13 @@ def build_model(shape: str, device: str, dtype: torch.dtype):
                       head_dim=head_dim, intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
                       max_position_embeddings=32768 + PROMPT, attn_implementation="sdpa")
     torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(cfg).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: a 7B model never exists in fp32 on the device
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(cfg).to(dtype)
+    finally:
+        torch.set_default_dtype(default)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.eval()
 
@@ -218,21 +225,21 @@ def extrapolate(prompt: int = 1024, budget: int = 16384, gpus: int = 8) -> list[
 
 def run_points(args, lengths: list[int]) -> list[dict]:
     out = []
-    for n in lengths:
-        for method in ("train", "oar_g", "oar_p"):
-            cmd = [sys.executable, "-m", "benchmarks.scaling", "--point", method, "--point-length", str(n),
-                   "--device", args.device, "--dtype", args.dtype, "--shape", args.shape, "--rows", str(args.rows),
-                   "--oar-p-sample", str(args.oar_p_sample), "--noise-samples", str(args.noise_samples)]
-            cmd += ["--threads", str(args.threads)] if args.threads else []
-            start = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{method} at {n} tokens failed:\n{proc.stderr[-3000:]}")
-            row = json.loads(proc.stdout.strip().splitlines()[-1])
-            row["predicted_mib"] = predicted(args.shape, getattr(torch, args.dtype), args.rows, n)[method]
-            print(f"  {method:6s} {n:6d} tokens: {row['seconds']:9.1f} s  peak {row['peak_mib']:9.0f} MiB  "
-                  f"(model {row['predicted_mib']:8.0f} MiB; {time.perf_counter() - start:.0f} s wall)", flush=True)
-            out.append(row)
+    units = [(n, method) for n in lengths for method in ("train", "oar_g", "oar_p")]
+    for n, method in progress(units, desc="[scaling] points (length x method)", unit="point"):
+        cmd = [sys.executable, "-m", "benchmarks.scaling", "--point", method, "--point-length", str(n),
+               "--device", args.device, "--dtype", args.dtype, "--shape", args.shape, "--rows", str(args.rows),
+               "--oar-p-sample", str(args.oar_p_sample), "--noise-samples", str(args.noise_samples)]
+        cmd += ["--threads", str(args.threads)] if args.threads else []
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{method} at {n} tokens failed:\n{proc.stderr[-3000:]}")
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        row["predicted_mib"] = predicted(args.shape, getattr(torch, args.dtype), args.rows, n)[method]
+        print(f"  {method:6s} {n:6d} tokens: {row['seconds']:9.1f} s  peak {row['peak_mib']:9.0f} MiB  "
+              f"(model {row['predicted_mib']:8.0f} MiB; {time.perf_counter() - start:.0f} s wall)", flush=True)
+        out.append(row)
     return out
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.digit_sum_reward import score_response
+from benchmarks.progress import progress
 from oar_verl.cpu.tiny_assets import build_tiny_qwen2
 from oar_verl.cpu.tokenizers import train_tiny_bpe
 
@@ -315,7 +316,7 @@ def sft_train(model, tokenizer, *, steps: int, batch_size: int = 64, lr: float =
         opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
     start = time.monotonic()
     loss_ema, last_eval, step = float("nan"), None, 0
-    for step in range(1, steps + 1):
+    for step in progress(range(1, steps + 1), desc="warm-start SFT", unit="step"):
         model.train()
         examples = [make_example(rng, style=style) if example_fn is None else example_fn(rng)
                     for _ in range(batch_size)]

@@ -1,4 +1,5 @@
-"""The attribution benchmark's quick mode runs and reports every table (timings are printed, never asserted)."""
+"""The attribution benchmark's quick mode: every table's JSON rows, the exact paths' agreement with the reference and
+the memory rows (timings are recorded, never compared)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ def test_attribution_benchmark_quick(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.attribution", "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=850, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for title in ("1. speed-up", "2. OAR-P (one sequence)", "3. attribution time"):
-        assert title in proc.stdout, proc.stdout
     res = json.loads((tmp_path / "attribution_cpu.json").read_text())
     assert [r["method"] for r in res["speedup"]] == ["OAR-P batched", "OAR-P prefix cache", "OAR-P prefix cache",
                                                      "OAR-P span 4 (approx.)", "OAR-G"]

@@ -26,6 +26,8 @@ def test_fidelity_quick_synthetic(tmp_path):
     g = sum(m["OAR-G"]["recall"]) / len(m["OAR-G"]["recall"])
     assert p > rand + 0.3, (p, rand)  # OAR-P finds the planted causal tokens far above chance
     assert g > rand + 0.1, (g, rand)
+    # exact perturbation beats the one-draw gradient estimate at finding them (docs/evidence.md: 0.88 vs 0.55)
+    assert p > g + 0.1, (p, g)
     assert abs(sum(m["random"]["recall"]) / len(m["random"]["recall"]) - rand) < 0.05
     # gated weights: mean one over reasoning tokens, so causal tokens above 1 means filler below 1
     assert m["OAR-P"]["w_causal"][0] > 1.0 > m["OAR-P"]["w_filler"][0]
@@ -34,5 +36,4 @@ def test_fidelity_quick_synthetic(tmp_path):
     assert sorted(sweep) == [1, 2, 4, 8] and all(0.0 <= r["recall"] <= 1.0 for r in sweep.values())
     assert abs(sweep[1]["recall"] - sum(m["OAR-G"]["recall"]) / len(m["OAR-G"]["recall"])) < 1e-9
     assert sweep[8]["recall"] > sweep[1]["recall"]  # what the draws are for (quick run: 0.67 vs 0.51)
-    assert "| K | recall@k |" in (tmp_path / "fidelity.md").read_text()
     assert (tmp_path / "fidelity.png").stat().st_size > 10_000
