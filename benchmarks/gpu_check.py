@@ -44,6 +44,8 @@ from benchmarks import REPO, long_reasoning, scaling
 from benchmarks.attribution import measure
 from benchmarks.progress import progress
 from oar_verl.core.budget import PassLimits
+from oar_verl.core.backend_hf import ModuleBackend
+from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import oar_g_importance, sequence_seeds
 from oar_verl.core.perturbation import oar_p_importance
 
@@ -114,11 +116,14 @@ def attribution_point(model, length: int, rows: int, device: str) -> dict:
         s, peak = measure(lambda: oar_g_importance(model, batch, 1e-3, seeds, limits, checkpointing=True,
                                                    samples=k), device)
         point[f"oar_g_k{k}"] = {"seconds": s, "peak_mib": peak}
+    backend = ModuleBackend(model, limits, mask_token_id=0, checkpointing=True)
+    s, peak = measure(lambda: fisher(backend, batch, 1), device)  # mode=fisher, the default fisher_outcomes
+    point["fisher_k1"] = {"seconds": s, "peak_mib": peak}
     sampled, frac = scaling.sample_reasoning(batch, 3, rows)
     s, peak = measure(lambda: oar_p_importance(model, sampled, 0, limits, prefix_cache=True), device)
     point["oar_p_exact"] = {"seconds": s / frac, "peak_mib": peak, "measured_seconds": s, "sampled_fraction": frac,
                             "copies": int(batch.reasoning_mask.sum()), "extrapolated": True}
-    for name in [f"oar_g_k{k}" for k in NOISE_SAMPLES] + ["oar_p_exact"]:
+    for name in [f"oar_g_k{k}" for k in NOISE_SAMPLES] + ["fisher_k1", "oar_p_exact"]:
         e = point[name]
         e["vs_train_time"] = e["seconds"] / point["train_seconds"]
         e["vs_train_peak"] = e["peak_mib"] / max(point["train_peak_mib"], 1e-9)
@@ -237,8 +242,9 @@ def table_rows(results: dict) -> list[dict]:
                 for k in NOISE_SAMPLES:
                     e = a[f"oar_g_k{k}"]
                     row[f"oar_g_k{k}"] = (e["vs_train_time"], e["vs_train_peak"])
-                e = a["oar_p_exact"]
-                row["oar_p_exact"] = (e["vs_train_time"], e["vs_train_peak"])
+                for name in ("fisher_k1", "oar_p_exact"):
+                    e = a[name]
+                    row[name] = (e["vs_train_time"], e["vs_train_peak"])
             if "policies" in lp:
                 pol = lp["policies"]
                 row["segment_time"] = next(v["vs_train"] for k, v in pol.items() if k.startswith("segment"))
@@ -265,12 +271,13 @@ def markdown(summary: dict) -> str:
              f"and hierarchical ({SHARE:g} refined) times are estimated from the measured time per recomputed token.",
              "",
              "| model | response tokens | train s | train peak GiB | OAR-G K=1 time / peak | OAR-G K=4 time / peak | "
-             "OAR-P exact time (extrap.) / peak | OAR-P segment time | OAR-P hierarchical time |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "fisher K=1 time / peak | OAR-P exact time (extrap.) / peak | OAR-P segment time | "
+             "OAR-P hierarchical time |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary["table"]:
         lines.append(f"| {r['shape']} | {r['length']} | {one(r.get('train_seconds'))} | "
                      f"{one(r.get('train_peak_gib'))} | {pair(r.get('oar_g_k1'))} | {pair(r.get('oar_g_k4'))} | "
-                     f"{pair(r.get('oar_p_exact'))} | {one(r.get('segment_time'))} | "
+                     f"{pair(r.get('fisher_k1'))} | {pair(r.get('oar_p_exact'))} | {one(r.get('segment_time'))} | "
                      f"{one(r.get('hierarchical_time'))} |" + (f" {'; '.join(r['errors'])}" if r["errors"] else ""))
     skipped = [f"{name}: {p.get('status')} (skipped {p['skipped_lengths']})" for name, p in summary["parts"].items()
                if p.get("skipped_lengths")]

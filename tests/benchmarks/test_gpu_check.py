@@ -65,7 +65,7 @@ def test_gpu_check_tiny_cpu_without_verl(tmp_path):
 
     for p in res["parts"]["attribution-tiny"]["points"]:
         assert p["train_seconds"] > 0 and p["budget"] == p["rows"] * (128 + p["length"])
-        for name in ("oar_g_k1", "oar_g_k4", "oar_p_exact"):
+        for name in ("oar_g_k1", "oar_g_k4", "fisher_k1", "oar_p_exact"):
             e = p[name]
             assert math.isfinite(e["vs_train_time"]) and e["vs_train_time"] > 0, (name, e)
             assert math.isfinite(e["vs_train_peak"]) and e["vs_train_peak"] >= 0, (name, e)
@@ -91,8 +91,8 @@ def test_gpu_check_tiny_cpu_without_verl(tmp_path):
     assert [(r["shape"], r["length"]) for r in res["table"]] == [("tiny", 64), ("tiny", 128)]
     for r in res["table"]:
         assert not r["errors"]
-        assert all(k in r for k in ("train_seconds", "oar_g_k1", "oar_g_k4", "oar_p_exact", "segment_time",
-                                    "hierarchical_time"))
+        assert all(k in r for k in ("train_seconds", "oar_g_k1", "oar_g_k4", "fisher_k1", "oar_p_exact",
+                                    "segment_time", "hierarchical_time"))
     assert (out / "gpu_check.md").stat().st_size > 0
 
     # resumable: a second call skips both parts (their JSON exists) and rewrites the summary from them
