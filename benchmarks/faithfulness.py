@@ -331,13 +331,15 @@ def main(argv: list[str] | None = None) -> int:
         log_f.flush()
 
     torch.manual_seed(0)
-    result = {"date": str(date.today()), "machine": f"{platform.node()} ({platform.processor() or platform.machine()}), "
-              f"torch threads {torch.get_num_threads()}", "argv": argv}
+    cpu = platform.processor() or platform.machine()
+    machine = f"{platform.node()} ({cpu}), torch threads {torch.get_num_threads()}"
+    result = {"date": str(date.today()), "machine": machine, "argv": argv}
     n_eval = 16 if args.quick else args.n_eval
     model, tok, batch, spans, causal, info = synthetic(args.out, args.synthetic_model, n_eval, args.quick, log)
     rows = rows_of_batch(batch, spans)
     log(f"[faithfulness] synthetic: {len(rows)} rows, answer accuracy {info['answer_accuracy']:.3f}")
-    tag = "synthetic-" + hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:8]
+    weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    tag = "synthetic-" + hashlib.sha1(weights).hexdigest()[:8]
     res = evaluate(model, tag, rows, tok.pad_token_id, cache=cache, variants=EXACT_VARIANTS, quick=args.quick,
                    chunk=args.chunk, log=log)
     result["synthetic_core_check"] = core_check(model, batch, spans, res, tok.pad_token_id)

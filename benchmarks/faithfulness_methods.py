@@ -222,11 +222,6 @@ def refine(cheap: torch.Tensor, exact_fn, top: int) -> torch.Tensor:
     return rank
 
 
-def sub_row(row: Row, idx: torch.Tensor) -> Row:
-    """The row scoring only positions ``row.positions[idx]``."""
-    return Row(row.ids, row.positions[idx], row.spec)
-
-
 def train_step_time(model, row: Row, repeats: int = 2) -> float:
     """Seconds of one training forward+backward on the row's tokens (full-vocabulary logits at every position, token
     cross-entropy, gradients for every parameter), the median of ``repeats`` runs after one warm-up."""
