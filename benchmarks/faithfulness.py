@@ -83,6 +83,7 @@ def cheap_methods(quick: bool) -> dict:
         "IG-KL S=2": lambda mo, r, c, k: fm.ig_kl(mo, r, c, mask_id=k, steps=2),
         "IG-KL S=4": lambda mo, r, c, k: fm.ig_kl(mo, r, c, mask_id=k, steps=4),
         "Fisher K=4 (sampled)": lambda mo, r, c, k: fm.fisher(mo, r, c, mask_id=k, samples=4),
+        "Fisher K=4 (sampled, shared forward)": lambda mo, r, c, k: fm.fisher_shared(mo, r, c, mask_id=k, samples=4),
         "Fisher K=16 (sampled)": lambda mo, r, c, k: fm.fisher(mo, r, c, mask_id=k, samples=16),
         "Fisher top-8 (exact weights)": lambda mo, r, c, k: fm.fisher(mo, r, c, mask_id=k, samples=8, top=True),
         "random-ablation K=16": lambda mo, r, c, k: fm.random_ablation(mo, r, c, mask_id=k, samples=16),
@@ -224,16 +225,20 @@ def synthetic(out: Path, model_dir: str | None, n_eval: int, quick: bool, log) -
     return model, tok, batch, spans, causal_rows, info
 
 
-def core_check(model, batch, spans, rows_res: dict, mask_id: int) -> dict:
+def core_check(model, batch, spans, rows_res: dict, mask_id: int, modes=("perturbation", "gradient")) -> dict:
     """oar_verl's own OAR-P and OAR-G on the same rows: the prototype exact (pad) must equal core OAR-P; OAR-G is the
     cost/fidelity baseline the cheap methods have to beat."""
     out = {}
     for mode, name in (("perturbation", "core OAR-P"), ("gradient", "core OAR-G (K=1)")):
+        if mode not in modes:
+            continue
         imp, sec, _ = fidelity.oar_scores(model, batch, spans, mode=mode, probe="as_mean", mask_token_id=mask_id)
         rows_res["scores"][name] = fidelity.rows_of(imp, spans.reasoning_mask)
         # one batched run over all rows: spread its seconds evenly so the per-row sums match
         n = len(rows_res["train_seconds"])
         rows_res["seconds"][name] = [sec / n] * n
+    if "core OAR-P" not in rows_res["scores"]:
+        return out
     a = np.concatenate(rows_res["scores"]["core OAR-P"])
     b = np.concatenate(rows_res["scores"]["exact: pad"])
     out["max_abs_diff_core_oarp_vs_prototype_pad"] = float(np.abs(a - b).max())
@@ -300,6 +305,7 @@ def cost_at_length(model, tok, mask_id: int, lengths, log) -> list[dict]:
 
 def cost_methods() -> dict:
     keep = ("IG-KL S=1 (grad x (input-mask) at midpoint)", "IG-KL S=4", "Fisher K=4 (sampled)",
+            "Fisher K=4 (sampled, shared forward)",
             "Fisher top-8 (exact weights)", "random-ablation K=16")
     return {k: v for k, v in cheap_methods(False).items() if k in keep}
 
@@ -359,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{np.mean([len(r.positions) for r in rows]):.0f}")
         res = evaluate(model, "smollm2", rows, mask_id, cache=cache, variants=variants, quick=False,
                        chunk=args.chunk, log=log)
+        core_check(model, batch, spans, res, mask_id, modes=("gradient",))
         result["real"] = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", "table": metrics(res, None),
                           "agreement": agreement(res, variants),
                           "mean_L": float(np.mean([len(r.ids) for r in rows])),

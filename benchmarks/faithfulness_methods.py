@@ -183,6 +183,24 @@ def fisher(model, row: Row, clean: ProbeOutput, *, mask_id: int, samples: int, s
     return (0.5 * (w[:, None] * proj.pow(2)).sum(0)).detach()
 
 
+def fisher_shared(model, row: Row, clean: ProbeOutput, *, mask_id: int, samples: int, seed: int = 0) -> torch.Tensor:
+    """(R,) the sampled :func:`fisher` estimate from ONE forward of the row and K embedding-only backward passes (the
+    graph kept between them): the cost shape the engine port would have, (1 + K) passes instead of K forwards+backwards.
+    Same y_k as :func:`fisher` with the same seed."""
+    _frozen(model)
+    E, D = _delta(model, row, mask_id)
+    p0 = clean.logp[0].exp()
+    y = torch.multinomial(p0, samples, replacement=True, generator=torch.Generator().manual_seed(seed))
+    X = E[None].clone().requires_grad_(True)
+    out = probe_forward(model, row.spec, inputs_embeds=X)
+    logp_y = out.logp[0, y]  # (K,)
+    dt = D[row.positions]
+    proj = torch.stack([
+        (torch.autograd.grad(logp_y[k], X, retain_graph=k + 1 < samples)[0][0, row.positions] * dt).sum(-1)
+        for k in range(samples)])  # (K, R); a loop over the K outcome samples, not over tokens
+    return (0.5 * proj.pow(2).mean(0)).detach()
+
+
 @torch.no_grad()
 def random_ablation(model, row: Row, clean: ProbeOutput, *, mask_id: int, samples: int, rho: float = 0.1,
                     ridge: float = 1e-2, seed: int = 0, chunk: int = 32) -> torch.Tensor:
