@@ -198,6 +198,38 @@ def trainer_overrides(assets, out: Path, ray_tmp: str, *, mode: str, steps: int,
         experiment=f"oar_{mode}", extra=[f"algorithm.oar.mode={mode}", *dumps, *extra])
 
 
+CREDIT_VAL_REPEATS = 4  # samples of each of the 15 validation prompts
+
+
+def credit_trainer_overrides(model_dir: str, train_file, val_file, reward_file: str, out: Path, ray_tmp: str, *,
+                             mode: str, steps: int, extra: list[str]) -> list[str]:
+    """The overrides of the last-digit task's run: 8 prompts x 8 rollouts, lr 3e-4 (the credit study's settings),
+    verl's validation (temperature 1) before training and after the last step."""
+    dump_dir = str(out / "oar_dumps").replace("'", "\\'")
+    return main_ppo_overrides(
+        model_dir=model_dir, train_file=train_file, val_file=val_file, reward_file=reward_file, output_dir=out,
+        ray_temp_dir=ray_tmp, adv_estimator="oar", steps=steps, train_batch_size=8, rollout_n=8,
+        micro_batch_size_per_gpu=16, max_prompt_length=32, max_response_length=48, lr=3e-4, project=PROJECT,
+        experiment=f"oar_{mode}",
+        extra=[f"algorithm.oar.mode={mode}", "algorithm.oar.dump_every=1", "algorithm.oar.dump_groups=4",
+               f"algorithm.oar.dump_dir='{dump_dir}'", "actor_rollout_ref.rollout.temperature=1.0",
+               "trainer.val_before_train=True", f"trainer.test_freq={steps}",
+               "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+               "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "data.val_batch_size=1024", *extra])
+
+
+def validation_line(metrics: list[dict]) -> str | None:
+    """"validation <key>: <first> -> <last>" over the records that carry verl's ``val-core/.../mean@N`` metric."""
+    rows = [(m["step"], k, v) for m in metrics for k, v in m.items()
+            if k.startswith("val-core/") and "/mean@" in k]
+    if not rows:
+        return None
+    key = rows[0][1]
+    vals = [(step, v) for step, k, v in rows if k == key]
+    (s0, v0), (s1, v1) = vals[0], vals[-1]
+    return f"validation success ({key}): {v0:.3f} at step {s0} -> {v1:.3f} at step {s1}"
+
+
 def _step_line(m: dict, steps: int) -> str:
     share = m.get("timing_s/oar", 0.0) / max(m.get("timing_s/step", 0.0), 1e-9)
     return (f"step {m['step']}/{steps}: reward {m.get('critic/score/mean', float('nan')):.3f} | "
@@ -265,27 +297,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-steps", type=int, default=int(os.environ.get(SFT_STEPS_ENV, "300")),
                         help="supervised warm-up steps teaching the answer format (0 = keep the random model)")
     parser.add_argument("--out", default="outputs/quickstart")
+    parser.add_argument("--task", default="arith", choices=["arith", "credit"],
+                        help="arith: arithmetic with a format warm-up; credit: the last-digit credit task "
+                             "(benchmarks/credit_task.py), verl validation before and after, ~30 steps")
     args, extra = parser.parse_known_args(argv)
     start = time.monotonic()
 
     out = Path(args.out).resolve()
     if out.exists():
         shutil.rmtree(out)
-    _say(f"1/4 building a tiny offline model, tokenizer and arithmetic data in {out / 'assets'}")
-    assets = build_tiny_assets(out / "assets", seed=0)
-    if args.sft_steps > 0:
-        _say(f"2/4 supervised warm-up ({args.sft_steps} steps): the answer format, and half of the time the training "
-             "prompts' answers, so that rewards are mixed")
-        sft = teach_answer_format(assets.model_dir, steps=args.sft_steps, known=train_examples(assets.train_file))
-        _say(f"  loss {sft['loss_first']:.2f} -> {sft['loss_last']:.2f} in {sft['seconds']:.0f} s; "
-             f"greedy sample: {sft['example_prompt']!r} -> {sft['example_response']!r}")
-    else:
-        _say("2/4 skipped the warm-up (--sft-steps 0): rewards come from the shaping term only")
+    if args.task == "credit":
+        # run from the repository root (recipes/quickstart_cpu.sh cds there): the task lives in benchmarks/
+        from benchmarks import credit, credit_reward, credit_task
 
+        _say(f"1-2/4 tiny model warm-started on the last-digit task (validation success starts near 0.4) in "
+             f"{out / 'assets'}")
+        info = credit.build_assets(out / "assets", credit.QUICK, log=_say)
+        train_file, val_file = credit_task.write_parquet(out / "assets" / "data", n_train=8 * args.steps,
+                                                         n_val_repeats=CREDIT_VAL_REPEATS)
+        model_dir, reward_file = info["model_dir"], credit_reward.__file__
+    else:
+        _say(f"1/4 building a tiny offline model, tokenizer and arithmetic data in {out / 'assets'}")
+        assets = build_tiny_assets(out / "assets", seed=0)
+        if args.sft_steps > 0:
+            _say(f"2/4 supervised warm-up ({args.sft_steps} steps): the answer format, and half of the time the "
+                 "training prompts' answers, so that rewards are mixed")
+            sft = teach_answer_format(assets.model_dir, steps=args.sft_steps,
+                                      known=train_examples(assets.train_file))
+            _say(f"  loss {sft['loss_first']:.2f} -> {sft['loss_last']:.2f} in {sft['seconds']:.0f} s; "
+                 f"greedy sample: {sft['example_prompt']!r} -> {sft['example_response']!r}")
+        else:
+            _say("2/4 skipped the warm-up (--sft-steps 0): rewards come from the shaping term only")
     ray_tmp = new_ray_temp_dir()
     experiment = f"oar_{args.mode}"
     dump_dir = out / "oar_dumps"
-    overrides = trainer_overrides(assets, out, ray_tmp, mode=args.mode, steps=args.steps, extra=extra)
+    if args.task == "credit":
+        overrides = credit_trainer_overrides(model_dir, train_file, val_file, reward_file, out, ray_tmp,
+                                             mode=args.mode, steps=args.steps, extra=extra)
+    else:
+        overrides = trainer_overrides(assets, out, ray_tmp, mode=args.mode, steps=args.steps, extra=extra)
+        model_dir = assets.model_dir
     _say(f"3/4 running verl's trainer with OAR-{args.mode[0].upper()} for {args.steps} steps (Ray + vLLM start-up "
          f"takes ~1.5 min); log: {out / 'main_ppo.log'}")
     env = cpu_env(file_logger_root=out / "metrics")
@@ -311,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     print(summarize(run.metrics))
     print()
     outputs = [("metrics (JSONL)", run.metrics_file), ("trainer log", run.log_file),
-               ("tiny model", assets.model_dir)]
+               ("tiny model", model_dir)]
     try:
         from oar_verl.viz.curves import plot_curves
 
@@ -331,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"done in {time.monotonic() - start:.0f} s (trainer {run.wall_s:.0f} s)")
     for label, path in outputs:
         print(f"  {label + ':':<18} {path}")
+    line = validation_line(run.metrics)
+    if line:  # the last line: what the run learned, on held-out prompts
+        print(line)
     return 0
 
 
