@@ -1,18 +1,22 @@
 """CPU quickstart: verl's real trainer with OAR on a tiny model, in a few minutes on 2 cores.
 
-1. builds a tiny random Qwen2, a byte-level BPE tokenizer and a verifiable arithmetic data set offline;
-2. warms the model up with a short supervised run (plain torch, 300 steps, ~30 s of CPU) on worked answers
-   ("34 plus 11 is 45. The answer is 45." / "... #### 45"): half of the examples are fresh problems (the answer
-   format), half are the RL training prompts with their answers (SFT before RL), so that at temperature 1 it answers
-   about half of the training prompts right. Rewards are then mixed within most groups (correct and incorrect
-   rollouts of one prompt, non-zero advantages) and every rollout has an answer span for OAR to attribute to;
-3. runs ``python -m oar_verl.main`` (V1 trainer, FSDP2 actor, vLLM-CPU rollout, OAR-G by default) for a few steps,
-   printing each step as it is logged;
-4. prints a summary (reward, OAR metrics, share of step time spent on attribution) and writes a token heatmap
-   (``heatmap.html``, from the trainer's token dumps) and metric curves (``curves.png``).
+Default task ``credit``, the last-digit credit task (``benchmarks/credit_task.py``: write K digits, the last must be
+above T, then "The answer is N"): a tiny Qwen2 warm-started on responses with uniformly random digits succeeds about
+0.4 of the time at temperature 1, and RL has one thing to learn, so validation success visibly rises in ~40 steps.
 
-usage: python -m oar_verl.cpu.quickstart [--mode gradient|perturbation] [--steps N] [--out DIR] [extra Hydra overrides]
-       OAR_QUICKSTART_STEPS=N sets the default of --steps (CI uses 3); OAR_QUICKSTART_SFT_STEPS the warm-up length.
+1. builds a tiny random Qwen2 and the task's data offline; 2. a supervised warm start (plain torch, ~1 min);
+3. runs ``python -m oar_verl.main`` (V1 trainer, FSDP2 actor, vLLM-CPU rollout, OAR-G by default; 8 prompts x 8
+   rollouts, lr 3e-4 as in the credit study), with verl's validation before training and after the last step,
+   printing each step as it is logged;
+4. prints a summary (reward, OAR metrics, share of step time spent on attribution), writes a token heatmap
+   (``heatmap.html``, from the trainer's token dumps) and metric curves (``curves.png``), and ends with the
+   validation success before -> after.
+
+``--task arith`` keeps the earlier arithmetic task (format warm-up on worked answers, a noisy reward; no validation).
+
+usage: python -m oar_verl.cpu.quickstart [--task credit|arith] [--mode gradient|perturbation] [--steps N] [--out DIR]
+       [extra Hydra overrides]; run from the repository root (the task lives in benchmarks/).
+       OAR_QUICKSTART_STEPS=N sets the default of --steps (CI uses 3); OAR_QUICKSTART_SFT_STEPS the arith warm-up.
 """
 
 from __future__ import annotations
@@ -198,7 +202,7 @@ def trainer_overrides(assets, out: Path, ray_tmp: str, *, mode: str, steps: int,
         experiment=f"oar_{mode}", extra=[f"algorithm.oar.mode={mode}", *dumps, *extra])
 
 
-CREDIT_VAL_REPEATS = 4  # samples of each of the 15 validation prompts
+CREDIT_VAL_REPEATS = 16  # samples of each of the 15 validation prompts: 240 in all, a standard error of ~0.03
 
 
 def credit_trainer_overrides(model_dir: str, train_file, val_file, reward_file: str, out: Path, ray_tmp: str, *,
@@ -293,14 +297,17 @@ def summarize(metrics: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", default="gradient", choices=["gradient", "perturbation"])
-    parser.add_argument("--steps", type=int, default=int(os.environ.get(STEPS_ENV, "5")))
+    parser.add_argument("--steps", type=int, default=int(os.environ[STEPS_ENV]) if os.environ.get(STEPS_ENV) else None,
+                        help="training steps (default: 40 for the credit task, 5 for arith)")
     parser.add_argument("--sft-steps", type=int, default=int(os.environ.get(SFT_STEPS_ENV, "300")),
                         help="supervised warm-up steps teaching the answer format (0 = keep the random model)")
     parser.add_argument("--out", default="outputs/quickstart")
-    parser.add_argument("--task", default="arith", choices=["arith", "credit"],
-                        help="arith: arithmetic with a format warm-up; credit: the last-digit credit task "
-                             "(benchmarks/credit_task.py), verl validation before and after, ~30 steps")
+    parser.add_argument("--task", default="credit", choices=["credit", "arith"],
+                        help="credit: the last-digit credit task (benchmarks/credit_task.py), verl validation before "
+                             "and after training; arith: arithmetic with a format warm-up, a noisy reward")
     args, extra = parser.parse_known_args(argv)
+    if args.steps is None:
+        args.steps = 40 if args.task == "credit" else 5
     start = time.monotonic()
 
     out = Path(args.out).resolve()
@@ -310,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         # run from the repository root (recipes/quickstart_cpu.sh cds there): the task lives in benchmarks/
         from benchmarks import credit, credit_reward, credit_task
 
-        _say(f"1-2/4 tiny model warm-started on the last-digit task (validation success starts near 0.4) in "
-             f"{out / 'assets'}")
+        _say(f"1/4 building a tiny offline model and the last-digit task's data in {out / 'assets'}")
+        _say("2/4 supervised warm start on responses with uniformly random digits (success near 0.4 at T=1)")
         info = credit.build_assets(out / "assets", credit.QUICK, log=_say)
         train_file, val_file = credit_task.write_parquet(out / "assets" / "data", n_train=8 * args.steps,
                                                          n_val_repeats=CREDIT_VAL_REPEATS)
@@ -359,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _say("4/4 summary")
     print()
-    print(summarize(run.metrics))
+    print(summarize([m for m in run.metrics if "critic/score/mean" in m]))  # not the validation-only step 0
     print()
     outputs = [("metrics (JSONL)", run.metrics_file), ("trainer log", run.log_file),
                ("tiny model", model_dir)]
