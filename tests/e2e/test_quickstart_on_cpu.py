@@ -1,8 +1,8 @@
 """The README's first command, as a user runs it: ``bash recipes/quickstart_cpu.sh`` (shortened to 3 steps).
 
-It must set up its environment (a no-op here: the test command already did), build the tiny model, teach it the
-answer format, run verl's real trainer with OAR-G, print the per-step summary and write the token heatmap and the
-metric curves."""
+It must set up its environment (a no-op here: the test command already did), build the tiny model, warm-start it on
+the last-digit task, run verl's real trainer with OAR-G, print the per-step summary, write the token heatmap and the
+metric curves, and end with verl's validation success before -> after."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_quickstart_script_end_to_end(tmp_path):
     # progress, then the summary table: one row per step, and the OAR share line
     for phase in ("1/4", "2/4", "3/4", "4/4 summary"):
         assert phase in stdout, stdout
-    assert re.search(r"loss [\d.]+ -> [\d.]+", stdout), "the format warm-up reports its loss"
+    assert re.search(r"warm-started in \d+ s: validation success at T=1 [\d.]+", stdout), "the warm start reports"
     rows = re.findall(r"^\s+(\d+)\s+(?:[-\d.e+]+|nan)\s", stdout.split("4/4 summary", 1)[1], flags=re.M)
     assert [int(r) for r in rows] == list(range(1, STEPS + 1)), stdout
     share = re.search(r"OAR attribution took ([\d.]+)% of the step time", stdout)
@@ -48,3 +48,8 @@ def test_quickstart_script_end_to_end(tmp_path):
     png = curves.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert any((out / "oar_dumps").glob("step_*.jsonl"))
+    # the last line: verl's validation success before training and after the last step (3 steps here: the number
+    # need not rise, the line must be there and read both validations)
+    last = stdout.rstrip().splitlines()[-1]
+    assert re.fullmatch(rf"validation success \(val-core/last_digit/acc/mean@1\): [\d.]+ at step 0 -> [\d.]+ at "
+                        rf"step {STEPS}", last), last

@@ -1,0 +1,34 @@
+"""The fast lane (``bash scripts/test.sh --fast``) leaves out every verl trainer run and keeps the rest.
+
+The lane is a marker expression in scripts/test.sh; this reads it from there, so the script and the test cannot drift.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fast_markers() -> str:
+    match = re.search(r'^FAST_MARKERS="([^"]+)"$', (ROOT / "scripts" / "test.sh").read_text(), re.MULTILINE)
+    assert match, "scripts/test.sh no longer defines FAST_MARKERS=\"...\""
+    return match.group(1)
+
+
+def collect(*paths: str) -> tuple[int, list[str]]:
+    """(pytest's exit code, the test ids) of collecting ``paths`` under the fast lane's marker expression."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-m", fast_markers(), *paths], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return proc.returncode, [line for line in proc.stdout.splitlines() if "::" in line]
+
+
+def test_fast_lane_deselects_every_trainer_run_and_keeps_the_unit_tests():
+    code, ids = collect("tests/e2e/test_main_ppo_grpo_on_cpu.py", "tests/e2e/test_quickstart_on_cpu.py",
+                        "tests/benchmarks/test_learning_quick.py", "tests/integration/test_startup_on_cpu.py")
+    # the two e2e files and the learning benchmark start verl's trainer: none of their tests is in the lane
+    assert all(i.startswith("tests/integration/test_startup_on_cpu.py::") for i in ids), ids
+    assert code == 0 and ids, "the start-up checks (no trainer) must stay in the fast lane"
