@@ -23,8 +23,8 @@ if [ "${OAR_SKIP_MCORE:-0}" != 1 ] && [ "$fast" = 0 ]; then
   bash "$ROOT/scripts/setup_mcore_env.sh"
 fi
 # the OpenRLHF adapter tests run in their own environment (OpenRLHF 0.11.2 pins transformers/deepspeed/ray);
-# OAR_SKIP_OPENRLHF=1 skips building it (those tests then skip with a reason)
-if [ "${OAR_SKIP_OPENRLHF:-0}" != 1 ]; then
+# OAR_SKIP_OPENRLHF=1 skips building it (those tests then skip with a reason); the fast lane does not run them
+if [ "${OAR_SKIP_OPENRLHF:-0}" != 1 ] && [ "$fast" = 0 ]; then
   bash "$ROOT/scripts/setup_openrlhf_env.sh"
 fi
 cd "$ROOT"

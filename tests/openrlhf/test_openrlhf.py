@@ -30,6 +30,7 @@ pytestmark = [
     pytest.mark.skipif(not SKIP and not PYTHON.exists(),
                        reason=f"no OpenRLHF environment at {VENV}: build it with `bash scripts/setup_openrlhf_env.sh`"),
     pytest.mark.openrlhf,
+    pytest.mark.slow,  # DeepSpeed jobs on 2 gloo ranks: minutes each, outside the fast lane
 ]
 # the reshaped advantages against the core's: fp32 attention over different paddings/batch compositions, amplified by
 # the per-row min-max normalisation of the scores
