@@ -11,7 +11,7 @@ It also reports exact-vs-exact agreement (mask-token swap vs zero embedding vs d
 which bounds every cheaper method. Exact scores are cached on disk keyed by model, variant and row content.
 
     python -m benchmarks.faithfulness --out runs/faithfulness [--synthetic-model DIR] [--real-n 8]
-    python -m benchmarks.faithfulness --quick --out /tmp/faith_quick       # tiny model, directions only (CI)
+    python -m benchmarks.faithfulness --quick --out outputs/faith_quick       # tiny model, directions only (CI)
 
 The estimators are prototypes (benchmarks/faithfulness_methods.py) to be ported onto the attribution engine.
 """
