@@ -2,23 +2,18 @@
 LT-Logits position fixed, §7), written once over the attribution engine (:mod:`oar_verl.core.engine`).
 
 Per round (rows packed under the token budget by the backend): a clean no-grad pass gives the teacher p0 (or φ0) --
-the teacher passes run first, one per round over the round's distinct rows -- and the student pass adds seeded Gaussian noise of std σ to the reasoning-token embeddings,
-J = KL(p0 ‖ p_noisy) (or φ0 − φ_noisy), and the score is |⟨∂J/∂e_t, e_t⟩| with the clean embedding e_t.
+the teacher passes run first, one per round over the round's distinct rows -- and the student pass adds seeded
+Gaussian noise of std σ to the reasoning-token embeddings, J = KL(p0 ‖ p_noisy) (or φ0 − φ_noisy), and the score is
+|⟨∂J/∂e_t, e_t⟩| with the clean embedding e_t.
 
 With K noise draws (``algorithm.oar.noise_samples``) each row becomes K *draw rows* e = b·K + k (row b, draw k, with
 the seed :func:`draw_seeds` gives it) and the score is the mean of the K single-draw scores. Draw rows are packed like
 rows, so a row's K draws share a round while the budget allows and spread over more rounds when not (every round stays
 within the budget); a round's clean teacher pass runs once per distinct row in it, not once per draw.
 
-The noise is what makes the gradient non-zero: at p_noisy = p0 the KL sits at its minimum. Gradients are taken with
-respect to the embedding output only: the embedding module's forward hook returns a detached leaf, and every model
-parameter is frozen for the pass, so no parameter gradient is created (no leak into the policy update, no optimizer
-or FSDP reduce-scatter work) and the backward skips all weight-gradient matmuls.
-
-Memory: under gradient checkpointing (the actor's setting) the student pass keeps only each layer's input and
-recomputes one layer at a time in the backward, like the training step; it still runs with eval numerics (no
-dropout), because only the decoder layers' own ``training`` flags are raised, which Hugging Face reads to decide on
-checkpointing, not their submodules', which decide on dropout. Logits exist only at probe positions.
+The noise is what makes the gradient non-zero: at p_noisy = p0 the KL sits at its minimum. How the gradient is taken
+(a detached embedding leaf, frozen parameters, checkpointed layers with eval numerics, logits only at probe positions)
+is each backend's job: :mod:`oar_verl.core.backend_hf`, :mod:`oar_verl.core.backend_ulysses`, Megatron's backend.
 """
 
 from __future__ import annotations
