@@ -5,6 +5,8 @@ Use it in verl with::
     reward.custom_reward_function.path=<path of this file>
     reward.custom_reward_function.name=compute_score
 
+and in OpenRLHF with ``--reward.remote_url <path of this file>`` (its ``reward_func(queries, prompts, labels)``).
+
 Scoring:
 
 * **1.0** when the final answer -- the last ``The answer is N`` or ``#### N`` in the response --
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["CORRECT_REWARD", "SHAPING_SCALE", "compute_score", "extract_answer", "shaping_reward"]
+__all__ = ["CORRECT_REWARD", "SHAPING_SCALE", "compute_score", "extract_answer", "reward_func", "shaping_reward"]
 
 CORRECT_REWARD = 1.0
 SHAPING_SCALE = 0.1
@@ -62,3 +64,19 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     if answer is not None and truth is not None and answer == truth:
         return CORRECT_REWARD
     return shaping_reward(solution_str)
+
+
+def reward_func(queries: list[str], prompts: list[str], labels: list[str]) -> dict:
+    """OpenRLHF's custom reward (``--reward.remote_url`` a ``.py`` file): :func:`compute_score` of each response.
+
+    ``queries`` are the decoded prompt + response; the response is what follows the prompt. Returns OpenRLHF's
+    ``{"rewards", "scores", "extra_logs"}`` (1-D tensors, one value per query, as OpenRLHF's examples return).
+    """
+    import torch  # here, not at the top: verl's reward workers load this file for compute_score alone
+
+    scores = []
+    for query, prompt, label in zip(queries, prompts, labels):
+        response = query.split(prompt, 1)[1] if prompt and prompt in query else query
+        scores.append(compute_score(None, response, label))
+    scores = torch.tensor(scores, dtype=torch.float32)
+    return {"rewards": scores, "scores": scores, "extra_logs": {}}

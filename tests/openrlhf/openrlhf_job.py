@@ -2,12 +2,16 @@
 
     python openrlhf_job.py advantages OUT_JSON MODEL_DIR          one process
     python -m torch.distributed.run --nproc_per_node 2 openrlhf_job.py zero OUT_JSON MODEL_DIR STAGE MODE
+    python openrlhf_job.py train OUT_JSON MODEL_DIR WORK_DIR TRAINER STAGE MODE
 
 ``advantages``: OpenRLHF's real ``compute_advantages_and_returns`` (group_norm = GRPO, rloo) and replay buffer split,
 then :func:`oar_verl.openrlhf.reshape.reshape_replay_buffer` on the items, against the core computed independently on
 the original (prompt, response) rows. ``zero``: the same on 2 gloo ranks with unequal shards, the policy wrapped in
 OpenRLHF's ``Actor`` inside a DeepSpeed ZeRO-``STAGE`` engine, then one policy-gradient update through the engine.
-Results are written as JSON (per rank for ``zero``); the pytest side asserts on them.
+``train``: OpenRLHF's whole ``train_ppo_ray`` through OAR's entry point on the CPU platform
+(:mod:`oar_verl.cpu.openrlhf_platform`): 2 ZeRO ranks, one rollout engine, the sync or the async trainer, 2 steps; the
+steps' scalars are read back from OpenRLHF's own TensorBoard log. Results are written as JSON (per rank for
+``zero``); the pytest side asserts on them.
 """
 
 from __future__ import annotations
@@ -271,6 +275,54 @@ def job_zero(out, model_dir, stage, mode):
     dist.destroy_process_group()
 
 
+TRAIN_PROMPTS = 4
+
+
+def train_argv(model_dir, work, trainer, stage, mode):
+    """``train_ppo_ray`` flags: 4 arithmetic prompts x 4 samples, 2 per rollout batch -> 2 global steps, 2 ZeRO ranks
+    with micro-batches of 2 (the OAR token budget), 16 new tokens, the arithmetic reward as OpenRLHF's reward_func."""
+    import random
+
+    from oar_verl.cpu import arith_reward
+    from oar_verl.cpu.tiny_assets import ANSWER_STYLES, make_arith_problem
+
+    rng = random.Random(0)
+    prompts = os.path.join(work, "prompts.jsonl")
+    with open(prompts, "w") as f:
+        for _ in range(TRAIN_PROMPTS):
+            q, a = make_arith_problem(rng)
+            f.write(json.dumps({"input": f"{q} {ANSWER_STYLES['sentence']}", "label": str(a)}) + "\n")
+    oar = {"gradient": ["--oar.mode=gradient", "--oar.noise_std=0.01"], "perturbation": ["--oar.mode=perturbation"]}
+    return [*oar[mode], *(["--train.async_enable"] if trainer == "async" else []),
+            "--actor.model_name_or_path", model_dir, "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "2",
+            "--vllm.num_engines", "1", "--vllm.sync_backend", "gloo", "--ds.zero_stage", str(stage),
+            "--ds.attn_implementation", "eager", "--data.prompt_dataset", prompts, "--data.input_key", "input",
+            "--data.label_key", "label", "--data.max_samples", str(TRAIN_PROMPTS), "--rollout.batch_size", "2",
+            "--rollout.n_samples_per_prompt", str(N_SAMPLES), "--rollout.max_new_tokens", "16", "--data.max_len", "64",
+            "--train.batch_size", "8", "--train.micro_batch_size", "2", "--rollout.micro_batch_size", "4",
+            "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
+            "--reward.remote_url", arith_reward.__file__, "--actor.adam.lr", "1e-3",
+            "--ckpt.output_dir", os.path.join(work, "model_out"), "--ckpt.path", os.path.join(work, "ckpt"),
+            "--ckpt.save_steps", "-1", "--logger.tensorboard_dir", os.path.join(work, "tb")]
+
+
+def job_train(out, model_dir, work, trainer, stage, mode):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from oar_verl.cpu.openrlhf_platform import main
+
+    main(train_argv(model_dir, work, trainer, int(stage), mode))
+    steps: dict[int, dict] = {}
+    for run in os.listdir(os.path.join(work, "tb")):
+        acc = EventAccumulator(os.path.join(work, "tb", run), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            for ev in acc.Scalars(tag):
+                steps.setdefault(ev.step, {})[tag.removeprefix("train/")] = ev.value
+    with open(out, "w") as f:
+        json.dump({"steps": {str(k): v for k, v in sorted(steps.items())}}, f, indent=1)
+
+
 def job_cli(out, cases_json):
     """The entry point's ``main`` (OpenRLHF's CLI module run unchanged, ``--oar.dry_run``) on each case's argv, in one
     process (OpenRLHF's imports cost most of the time): exit status and stderr per case."""
@@ -302,6 +354,8 @@ if __name__ == "__main__":
         job_advantages(sys.argv[2], sys.argv[3])
     elif kind == "cli":
         job_cli(sys.argv[2], sys.argv[3])
+    elif kind == "train":
+        job_train(*sys.argv[2:8])
     elif kind == "zero":
         job_zero(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     else:

@@ -6,18 +6,21 @@
 :func:`oar_verl.openrlhf.reshape.reshape_replay_buffer`, and compare the reshaped advantages with the core computed
 independently on the original rows; under DeepSpeed ZeRO-2 and ZeRO-3 on 2 gloo ranks with unequal shards (one rank
 with nothing of its own to attribute), followed by one update through the engine. The entry point's start-up
-refusals run through OpenRLHF's own CLI module with ``--oar.dry_run``.
+refusals run through OpenRLHF's own CLI module with ``--oar.dry_run``. Last, OpenRLHF's whole ``train_ppo_ray`` loop
+runs through the entry point on the CPU platform (:mod:`oar_verl.cpu.openrlhf_platform`), sync and async.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).with_name("openrlhf_job.py")
@@ -118,3 +121,36 @@ def test_entry_point_refuses_at_start_up(tmp_path):
     for (flags, named), r in zip(REFUSED, res):
         assert r["code"] == 2 and named in r["stderr"], (flags, r)
     assert res[-1]["code"] == 0 and "arguments accepted with OAR (perturbation)" in res[-1]["stdout"], res[-1]
+
+
+@pytest.mark.parametrize("trainer,stage,mode", [("sync", 3, "perturbation"), ("async", 2, "gradient")])
+def test_train_ppo_ray_loop_on_cpu(model_dir, tmp_path, trainer, stage, mode):
+    """``python -m oar_verl.openrlhf.train_ppo_ray`` as a user runs it, on the CPU platform: OpenRLHF's parser, Ray
+    actor groups (2 ZeRO ranks), its sync or async trainer, rollouts from OpenRLHF's rollout actor with Hugging Face
+    generate in place of vLLM, its experience maker and reward function, OAR in the actor's ``fit``, the PPO update,
+    the weight sync to the rollout engine, the TensorBoard log and the saved model: 2 global steps."""
+    from safetensors.torch import load_file
+
+    out, work = tmp_path / "train.json", tmp_path / "work"
+    work.mkdir()
+    proc = _run([str(PYTHON), str(JOB), "train", str(out), str(model_dir), str(work), trainer, str(stage), mode],
+                timeout=900)
+    steps = json.loads(out.read_text())["steps"]
+    assert sorted(steps) == ["1", "2"], steps
+    for step, m in steps.items():
+        # OAR ran in the actor's fit and its metrics reached OpenRLHF's logged status
+        assert m["oar/global_step"] == int(step)
+        assert m["oar/reshaped_seq_frac"] > 0 and m["oar/reshaped_tokens"] > 0, m
+        assert m["oar/adv_mass_rel_err"] < 1e-6 and m["oar/weight_mean"] == pytest.approx(1.0, abs=1e-5), m
+        assert m["oar/weight_std"] > 0.05, m  # credit actually moved between tokens
+        assert m["timing/oar"] > 0 and math.isfinite(m["actor_grad_norm"]) and m["actor_grad_norm"] > 0, m
+        assert m["rollout/num_samples"] == 8 and m["rollout/response_length_mean"] > 0, m
+    # the actor's weights reached the rollout engine after each step (through Ray, in place of NCCL)
+    logs = proc.stdout + proc.stderr
+    for k in (1, 2):
+        assert f"rollout engine: weights from the actor, update {k}" in logs, logs[-3000:]
+    # the trained model was saved, and the updates changed it
+    before, after = load_file(model_dir / "model.safetensors"), load_file(work / "model_out" / "model.safetensors")
+    shared = set(after) & set(before)  # OpenRLHF also writes the tied lm_head the tiny checkpoint leaves out
+    assert "model.embed_tokens.weight" in shared
+    assert any(not torch.allclose(after[k].float(), before[k].float()) for k in shared)

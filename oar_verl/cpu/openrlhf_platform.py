@@ -1,0 +1,237 @@
+"""A CPU platform for OpenRLHF 0.11.2: its real ``train_ppo_ray`` loop on a machine without a GPU.
+
+OpenRLHF's Ray + DeepSpeed + vLLM loop assumes CUDA in a handful of places. This module replaces each of them at run
+time, from outside OpenRLHF (no file of OpenRLHF is edited), the way :mod:`oar_verl.cpu.platform` does for verl.
+Development tooling only: the OpenRLHF glue (:mod:`oar_verl.openrlhf`) never imports it. Load it in **every** process
+(driver and Ray workers) before OpenRLHF's modules: :func:`main` starts Ray with :func:`install` as the workers'
+``worker_process_setup_hook``.
+
+What stands in for what (OpenRLHF 0.11.2 file:line in the installed wheel):
+
+1. ``torch.cuda.set_device`` / ``synchronize`` / ``empty_cache`` are no-ops and ``torch.cuda.current_device`` is the
+   CPU (``utils/deepspeed/deepspeed.py:97,614,633``, ``trainer/ray/ppo_actor.py:171,600-605,627``); the replay
+   buffer, which formats ``cuda:<index>`` into a device it does not use for training, gets the CPU
+   (``trainer/ppo_utils/replay_buffer.py:40``);
+2. ``init_device_mesh("cuda", ...)`` builds its mesh on the CPU (``utils/deepspeed/deepspeed.py:104``); DeepSpeed's
+   CPU accelerator picks gloo for ``deepspeed.init_distributed``;
+3. DeepSpeed's fused Adam is a CUDA kernel (its CPU build is compiled on first use): torch's AdamW stands in
+   (``torch_adam`` in the DeepSpeed optimizer config);
+4. vLLM engines (``trainer/ray/vllm_engine.py:273``, bf16 and vLLM 0.29's API) are replaced by
+   :class:`HFRolloutEngine`, OpenRLHF's own rollout actor class with Hugging Face ``generate`` in place of vLLM: the
+   same ``generate_responses`` and agent executor (so rewards come from ``--reward.remote_url`` or
+   ``--train.agent_func_path`` exactly as with vLLM);
+5. the weight sync to the engines (NCCL or CUDA-IPC, ``trainer/ray/ppo_actor.py:108-150,409-490``) goes through
+   Ray's object store: rank 0 gathers the parameters (every rank takes part under ZeRO-3) and sends them.
+
+Ray is started with as many placeholder GPU resources as the actor group asks for (OpenRLHF places its actors in
+``{"GPU": 1}`` bundles), so its own placement code runs unchanged.
+
+    python -m oar_verl.cpu.openrlhf_platform --oar.mode=gradient <OpenRLHF train_ppo_ray flags>
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+_INSTALLED = "_oar_openrlhf_cpu"
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _no_op(name: str):
+    """A distinct no-op per replaced torch function (torch._dynamo maps torch's functions one to one)."""
+
+    def no_op(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    no_op.__name__ = no_op.__qualname__ = name
+    return no_op
+
+
+def _cpu_device(*args: Any, **kwargs: Any) -> torch.device:
+    return torch.device("cpu")
+
+
+def install() -> None:
+    """Part 1-3 and 5 in this process (idempotent). Call before OpenRLHF's modules are imported."""
+    if getattr(torch, _INSTALLED, False):
+        return
+    setattr(torch, _INSTALLED, True)
+    for name in ("set_device", "synchronize", "empty_cache"):
+        setattr(torch.cuda, name, _no_op(name))
+    torch.cuda.current_device = _cpu_device
+
+    import torch.distributed.device_mesh as device_mesh
+
+    init_device_mesh = device_mesh.init_device_mesh
+
+    def cpu_device_mesh(device_type: str, *args: Any, **kwargs: Any):
+        return init_device_mesh("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+    device_mesh.init_device_mesh = cpu_device_mesh
+
+    from openrlhf.trainer.ppo_utils import replay_buffer
+    from openrlhf.trainer.ray import ppo_actor
+    from openrlhf.utils.deepspeed import deepspeed as ds_strategy
+
+    ds_strategy.init_device_mesh = cpu_device_mesh
+    buffer_init = replay_buffer.NaiveReplayBuffer.__init__
+
+    def buffer_on_cpu(self, *args: Any, **kwargs: Any) -> None:
+        torch.cuda.current_device = lambda: 0  # formatted into "cuda:0", a device the buffer only stores
+        try:
+            buffer_init(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = _cpu_device
+        self.target_device = torch.device("cpu")
+
+    replay_buffer.NaiveReplayBuffer.__init__ = buffer_on_cpu
+
+    train_config = ds_strategy.DeepspeedStrategy.get_ds_train_config
+
+    def torch_adam(self, *args: Any, **kwargs: Any) -> dict:
+        config = train_config(self, *args, **kwargs)
+        if config.get("optimizer", {}).get("type") == "AdamW":
+            config["optimizer"]["params"]["torch_adam"] = True
+        return config
+
+    ds_strategy.DeepspeedStrategy.get_ds_train_config = torch_adam
+    ppo_actor.ActorPPOTrainer._init_vllm_sync_group = _noop
+    ppo_actor.ActorPPOTrainer.broadcast_to_vllm = _broadcast_through_ray
+
+
+def _broadcast_through_ray(self) -> None:
+    """The actor's weights to every rollout engine through Ray's object store (all ranks call it together)."""
+    import deepspeed
+    import ray
+
+    model = self.actor.model.module if hasattr(self.actor.model, "module") else self.actor.model
+    rank0 = torch.distributed.get_rank() == 0
+    stage3 = self.strategy.args.ds.zero_stage == 3
+    state = {}
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], enabled=stage3):
+            if rank0:
+                state[name] = param.data.detach().to(torch.float32).clone()
+    if rank0:
+        ref = ray.put(state)
+        ray.get([engine.update_weights.remote(ref) for engine in self.vllm_engines])
+    torch.distributed.barrier()
+
+
+def _rollout_actor_class():
+    from openrlhf.trainer.ray.vllm_engine import RolloutRayActor, _load_agent_executor
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+    class HFRolloutEngineImpl(RolloutRayActor.__ray_actor_class__):
+        """OpenRLHF's rollout actor with Hugging Face ``generate`` (fp32, CPU) in place of the vLLM engine."""
+
+        def __init__(self, model: str, seed: int, agent_func_path: str | None = None,
+                     remote_rm_url: str | None = None):
+            from transformers import AutoModelForCausalLM, GenerationConfig
+
+            self.executor = (_load_agent_executor(agent_func_path) if agent_func_path
+                             else SingleTurnAgentExecutor(remote_rm_url))
+            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
+            self.model.eval()
+            eos = GenerationConfig.from_pretrained(model).eos_token_id
+            self.eos = set(eos if isinstance(eos, list) else [eos])
+            self.generator = torch.Generator().manual_seed(seed)
+            self.updates = 0
+
+        async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+            """A vLLM-shaped result (``outputs[0].token_ids``, ``finish_reason``) for one sampled continuation."""
+            torch.manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,), generator=self.generator)))
+            ids = torch.tensor([prompt_token_ids], dtype=torch.long)
+            sample = sampling_params.temperature > 0
+            with torch.no_grad():
+                out = self.model.generate(
+                    ids, attention_mask=torch.ones_like(ids), do_sample=sample,
+                    temperature=sampling_params.temperature if sample else None,
+                    top_p=sampling_params.top_p if sample else None,
+                    top_k=sampling_params.top_k if sample and sampling_params.top_k > 0 else None,
+                    max_new_tokens=sampling_params.max_tokens, min_new_tokens=sampling_params.min_tokens,
+                    pad_token_id=next(iter(self.eos)), eos_token_id=sorted(self.eos))
+            tokens = out[0, ids.shape[1]:].tolist()
+            stop = next((i for i, t in enumerate(tokens) if t in self.eos), None)
+            if stop is not None:  # vLLM keeps the stop token in token_ids
+                tokens = tokens[: stop + 1]
+            finish = "stop" if stop is not None else "length"
+            return SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, finish_reason=finish, logprobs=None)])
+
+        def get_num_unfinished_requests(self) -> int:
+            return 0
+
+        def update_weights(self, state: dict) -> int:
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            if unexpected:
+                raise KeyError(f"rollout engine: unknown parameters {unexpected[:5]}")
+            self.updates += 1
+            print(f"[oar-cpu] rollout engine: weights from the actor, update {self.updates}", flush=True)
+            return self.updates
+
+        async def sleep(self, level: int = 1) -> None:
+            return None
+
+        async def wake_up(self, tags=None) -> None:
+            return None
+
+        async def reset_prefix_cache(self) -> None:
+            return None
+
+    return HFRolloutEngineImpl
+
+
+def create_hf_engines(num_engines: int, tensor_parallel_size: int, pretrain: str, seed: int, *args: Any,
+                      agent_func_path: str | None = None, remote_rm_url: str | None = None, **kwargs: Any) -> list:
+    """Stands in for ``openrlhf.trainer.ray.create_vllm_engines`` (same arguments): ``num_engines`` CPU actors."""
+    import ray
+
+    if tensor_parallel_size != 1:
+        raise SystemExit("--vllm.tensor_parallel_size: the CPU rollout engines run one model each (set 1)")
+    engine = ray.remote(_rollout_actor_class())
+    return [engine.options(num_cpus=0, num_gpus=0).remote(pretrain, seed + i, agent_func_path=agent_func_path,
+                                                          remote_rm_url=remote_rm_url)
+            for i in range(num_engines)]
+
+
+def _flag(argv: Sequence[str], name: str, default: int) -> int:
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if a.startswith(name + "="):
+            return int(a.split("=", 1)[1])
+    return default
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Start Ray with placeholder GPUs and this platform in every worker, then OAR's OpenRLHF entry point."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    install()
+    import openrlhf.trainer.ray as orl_ray
+    import ray
+
+    from oar_verl.openrlhf import train_ppo_ray
+
+    gpus = _flag(argv, "--actor.num_gpus_per_node", 8) * _flag(argv, "--actor.num_nodes", 1)
+    ray.init(num_cpus=max(4, gpus + 2), num_gpus=gpus, include_dashboard=False,
+             runtime_env={"worker_process_setup_hook": "oar_verl.cpu.openrlhf_platform.install",
+                          "env_vars": {"TOKENIZERS_PARALLELISM": "false",
+                                       "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
+    orl_ray.create_vllm_engines = create_hf_engines
+    try:
+        train_ppo_ray.main(argv)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
