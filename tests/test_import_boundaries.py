@@ -1,11 +1,16 @@
-"""The layers stay apart: the core imports no verl, and the verl glue never imports the CPU development tooling."""
+"""The layers stay apart: the core imports no verl, and neither glue (verl, OpenRLHF) imports the CPU development
+tooling."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = """
 import importlib, pkgutil, sys
@@ -37,3 +42,30 @@ def test_plugin_loads_whatever_is_imported_first(module):
             "get_adv_estimator_fn('oar')\nfrom oar_verl.integration import plugin\nassert plugin.loaded\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "plugin failed to load" not in proc.stderr, proc.stderr[-4000:]
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a source file imports, relative imports resolved against its package."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    package = list(rel.parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            found |= {mod} | {f"{mod}.{a.name}" for a in node.names}
+    return found
+
+
+@pytest.mark.parametrize("forbidden", ["verl", "oar_verl.integration", "oar_verl.cpu"])
+def test_openrlhf_glue_imports_neither_verl_nor_the_cpu_tooling(forbidden):
+    """Read from the sources (OpenRLHF is only installed in .venv-openrlhf): the OpenRLHF glue imports OpenRLHF and
+    the core, never verl, the verl glue or the CPU platform that development runs put around it."""
+    files = sorted((ROOT / "oar_verl" / "openrlhf").rglob("*.py"))
+    assert files
+    leaks = {str(f.relative_to(ROOT)): sorted(m for m in _imported_modules(f)
+                                              if m == forbidden or m.startswith(forbidden + "."))
+             for f in files}
+    assert not any(leaks.values()), {f: m for f, m in leaks.items() if m}

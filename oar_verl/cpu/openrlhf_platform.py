@@ -42,10 +42,6 @@ import torch
 _INSTALLED = "_oar_openrlhf_cpu"
 
 
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 def _no_op(name: str):
     """A distinct no-op per replaced torch function (torch._dynamo maps torch's functions one to one)."""
 
@@ -104,7 +100,7 @@ def install() -> None:
         return config
 
     ds_strategy.DeepspeedStrategy.get_ds_train_config = torch_adam
-    ppo_actor.ActorPPOTrainer._init_vllm_sync_group = _noop
+    ppo_actor.ActorPPOTrainer._init_vllm_sync_group = _no_op("_init_vllm_sync_group")
     ppo_actor.ActorPPOTrainer.broadcast_to_vllm = _broadcast_through_ray
 
 
