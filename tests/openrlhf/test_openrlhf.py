@@ -78,7 +78,7 @@ def test_advantages_and_reshape_match_core(model_dir, tmp_path):
         assert r["metrics"]["oar/reshaped_seq_frac"] == pytest.approx(8 / 12)
 
 
-@pytest.mark.parametrize("stage,mode", [(2, "perturbation"), (3, "gradient")])
+@pytest.mark.parametrize("stage,mode", [(2, "gradient"), (3, "perturbation")])
 def test_zero_two_ranks_unequal_shards(model_dir, tmp_path, stage, mode):
     out = tmp_path / f"zero{stage}.json"
     with socket.socket() as s:
@@ -123,7 +123,10 @@ def test_entry_point_refuses_at_start_up(tmp_path):
     assert res[-1]["code"] == 0 and "arguments accepted with OAR (perturbation)" in res[-1]["stdout"], res[-1]
 
 
-@pytest.mark.parametrize("trainer,stage,mode", [("sync", 3, "perturbation"), ("async", 2, "gradient")])
+# ZeRO-2 for both: under bf16 ZeRO-3 on CPU/gloo (the only precision OpenRLHF loads a path in), DeepSpeed now and then
+# hands the first forward a NaN in a gathered parameter before any OAR code runs (docs/openrlhf.md); ZeRO-3 with OAR-P
+# is covered in fp32 by test_zero_two_ranks_unequal_shards
+@pytest.mark.parametrize("trainer,stage,mode", [("sync", 2, "perturbation"), ("async", 2, "gradient")])
 def test_train_ppo_ray_loop_on_cpu(model_dir, tmp_path, trainer, stage, mode):
     """``python -m oar_verl.openrlhf.train_ppo_ray`` as a user runs it, on the CPU platform: OpenRLHF's parser, Ray
     actor groups (2 ZeRO ranks), its sync or async trainer, rollouts from OpenRLHF's rollout actor with Hugging Face
