@@ -134,17 +134,20 @@ def topk_recall(a: list[np.ndarray], b: list[np.ndarray], frac: float, rng) -> f
     return float(fidelity.overlap_top_frac(a, b, frac, rng).mean())
 
 
-def metrics(res: dict, causal: list[np.ndarray] | None, reference: str = "exact: pad") -> list[dict]:
+def metrics(res: dict, causal: list[np.ndarray] | None, reference: str = "exact: pad",
+            own_reference: dict[str, list[np.ndarray]] | None = None) -> list[dict]:
     """One table row per method: cost multiple, recall of the reference's top-5 % / top-20 %, Spearman, planted
-    recall."""
+    recall. ``own_reference`` gives some methods a reference of their own (the leave-one-out consensus)."""
     rng = np.random.default_rng(0)
-    ref = res["scores"][reference]
+    own_reference = own_reference or {}
+    ref_all = res["scores"][reference]
     train = float(np.sum(res["train_seconds"]))
     out = []
-    names = list(res["scores"])
-    rand = [[rng.random(len(r)) for r in ref] for _ in range(20)]
+    names = [n for n in res["scores"] if n in res["seconds"]]  # a derived reference (the consensus) has no cost
+    rand = [[rng.random(len(r)) for r in ref_all] for _ in range(20)]
     for name in names + ["random"]:
         rows = res["scores"][name] if name != "random" else None
+        ref = own_reference.get(name, ref_all)
         if rows is None:
             rec5 = np.mean([topk_recall(r, ref, 0.05, rng) for r in rand])
             rec20 = np.mean([topk_recall(r, ref, 0.2, rng) for r in rand])
@@ -160,6 +163,24 @@ def metrics(res: dict, causal: list[np.ndarray] | None, reference: str = "exact:
         out.append({"method": name, "cost_x_train": cost, "top5_recall": float(rec5), "top20_recall": float(rec20),
                     "spearman": float(rho), "planted_recall": float(planted)})
     return out
+
+
+CONSENSUS = "exact: consensus"
+
+
+def consensus(scores: dict, variants) -> list[np.ndarray]:
+    """Per row (R,): the mean over the exact swaps of each token's rank percentile, a reference that belongs to no
+    single swap (the swaps disagree with one another on real text, §2 of docs/faithfulness.md)."""
+    per = [[fidelity.rankdata(s) / len(s) for s in scores[f"exact: {v}"]] for v in variants]
+    return [np.mean(rows, axis=0) for rows in zip(*per)]
+
+
+def consensus_metrics(res: dict, variants) -> list[dict]:
+    """:func:`metrics` against the consensus of all swaps; an exact swap is judged against the consensus of the
+    others, never against a mean it is part of."""
+    scored = {**res, "scores": {**res["scores"], CONSENSUS: consensus(res["scores"], variants)}}
+    own = {f"exact: {v}": consensus(res["scores"], [u for u in variants if u != v]) for v in variants}
+    return metrics(scored, None, reference=CONSENSUS, own_reference=own)
 
 
 def agreement(res: dict, variants) -> list[dict]:
@@ -225,11 +246,13 @@ def synthetic(out: Path, model_dir: str | None, n_eval: int, quick: bool, log) -
     return model, tok, batch, spans, causal_rows, info
 
 
-def core_check(model, batch, spans, rows_res: dict, mask_id: int, modes=("perturbation", "gradient")) -> dict:
+def core_check(model, batch, spans, rows_res: dict, mask_id: int,
+               modes=("perturbation", "gradient", "fisher")) -> dict:
     """oar_verl's own OAR-P and OAR-G on the same rows: the prototype exact (pad) must equal core OAR-P; OAR-G is the
     cost/fidelity baseline the cheap methods have to beat."""
     out = {}
-    for mode, name in (("perturbation", "core OAR-P"), ("gradient", "core OAR-G (K=1)")):
+    for mode, name in (("perturbation", "core OAR-P"), ("gradient", "core OAR-G (K=1)"),
+                       ("fisher", "core fisher (K=1)")):
         if mode not in modes:
             continue
         imp, sec, _ = fidelity.oar_scores(model, batch, spans, mode=mode, probe="as_mean", mask_token_id=mask_id)
@@ -326,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost-lengths", default="256,1024", help="row lengths of the cost-at-length part (SmolLM2)")
     ap.add_argument("--real-variants", default="pad,zero,delete,sample")
     ap.add_argument("--chunk", type=int, default=32)
+    ap.add_argument("--skip-synthetic", action="store_true", help="only the real-text part (SmolLM2)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     cache = args.out / "exact_cache"
@@ -340,22 +364,25 @@ def main(argv: list[str] | None = None) -> int:
     cpu = platform.processor() or platform.machine()
     machine = f"{platform.node()} ({cpu}), torch threads {torch.get_num_threads()}"
     result = {"date": str(date.today()), "machine": machine, "argv": argv}
-    n_eval = 16 if args.quick else args.n_eval
-    model, tok, batch, spans, causal, info = synthetic(args.out, args.synthetic_model, n_eval, args.quick, log)
-    rows = rows_of_batch(batch, spans)
-    log(f"[faithfulness] synthetic: {len(rows)} rows, answer accuracy {info['answer_accuracy']:.3f}")
-    weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-    tag = "synthetic-" + hashlib.sha1(weights).hexdigest()[:8]
-    res = evaluate(model, tag, rows, tok.pad_token_id, cache=cache, variants=EXACT_VARIANTS, quick=args.quick,
-                   chunk=args.chunk, log=log)
-    result["synthetic_core_check"] = core_check(model, batch, spans, res, tok.pad_token_id)
-    result["synthetic"] = {"info": info, "table": metrics(res, causal), "agreement": agreement(res, EXACT_VARIANTS),
-                           "mean_L": float(np.mean([len(r.ids) for r in rows])),
-                           "mean_R": float(np.mean([len(r.positions) for r in rows])),
-                           "train_seconds_per_row": float(np.mean(res["train_seconds"]))}
-    log(table(result["synthetic"]["table"], "synthetic digit-sum model"))
-    log(agreement_table(result["synthetic"]["agreement"], "synthetic: exact vs exact"))
-    log(json.dumps(result["synthetic_core_check"]))
+    if not args.skip_synthetic:
+        n_eval = 16 if args.quick else args.n_eval
+        model, tok, batch, spans, causal, info = synthetic(args.out, args.synthetic_model, n_eval, args.quick, log)
+        rows = rows_of_batch(batch, spans)
+        log(f"[faithfulness] synthetic: {len(rows)} rows, answer accuracy {info['answer_accuracy']:.3f}")
+        weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+        tag = "synthetic-" + hashlib.sha1(weights).hexdigest()[:8]
+        res = evaluate(model, tag, rows, tok.pad_token_id, cache=cache, variants=EXACT_VARIANTS, quick=args.quick,
+                       chunk=args.chunk, log=log)
+        result["synthetic_core_check"] = core_check(model, batch, spans, res, tok.pad_token_id)
+        result["synthetic"] = {"info": info, "table": metrics(res, causal),
+                               "agreement": agreement(res, EXACT_VARIANTS),
+                               "table_vs_consensus": consensus_metrics(res, EXACT_VARIANTS),
+                               "mean_L": float(np.mean([len(r.ids) for r in rows])),
+                               "mean_R": float(np.mean([len(r.positions) for r in rows])),
+                               "train_seconds_per_row": float(np.mean(res["train_seconds"]))}
+        log(table(result["synthetic"]["table"], "synthetic digit-sum model"))
+        log(agreement_table(result["synthetic"]["agreement"], "synthetic: exact vs exact"))
+        log(json.dumps(result["synthetic_core_check"]))
 
     if args.real_n > 0 and not args.quick:
         variants = tuple(args.real_variants.split(","))
@@ -365,14 +392,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{np.mean([len(r.positions) for r in rows]):.0f}")
         res = evaluate(model, "smollm2", rows, mask_id, cache=cache, variants=variants, quick=False,
                        chunk=args.chunk, log=log)
-        core_check(model, batch, spans, res, mask_id, modes=("gradient",))
+        core_check(model, batch, spans, res, mask_id, modes=("gradient", "fisher"))
         result["real"] = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", "table": metrics(res, None),
                           "agreement": agreement(res, variants),
+                          "table_vs_consensus": consensus_metrics(res, variants),
                           "mean_L": float(np.mean([len(r.ids) for r in rows])),
                           "mean_R": float(np.mean([len(r.positions) for r in rows])),
                           "train_seconds_per_row": float(np.mean(res["train_seconds"]))}
         log(table(result["real"]["table"], "SmolLM2-135M on GSM-style worked solutions (teacher-forced)"))
         log(agreement_table(result["real"]["agreement"], "SmolLM2: exact vs exact"))
+        log(table(result["real"]["table_vs_consensus"], "SmolLM2, against the consensus of the exact swaps "
+                  "(an exact swap against the consensus of the others)"))
         (args.out / "results.json").write_text(json.dumps(result, indent=1))
         lengths = [int(x) for x in args.cost_lengths.split(",") if x]
         result["cost_at_length"] = cost_at_length(model, tok, mask_id, lengths, log)

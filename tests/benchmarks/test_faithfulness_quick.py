@@ -27,3 +27,9 @@ def test_faithfulness_quick(tmp_path):
     assert rows["IG-KL S=4 + exact on its top 25 %"]["top20_recall"] >= rows["IG-KL S=4"]["top20_recall"] - 1e-9
     # exact-vs-exact agreement is reported for every pair of the four variants
     assert len(res["synthetic"]["agreement"]) == 6
+    # against the consensus of the swaps, each swap is judged by the consensus of the other three: a reference it is
+    # not part of, so the recall is below 1 and above chance
+    cons = {r["method"]: r for r in res["synthetic"]["table_vs_consensus"]}
+    for v in ("pad", "zero", "delete", "sample"):
+        assert cons["random"]["top20_recall"] < cons[f"exact: {v}"]["top20_recall"] < 1.0, v
+    assert "exact: consensus" not in cons
