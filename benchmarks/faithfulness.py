@@ -195,6 +195,22 @@ def agreement(res: dict, variants) -> list[dict]:
     return out
 
 
+def summary(res: dict, rows: list[fm.Row], variants, causal: list[np.ndarray] | None = None) -> dict:
+    """One model's tables (against pad-exact, exact vs exact, against the consensus) and the rows' sizes."""
+    return {"table": metrics(res, causal), "agreement": agreement(res, variants),
+            "table_vs_consensus": consensus_metrics(res, variants),
+            "mean_L": float(np.mean([len(r.ids) for r in rows])),
+            "mean_R": float(np.mean([len(r.positions) for r in rows])),
+            "train_seconds_per_row": float(np.mean(res["train_seconds"]))}
+
+
+def log_summary(summ: dict, title: str, log) -> None:
+    log(table(summ["table"], title))
+    log(agreement_table(summ["agreement"], f"{title}: exact vs exact"))
+    log(table(summ["table_vs_consensus"], f"{title}, against the consensus of the exact swaps (an exact swap "
+              "against the consensus of the others)"))
+
+
 def table(rows: list[dict], title: str) -> str:
     lines = [f"**{title}**", "", "| method | cost (× train fwd+bwd) | top-5 % recall | top-20 % recall | Spearman | "
              "planted recall |", "|---|---|---|---|---|---|"]
@@ -374,14 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         res = evaluate(model, tag, rows, tok.pad_token_id, cache=cache, variants=EXACT_VARIANTS, quick=args.quick,
                        chunk=args.chunk, log=log)
         result["synthetic_core_check"] = core_check(model, batch, spans, res, tok.pad_token_id)
-        result["synthetic"] = {"info": info, "table": metrics(res, causal),
-                               "agreement": agreement(res, EXACT_VARIANTS),
-                               "table_vs_consensus": consensus_metrics(res, EXACT_VARIANTS),
-                               "mean_L": float(np.mean([len(r.ids) for r in rows])),
-                               "mean_R": float(np.mean([len(r.positions) for r in rows])),
-                               "train_seconds_per_row": float(np.mean(res["train_seconds"]))}
-        log(table(result["synthetic"]["table"], "synthetic digit-sum model"))
-        log(agreement_table(result["synthetic"]["agreement"], "synthetic: exact vs exact"))
+        result["synthetic"] = {"info": info, **summary(res, rows, EXACT_VARIANTS, causal)}
+        log_summary(result["synthetic"], "synthetic digit-sum model", log)
         log(json.dumps(result["synthetic_core_check"]))
 
     if args.real_n > 0 and not args.quick:
@@ -393,16 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         res = evaluate(model, "smollm2", rows, mask_id, cache=cache, variants=variants, quick=False,
                        chunk=args.chunk, log=log)
         core_check(model, batch, spans, res, mask_id, modes=("gradient", "fisher"))
-        result["real"] = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", "table": metrics(res, None),
-                          "agreement": agreement(res, variants),
-                          "table_vs_consensus": consensus_metrics(res, variants),
-                          "mean_L": float(np.mean([len(r.ids) for r in rows])),
-                          "mean_R": float(np.mean([len(r.positions) for r in rows])),
-                          "train_seconds_per_row": float(np.mean(res["train_seconds"]))}
-        log(table(result["real"]["table"], "SmolLM2-135M on GSM-style worked solutions (teacher-forced)"))
-        log(agreement_table(result["real"]["agreement"], "SmolLM2: exact vs exact"))
-        log(table(result["real"]["table_vs_consensus"], "SmolLM2, against the consensus of the exact swaps "
-                  "(an exact swap against the consensus of the others)"))
+        result["real"] = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)",
+                          **summary(res, rows, variants)}
+        log_summary(result["real"], "SmolLM2-135M on GSM-style worked solutions (teacher-forced)", log)
         (args.out / "results.json").write_text(json.dumps(result, indent=1))
         lengths = [int(x) for x in args.cost_lengths.split(",") if x]
         result["cost_at_length"] = cost_at_length(model, tok, mask_id, lengths, log)
