@@ -5,6 +5,7 @@ One run measures every method on the same rows and writes one Pareto table per m
 * cost: the method's seconds over the seconds of one training forward+backward on the same tokens
   (:func:`benchmarks.faithfulness_methods.train_step_time`, timed in the same run, on the same rows);
 * fidelity against exact OAR-P (the mask-token swap): recall of exact's top-5 % and top-20 % tokens, Spearman;
+* the same against the consensus of the four exact swaps (mean rank; each swap against the mean of the others);
 * planted-causal-token recall on the trained digit-sum model (the digits are the only causal tokens).
 
 It also reports exact-vs-exact agreement (mask-token swap vs zero embedding vs deletion vs a model-sampled token),
@@ -264,8 +265,9 @@ def synthetic(out: Path, model_dir: str | None, n_eval: int, quick: bool, log) -
 
 def core_check(model, batch, spans, rows_res: dict, mask_id: int,
                modes=("perturbation", "gradient", "fisher")) -> dict:
-    """oar_verl's own OAR-P and OAR-G on the same rows: the prototype exact (pad) must equal core OAR-P; OAR-G is the
-    cost/fidelity baseline the cheap methods have to beat."""
+    """oar_verl's own OAR-P, OAR-G and fisher modes on the same rows: the prototype exact (pad) must equal core
+    OAR-P; OAR-G is the cost/fidelity baseline the cheap methods have to beat; fisher is the engine's cheap faithful
+    mode."""
     out = {}
     for mode, name in (("perturbation", "core OAR-P"), ("gradient", "core OAR-G (K=1)"),
                        ("fisher", "core fisher (K=1)")):
