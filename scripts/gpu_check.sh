@@ -16,4 +16,4 @@ PY=${PYTHON:-python3}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PY" -m benchmarks.gpu_check "$@"
+exec "$PY" -m research.gpu_check "$@"

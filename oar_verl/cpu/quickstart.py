@@ -1,6 +1,6 @@
 """CPU quickstart: verl's real trainer with OAR on a tiny model, in a few minutes on 2 cores.
 
-Default task ``credit``, the last-digit credit task (``benchmarks/credit_task.py``: write K digits, the last must be
+Default task ``credit``, the last-digit credit task (:mod:`oar_verl.cpu.last_digit`: write K digits, the last must be
 above T, then "The answer is N"): a tiny Qwen2 warm-started on responses with uniformly random digits succeeds about
 0.4 of the time at temperature 1, and RL has one thing to learn, so validation success visibly rises in ~40 steps.
 
@@ -15,7 +15,7 @@ above T, then "The answer is N"): a tiny Qwen2 warm-started on responses with un
 ``--task arith`` keeps the earlier arithmetic task (format warm-up on worked answers, a noisy reward; no validation).
 
 usage: python -m oar_verl.cpu.quickstart [--task credit|arith] [--mode gradient|perturbation] [--steps N] [--out DIR]
-       [extra Hydra overrides]; run from the repository root (the task lives in benchmarks/).
+       [extra Hydra overrides]; runs from any directory (an installed wheel holds the task).
        OAR_QUICKSTART_STEPS=N sets the default of --steps (CI uses 3); OAR_QUICKSTART_SFT_STEPS the arith warm-up.
 """
 
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="supervised warm-up steps teaching the answer format (0 = keep the random model)")
     parser.add_argument("--out", default="outputs/quickstart")
     parser.add_argument("--task", default="credit", choices=["credit", "arith"],
-                        help="credit: the last-digit credit task (benchmarks/credit_task.py), verl validation before "
+                        help="credit: the last-digit credit task (oar_verl/cpu/last_digit.py), verl validation before "
                              "and after training; arith: arithmetic with a format warm-up, a noisy reward")
     args, extra = parser.parse_known_args(argv)
     if args.steps is None:
@@ -314,15 +314,14 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         shutil.rmtree(out)
     if args.task == "credit":
-        # run from the repository root (recipes/quickstart_cpu.sh cds there): the task lives in benchmarks/
-        from benchmarks import credit, credit_reward, credit_task
+        from oar_verl.cpu import last_digit, last_digit_reward
 
         _say(f"1/4 building a tiny offline model and the last-digit task's data in {out / 'assets'}")
         _say("2/4 supervised warm start on responses with uniformly random digits (success near 0.4 at T=1)")
-        info = credit.build_assets(out / "assets", credit.QUICK, log=_say)
-        train_file, val_file = credit_task.write_parquet(out / "assets" / "data", n_train=8 * args.steps,
-                                                         n_val_repeats=CREDIT_VAL_REPEATS)
-        model_dir, reward_file = info["model_dir"], credit_reward.__file__
+        info = last_digit.warm_start(out / "assets", log=_say)
+        train_file, val_file = last_digit.write_parquet(out / "assets" / "data", n_train=8 * args.steps,
+                                                        n_val_repeats=CREDIT_VAL_REPEATS)
+        model_dir, reward_file = info["model_dir"], last_digit_reward.__file__
     else:
         _say(f"1/4 building a tiny offline model, tokenizer and arithmetic data in {out / 'assets'}")
         assets = build_tiny_assets(out / "assets", seed=0)

@@ -1,4 +1,5 @@
-"""The fast lane (``bash scripts/test.sh --fast``) leaves out every verl trainer run and keeps the rest.
+"""The fast lane (``bash scripts/test.sh --fast``) leaves out every verl trainer run and the research lane, and keeps
+the rest.
 
 The lane is a marker expression in scripts/test.sh; this reads it from there, so the script and the test cannot drift.
 """
@@ -28,10 +29,18 @@ def collect(*paths: str) -> tuple[int, list[str]]:
 
 def test_fast_lane_deselects_every_trainer_run_and_keeps_the_unit_tests():
     code, ids = collect("tests/e2e/test_main_ppo_grpo_on_cpu.py", "tests/e2e/test_quickstart_on_cpu.py",
-                        "tests/benchmarks/test_learning_quick.py", "tests/integration/test_startup_on_cpu.py")
-    # the two e2e files and the learning benchmark's quick run start verl's trainer: none is in the lane; the
-    # learning benchmark's summary test (recorded runs, no trainer) is
-    kept = ("tests/integration/test_startup_on_cpu.py::", "tests/benchmarks/test_learning_quick.py::test_summary_")
-    assert all(i.startswith(kept) for i in ids), ids
-    assert any(i.startswith(kept[1]) for i in ids), ids
+                        "tests/integration/test_startup_on_cpu.py")
+    # the two e2e files start verl's trainer: neither is in the lane; the start-up checks (no trainer) are
+    assert all(i.startswith("tests/integration/test_startup_on_cpu.py::") for i in ids), ids
     assert code == 0 and ids, "the start-up checks (no trainer) must stay in the fast lane"
+
+
+def test_research_tests_are_their_own_lane():
+    """Every test under research/tests is marked ``research`` (its conftest), so the fast lane selects none of them,
+    fast or not; the research lane collects them all."""
+    code, ids = collect("research/tests/test_learning_quick.py", "research/tests/test_scaling_quick.py")
+    assert code == 5 and not ids, ids  # pytest's "no tests collected"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-m", "research", "research/tests/test_learning_quick.py"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and any("test_summary_" in line for line in proc.stdout.splitlines()), proc.stdout

@@ -1,0 +1,40 @@
+"""The content-keyed warm-start cache: same settings and code -> built once and copied; anything else -> rebuilt."""
+
+from __future__ import annotations
+
+from oar_verl.cpu import warm_cache
+
+
+def test_built_once_then_copied_and_rebuilt_on_any_change(tmp_path, monkeypatch):
+    monkeypatch.setenv(warm_cache.ENV, str(tmp_path / "cache"))
+    code = tmp_path / "sft.py"
+    code.write_text("STEPS = 1\n")
+    builds = []
+
+    def build(target):
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "weights.txt").write_text(f"build {len(builds)}")
+        builds.append(target)
+
+    def get(name, settings):
+        target = tmp_path / "runs" / name
+        hit = warm_cache.materialise(target, name="m", settings=settings, code_files=[code], build=build,
+                                     log=lambda _: None)
+        return hit, (target / "weights.txt").read_text()
+
+    assert get("a", {"steps": 300}) == (False, "build 0")
+    assert get("b", {"steps": 300}) == (True, "build 0")  # a second test asking the same: copied, not trained
+    assert get("c", {"steps": 400}) == (False, "build 1")  # other settings
+    code.write_text("STEPS = 2\n")
+    assert get("d", {"steps": 300}) == (False, "build 2")  # the SFT routine changed
+    assert len(builds) == 3 and not list((tmp_path / "cache").glob(".*"))  # no half-written entries left
+
+
+def test_without_the_variable_nothing_is_cached(tmp_path, monkeypatch):
+    monkeypatch.delenv(warm_cache.ENV, raising=False)
+    n = []
+    for name in ("a", "b"):
+        hit = warm_cache.materialise(tmp_path / name, name="m", settings={}, code_files=[],
+                                     build=lambda t: (t.mkdir(), n.append(t)), log=lambda _: None)
+        assert not hit
+    assert len(n) == 2
