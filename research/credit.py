@@ -154,7 +154,7 @@ class Advantages:
 def compute_advantages(method: str, model, tok, r: Rollouts, step: int, algo) -> Advantages:
     """The advantages verl's OAR trainer step gives ``r`` at global step ``step`` (see the module docstring)."""
     import verl  # noqa: F401  (first: importing verl loads the OAR plugin, which imports the estimator module)
-    from oar_verl.core.attribution import run_attribution
+    from oar_verl.core.attribution import module_backend, run_attribution
     from oar_verl.core.preprocess import prepare_attribution
     from oar_verl.core.spans import locate_answer_spans
     from oar_verl.core.selection import rows_to_reshape, sequence_advantage
@@ -185,7 +185,7 @@ def compute_advantages(method: str, model, tok, r: Rollouts, step: int, algo) ->
         prepared = prepare_attribution([b.prompts[i, P - plens[i]:] for i in rows],
                                        [b.responses[i, :lens[i]] for i in rows], tok, cfg, step)
         with torch.no_grad() if cfg.mode == "perturbation" else torch.enable_grad():
-            res = run_attribution(model, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
+            res = run_attribution(module_backend(model, cfg), prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
                                   seeds=prepared.seeds)
         for j, (i, imp) in enumerate(zip(rows, prepared.response_importance(res.importance))):
             importance[i, :len(imp)] = imp

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oar_verl.core.backend_hf import frozen_parameters
+from oar_verl.core.backend import frozen_parameters
 from oar_verl.core.probes import ProbeKind, ProbeOutput, ProbeSpec, build_probe_spec, outcome_shift, probe_forward
 
 

@@ -43,7 +43,7 @@ import torch
 from research import common, REPO, fidelity, scaling, task
 from research.common import measure
 from research.common import progress
-from oar_verl.core.attribution import AttributionResult, run_attribution
+from oar_verl.core.attribution import AttributionResult, module_backend, run_attribution
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.config import OARConfig
 from oar_verl.core.policies import refined_segments, segment_table, token_blocks
@@ -110,10 +110,10 @@ def score(model, batch: task.VerlBatch, spans, segments: torch.Tensor, mask_id: 
                                                 batch.response_mask, spans.reasoning_mask, spans.answer_mask, kinds),
                         segments)
     start = time.perf_counter()
-    res = run_attribution(model, att, cfg, mask_token_id=mask_id)
+    res = run_attribution(module_backend(model, cfg), att, cfg, mask_token_id=mask_id)
     seconds = time.perf_counter() - start
     imp = res.importance[:, att.response_start:]
-    return AttributionResult(imp, res.rounds, res.copies, res.refined, res.reasoning), seconds
+    return AttributionResult(imp, res.passes, res.copies, res.refined, res.reasoning), seconds
 
 
 def top_mass(scores: np.ndarray, exact: np.ndarray, frac: float, rng: np.random.Generator) -> float:
@@ -375,7 +375,7 @@ def cost_point(shape: str, length: int, splits: list[str], device: str, dtype: t
         entry["cheaper_than_exact"] = exact["seconds"] / entry["seconds"]
     if validate:  # the segment policy (first split) in full, against its estimate
         cfg = OARConfig(mode="perturbation", perturbation="segment")
-        measured, _ = measure(lambda: run_attribution(model, batch, cfg, mask_token_id=0, limits=limits),
+        measured, _ = measure(lambda: run_attribution(module_backend(model, cfg, limits=limits), batch, cfg, mask_token_id=0),
                                       device)
         point["segment_measured_seconds"] = measured
         point["segment_estimated_seconds"] = next(v["seconds"] for k, v in point["policies"].items()

@@ -11,26 +11,31 @@ shapes in docstrings use one notation:
 
 Modules, in the order a step uses them: ``config`` (OARConfig), ``token_bytes`` / ``answer_patterns`` / ``spans``
 (answer spans by byte offsets), ``layout`` (verl's padded layout → attribution batch), ``probes`` (the outcome
-probes), ``preprocess`` (rows → attribution inputs), ``engine`` (the backend interface methods are written on),
-``perturbation`` (OAR-P) with ``policies`` (exact, segment, hierarchical, auto), ``gradient`` (OAR-G), the backends
-``backend_hf`` (a plain or FSDP module) and ``backend_ulysses`` (sequence-sharded), ``attribution`` (one entry point
-for every method and backend), ``gating`` (importance → weights), ``metrics``; ``reference`` is the plain
-per-position specification the fast paths are tested against.
+probes), ``preprocess`` (rows → attribution inputs), ``backend`` (the interface methods are written on), ``methods``
+(their contract and registry), ``perturbation`` (OAR-P) with ``policies`` (exact, segment, hierarchical, auto),
+``gradient`` (OAR-G), ``fisher``, the backends ``backend_hf`` (a plain or FSDP module) and ``backend_ulysses``
+(sequence-sharded), ``attribution`` (the one entry point), ``selection``, ``gating`` and ``reshape`` (importance →
+weights → advantages, for every integration), ``metrics``, ``collectives``; ``reference`` is the plain per-position
+specification the fast paths are tested against.
+
+Public API: :func:`run_attribution` on a backend (:func:`module_backend` of a Hugging Face module), or
+:func:`response_importance` on verl's padded layout; :func:`reshape_advantages` turns importance into advantages.
 """
 
-from oar_verl.core.attribution import collective_rounds, probe_kinds, response_importance, run_attribution
+from oar_verl.core.attribution import module_backend, probe_kinds, response_importance, run_attribution
 from oar_verl.core.config import OARConfig, OARConfigError
 from oar_verl.core.gating import TokenWeights, oar_token_weights
-from oar_verl.core.gradient import oar_g_importance, sequence_seeds
+from oar_verl.core.gradient import sequence_seeds
 from oar_verl.core.layout import AttributionBatch, build_attribution_batch
+from oar_verl.core.methods import AttributionResult
 from oar_verl.core.metrics import oar_metrics
-from oar_verl.core.perturbation import oar_p_importance
 from oar_verl.core.preprocess import PreparedAttribution, prepare_attribution
 from oar_verl.core.probes import ProbeKind
+from oar_verl.core.reshape import Reshaped, attribution_rows, reshape_advantages
 
 __all__ = [
-    "AttributionBatch", "OARConfig", "OARConfigError", "PreparedAttribution", "ProbeKind", "TokenWeights",
-    "build_attribution_batch", "collective_rounds", "oar_g_importance", "oar_metrics", "oar_p_importance",
-    "oar_token_weights", "prepare_attribution", "probe_kinds", "response_importance", "run_attribution",
-    "sequence_seeds",
+    "AttributionBatch", "AttributionResult", "OARConfig", "OARConfigError", "PreparedAttribution", "ProbeKind",
+    "Reshaped", "TokenWeights", "attribution_rows", "build_attribution_batch", "module_backend", "oar_metrics",
+    "oar_token_weights", "prepare_attribution", "probe_kinds", "reshape_advantages", "response_importance",
+    "run_attribution", "sequence_seeds",
 ]

@@ -1,16 +1,16 @@
 """The attribution backend of a plain Hugging Face causal LM (or an FSDP-wrapped one): padded rows in column windows,
-a key/value prefix cache for OAR-P's copies, noise and gradient × input at the input-embedding output.
+a key/value prefix cache for OAR-P's copies, a gradient method's hook at the input-embedding output.
 
 A pass's rows are cut to the columns any of them uses (:func:`column_window`) and packed under the token budget as
 rows × window (:mod:`oar_verl.core.budget`), longest first; copies are packed in order. Full-vocabulary logits exist
 only at the probe positions (``logits_to_keep``).
 
-OAR-G's student pass: a forward hook on the input embedding returns the clean output plus the seeded noise on the
-reasoning tokens as a detached leaf, and every model parameter is frozen for the pass, so no parameter gradient is
-created (no leak into the policy update, no optimizer or FSDP reduce-scatter work) and the backward skips all
-weight-gradient matmuls. Under gradient checkpointing (the actor's setting, and the default here) the student pass
-keeps only each layer's input and recomputes one layer at a time in the backward, like the training step; it still
-runs with eval numerics (:func:`layer_checkpointing`).
+A backward pass (a gradient method's :class:`~oar_verl.core.backend.EmbeddingHook`): a forward hook on the input
+embedding returns the clean output plus the method's noise on the reasoning tokens as a detached leaf, and every model
+parameter is frozen for the pass, so no parameter gradient is created (no leak into the policy update, no optimizer or
+FSDP reduce-scatter work) and the backward skips all weight-gradient matmuls. Under gradient checkpointing (the
+actor's setting, and the default here) the pass keeps only each layer's input and recomputes one layer at a time in
+the backward, like the training step; it still runs with eval numerics (:func:`layer_checkpointing`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.utils.checkpoint
 
+from oar_verl.core.backend import DenseProbes, EmbeddingHook, OnProbe, Pass, frozen_parameters, reasoning_slots
 from oar_verl.core.budget import PassLimits, pack_copies, pack_rows
-from oar_verl.core.engine import DenseProbes, OnProbe, Pass
-from oar_verl.core.gradient import embedding_projection, frozen_parameters, mask_noise
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.prefix_cache import shared_prefix_cache
 from oar_verl.core.probes import logits_at, probe_from_logits, probe_keep_positions
@@ -43,21 +42,20 @@ def column_window(attention_mask: torch.Tensor, rows: torch.Tensor) -> tuple[int
 
 
 class ModuleBackend(DenseProbes):
-    """A Hugging Face causal LM, whole sequences per pass (:mod:`oar_verl.core.engine`).
+    """A Hugging Face causal LM, whole sequences per pass (:mod:`oar_verl.core.backend`).
 
     Args:
         model: the causal LM (or an FSDP wrapper), in eval mode; None for planning only.
         limits: the token budget of one pass (and optional caps and memory guard).
-        mask_token_id: OAR-P's replacement token.
         prefix_cache: OAR-P copies reuse their row's clean key/value prefix (the model must support
             ``past_key_values``).
-        checkpointing: checkpoint the decoder layers in OAR-G's student pass.
+        checkpointing: checkpoint the decoder layers in backward passes.
         align: maps this rank's pass count to the count every data-parallel rank runs (default: its own).
     """
 
-    def __init__(self, model: torch.nn.Module | None, limits: PassLimits, *, mask_token_id: int | None = None,
-                 prefix_cache: bool = True, checkpointing: bool = True, align: Callable[[int], int] | None = None):
-        self.model, self.limits, self.mask_token_id = model, limits, mask_token_id
+    def __init__(self, model: torch.nn.Module | None, limits: PassLimits, *, prefix_cache: bool = True,
+                 checkpointing: bool = True, align: Callable[[int], int] | None = None):
+        self.model, self.limits = model, limits
         self.prefix_cache, self.checkpointing = prefix_cache, checkpointing
         self._align = align
         self._cache = None  # (row, key/value cache) of the last clean pass run with cache="keep"
@@ -69,23 +67,24 @@ class ModuleBackend(DenseProbes):
                     for s, e in pack_copies(rows, batch.attention_mask, self.limits, kind)]
         return pack_rows(batch.attention_mask[rows], self.limits, kind)
 
-    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe, noise_std: float = 0.0,
-            project: str = "input") -> list[torch.Tensor | None]:
-        noisy = any(p.seeds is not None for p in passes)
-        base = embedding_row(self.model, self.mask_token_id) if noisy and project == "mask" else None
-        with (_student_settings(self.model, self.checkpointing) if noisy else contextlib.nullcontext()):
+    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe,
+            hook: EmbeddingHook | None = None) -> list[torch.Tensor | None]:
+        with (_backward_settings(self.model, self.checkpointing) if hook else contextlib.nullcontext()):
             try:
-                return [self._noisy(batch, p, i, on_probe, noise_std, base) if p.seeds is not None
-                        else self._forward(batch, p, i, on_probe) for i, p in enumerate(passes)]
+                return [self._backward(batch, p, i, on_probe, hook) if hook else self._forward(batch, p, i, on_probe)
+                        for i, p in enumerate(passes)]
             finally:
                 self._cache = None
+
+    def embedding(self, token_id: int) -> torch.Tensor:
+        return embedding_row(self.model, token_id)
 
     def _inputs(self, batch: AttributionBatch, p: Pass) -> tuple[int, int, dict]:
         lo, hi = column_window(batch.attention_mask, p.rows)
         inputs = batch.model_inputs(p.rows, lo, hi)
         replaced = p.replaced()
         if replaced is not None:
-            inputs["input_ids"] = inputs["input_ids"].masked_fill(replaced[:, lo:hi], self.mask_token_id)
+            inputs["input_ids"] = inputs["input_ids"].masked_fill(replaced[:, lo:hi], p.token)
         return lo, hi, inputs
 
     @torch.no_grad()
@@ -116,9 +115,10 @@ class ModuleBackend(DenseProbes):
                           position_ids=inputs["position_ids"][:, t0:], past_key_values=shared_prefix_cache(cache, t0, c),
                           logits_to_keep=keep - t0, use_cache=True).logits
 
-    def _noisy(self, batch: AttributionBatch, p: Pass, i: int, on_probe: OnProbe, noise_std: float,
-               base: torch.Tensor | None) -> torch.Tensor:
-        """One backward pass: (n, L) float32 signed ⟨∂J/∂e_t, v_t⟩ at the rows' reasoning tokens, 0 elsewhere."""
+    def _backward(self, batch: AttributionBatch, p: Pass, i: int, on_probe: OnProbe, hook: EmbeddingHook
+                  ) -> torch.Tensor:
+        """One backward pass: (n, [K,] L) float32 scores of the hook's projection in the rows' columns (0 outside
+        the pass's column window)."""
         lo, hi, inputs = self._inputs(batch, p)
         spec = batch.probe.index(p.rows).columns(lo, hi)
         mask = batch.reasoning_mask[p.rows, lo:hi]
@@ -129,19 +129,17 @@ class ModuleBackend(DenseProbes):
             return on_probe(i, probe_from_logits(logits, spec.logit_weight[:, keep], spec.target_ids[:, keep],
                                                  spec.joint))
 
-        saliency = noisy_embedding_saliency(self.model, mask, lambda h: mask_noise(mask, h, noise_std, p.seeds), loss,
-                                            base)
-        sal = torch.zeros(p.rows.shape[0], batch.input_ids.shape[1], dtype=torch.float32, device=mask.device)
-        sal[:, lo:hi] = torch.where(mask, saliency, 0.0)
-        return sal
+        noise = None if hook.noise is None else lambda h: hook.noise(i, *reasoning_slots(mask), h)
+        scores = embedding_scores(self.model, mask, noise, loss, hook)
+        out = scores.new_zeros(*scores.shape[:-1], batch.input_ids.shape[1])
+        out[..., lo:hi] = scores
+        return out
 
 
 def embedding_row(model: torch.nn.Module, token_id: int) -> torch.Tensor:
     """(H,) the input embedding of ``token_id`` as the model's embedding module outputs it (with a scaled embedding's
     ``embed_scale``). An FSDP2-sharded table (a DTensor) is gathered once for the call (V × H transiently, before any
     pass), since verl shards untied embeddings on their own and they are resharded right after their forward."""
-    if token_id is None:
-        raise ValueError("a projection on e_mask - e_t needs the backend's mask_token_id")
     emb = model.get_input_embeddings()
     weight = emb.weight
     with torch.no_grad():
@@ -150,35 +148,41 @@ def embedding_row(model: torch.nn.Module, token_id: int) -> torch.Tensor:
     return row * getattr(emb, "embed_scale", 1.0)
 
 
-def noisy_embedding_saliency(model: torch.nn.Module, mask: torch.Tensor, noise: Callable[[int], torch.Tensor],
-                             loss: Callable[[], torch.Tensor], mask_embedding: torch.Tensor | None = None
-                             ) -> torch.Tensor:
-    """(b, s) float32 signed ⟨∂J/∂e_t, v_t⟩ (:func:`~oar_verl.core.gradient.embedding_projection`; v_t = e_t, or
-    e_mask − e_t with ``mask_embedding`` (H,)) of a forward whose input-embedding output (b, s, H) gets ``noise(H)``
-    (m, H) at the m positions of ``mask`` (b, s) bool, J = ``loss()`` (per row, summed: rows are independent in a
-    forward, so each gets its own gradient). The embedding output is returned as a detached leaf, the only tensor that
-    requires grad; a plain backward works with every checkpointing mode."""
+def embedding_scores(model: torch.nn.Module, mask: torch.Tensor, noise: Callable[[int], torch.Tensor] | None,
+                     loss: Callable[[], torch.Tensor], hook: EmbeddingHook) -> torch.Tensor:
+    """(b, s) float32 (or (b, K, s) with ``hook.outputs`` = K > 1) ``hook.project`` scores of a forward whose
+    input-embedding output (b, s, H) gets ``noise(H)`` (m, H) at the m positions of ``mask`` (b, s) bool, and whose
+    per-row loss ``loss()`` (b,) or (b, K) is back-propagated once per column (rows are independent in a forward, so
+    each gets its own gradient; the K backwards share the forward). The embedding output is returned as a detached
+    leaf, the only tensor that requires grad; plain backwards work with every checkpointing mode."""
     captured: dict[str, torch.Tensor] = {}
 
-    def add_noise(module, args, out):
+    def at_embedding(module, args, out):
         clean = out.detach()
         leaf = clean.clone()
-        leaf[mask] += noise(clean.shape[-1]).to(clean.dtype)
+        if noise is not None:
+            leaf[mask] += noise(clean.shape[-1]).to(clean.dtype)
         leaf.requires_grad_(True)
         captured["clean"], captured["leaf"] = clean, leaf
         return leaf
 
-    handle = model.get_input_embeddings().register_forward_hook(add_noise)
+    handle = model.get_input_embeddings().register_forward_hook(at_embedding)
+    grads = []
     try:
         with torch.enable_grad():
-            loss().sum().backward()
+            losses = loss().reshape(mask.shape[0], hook.outputs)
+            for k in range(hook.outputs):  # K backwards from one forward, never one per token
+                losses[:, k].sum().backward(retain_graph=k + 1 < hook.outputs)
+                grads.append(captured["leaf"].grad)
+                captured["leaf"].grad = None
     finally:
         handle.remove()
-    return embedding_projection(captured["leaf"].grad, captured["clean"], mask_embedding)
+    scores = [hook.project(g, captured["clean"]) for g in grads]
+    return scores[0] if hook.outputs == 1 else torch.stack(scores, 1)
 
 
 @contextlib.contextmanager
-def _student_settings(model: torch.nn.Module, checkpointing: bool) -> Iterator[None]:
+def _backward_settings(model: torch.nn.Module, checkpointing: bool) -> Iterator[None]:
     with frozen_parameters(model), layer_checkpointing(model, checkpointing):
         yield
 

@@ -1,5 +1,5 @@
 """The attribution backend of a Hugging Face module whose sequences are sharded over a Ulysses sequence-parallel group,
-as verl's own forward runs under Ulysses (:mod:`oar_verl.core.engine`).
+as verl's own forward runs under Ulysses (:mod:`oar_verl.core.backend`).
 
 Users turn on sequence parallelism when one sequence's activations do not fit a GPU; attribution must then not hold
 whole sequences either. A pass's rows (or OAR-P's masked copies) are packed into one sequence without padding (each
@@ -10,11 +10,11 @@ of the flash-attention varlen kernel on GPUs); everything else is per token and 
 
 The outcome probe reads positions that may lie on any rank. Each rank reads the logits at its own probe positions
 (never the others'), forms its part of every row's weighted sum of raw logits (and of AS-Joint's log-probability
-sum), and the group sums the parts; the sum's backward is the identity, so OAR-G's gradient flows once through each
-rank's own positions and the attention's all-to-all routes the rest, exactly as for a sequence-parallel loss. Every
-rank then holds the whole probe and the same outcome shift. OAR-G's noise for a token is its row's draw for its
-reasoning rank (:func:`oar_verl.core.gradient.reasoning_noise_at`), so each rank adds exactly the draws its tokens
-get unsharded; the scores are all-gathered over the group. The numbers equal the unsharded backend's (tested on
+sum), and the group sums the parts; the sum's backward is the identity, so a backward pass's gradient flows once
+through each rank's own positions and the attention's all-to-all routes the rest, exactly as for a sequence-parallel
+loss. Every rank then holds the whole probe and the same outcome shift. A gradient method's noise is asked for each
+rank's own reasoning tokens by their row and reasoning rank (:class:`~oar_verl.core.backend.EmbeddingHook`), so each
+rank adds exactly the noise its tokens get unsharded; the scores are all-gathered over the group. The numbers equal the unsharded backend's (tested on
 2 gloo ranks). A key/value prefix cache does not shard: OAR-P runs the batched copies.
 """
 
@@ -26,10 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from oar_verl.core.backend_hf import embedding_row, layer_checkpointing, noisy_embedding_saliency
+from oar_verl.core.backend import DenseProbes, EmbeddingHook, OnProbe, Pass, frozen_parameters
+from oar_verl.core.backend_hf import embedding_row, embedding_scores, layer_checkpointing
 from oar_verl.core.budget import AttributionMemoryError, PassLimits, pack_lengths
-from oar_verl.core.engine import DenseProbes, OnProbe, Pass
-from oar_verl.core.gradient import frozen_parameters, reasoning_noise_at
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.probes import ProbeOutput
 
@@ -85,14 +84,15 @@ class _Packed:
     hi: int
 
 
-def _pack(batch: AttributionBatch, rows: torch.Tensor, shards: SequenceShards, pad_id: int,
-          masked: torch.Tensor | None = None, mask_token_id: int = 0) -> _Packed:
-    """Pack ``rows`` (repeats allowed: OAR-P's copies) of ``batch``; ``masked`` (n, L) replaces tokens per row."""
+def _pack(batch: AttributionBatch, p: Pass, shards: SequenceShards, pad_id: int) -> _Packed:
+    """Pack the pass's rows (repeats allowed: OAR-P's copies) of ``batch``, with the copies' tokens replaced."""
+    rows = p.rows
     real = batch.attention_mask[rows].bool()  # (N, L)
     slot_of, col = real.nonzero().unbind(1)  # row-major: each row's real tokens, in order
     ids = batch.input_ids[rows]
-    if masked is not None:
-        ids = ids.masked_fill(masked, mask_token_id)
+    replaced = p.replaced()
+    if replaced is not None:
+        ids = ids.masked_fill(replaced, p.token)
     tokens = ids[slot_of, col]
     positions = batch.position_ids[rows][slot_of, col]
     n = tokens.shape[0]
@@ -148,18 +148,17 @@ class UlyssesBackend(DenseProbes):
         model: causal LM whose attention handles sequence shards (verl's Ulysses patch), in eval mode.
         limits: the token budget of one pass per rank.
         shards: the sequence-parallel group (every rank of it holds the same batch).
-        mask_token_id: OAR-P's replacement token. pad_id: the token filling the last shard.
-        checkpointing: checkpoint the decoder layers in OAR-G's student pass.
+        pad_id: the token filling the last shard.
+        checkpointing: checkpoint the decoder layers in backward passes.
         align: maps this rank's pass count to the count every data-parallel rank runs.
     """
 
     prefix_cache = False
 
-    def __init__(self, model: torch.nn.Module | None, limits: PassLimits, shards: SequenceShards, *,
-                 mask_token_id: int | None = None, pad_id: int = 0, checkpointing: bool = True,
-                 align: Callable[[int], int] | None = None):
+    def __init__(self, model: torch.nn.Module | None, limits: PassLimits, shards: SequenceShards, *, pad_id: int = 0,
+                 checkpointing: bool = True, align: Callable[[int], int] | None = None):
         self.model, self.limits, self.shards = model, limits, shards
-        self.mask_token_id, self.pad_id, self.checkpointing = mask_token_id, pad_id, checkpointing
+        self.pad_id, self.checkpointing = pad_id, checkpointing
         self._align = align
 
     def plan(self, batch: AttributionBatch, rows: torch.Tensor, kind: str, ordered: bool = False
@@ -177,50 +176,49 @@ class UlyssesBackend(DenseProbes):
                                                  f"({self.limits.key}={self.limits.tokens})")
         return [torch.tensor([items[j] for j in p], dtype=torch.long, device=rows.device) for p in packs]
 
-    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe, noise_std: float = 0.0,
-            project: str = "input") -> list[torch.Tensor | None]:
+    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe,
+            hook: EmbeddingHook | None = None) -> list[torch.Tensor | None]:
         out = []
-        base = embedding_row(self.model, self.mask_token_id) if project == "mask" and any(
-            p.seeds is not None for p in passes) else None
         for i, p in enumerate(passes):
-            packed = _pack(batch, p.rows, self.shards, self.pad_id, p.replaced(), self.mask_token_id or 0)
-            if p.seeds is None:
+            packed = _pack(batch, p, self.shards, self.pad_id)
+            if hook is None:
                 with torch.no_grad():
                     on_probe(i, _probe(self.model, batch, packed, len(p.rows), self.shards))
                 out.append(None)
                 continue
             with frozen_parameters(self.model), layer_checkpointing(self.model, self.checkpointing):
-                sal = self._saliency(batch, p, packed, i, on_probe, noise_std, base)
-            full = torch.zeros(p.rows.shape[0], batch.input_ids.shape[1], dtype=torch.float32, device=sal.device)
+                scores = self._scores(batch, p, packed, i, on_probe, hook)  # ([K,] n_total)
+            full = scores.new_zeros(p.rows.shape[0], *scores.shape[:-1], batch.input_ids.shape[1])
             real = packed.slot >= 0
-            full[packed.slot[real], packed.col[real]] = sal[real]
+            full[packed.slot[real], ..., packed.col[real]] = scores[..., real].movedim(-1, 0)
             out.append(full)
         return out
 
-    def _saliency(self, batch: AttributionBatch, p: Pass, packed: _Packed, i: int, on_probe: OnProbe,
-                  noise_std: float, base: torch.Tensor | None) -> torch.Tensor:
-        """(n_total,) saliency of every packed position (0 off reasoning), the same on every rank of the group."""
+    def embedding(self, token_id: int) -> torch.Tensor:
+        return embedding_row(self.model, token_id)
+
+    def _scores(self, batch: AttributionBatch, p: Pass, packed: _Packed, i: int, on_probe: OnProbe,
+                hook: EmbeddingHook) -> torch.Tensor:
+        """([K,] n_total) scores of every packed position, the same on every rank of the group."""
         row, col = packed.row[packed.lo:packed.hi], packed.col[packed.lo:packed.hi]
         real = row >= 0
         reasoning = torch.zeros_like(real)
         reasoning[real] = batch.reasoning_mask[row[real], col[real]]
-        local = noisy_embedding_saliency(
-            self.model, reasoning[None], lambda h: _local_noise(batch, p, packed, reasoning, h, noise_std),
-            lambda: on_probe(i, _probe(self.model, batch, packed, len(p.rows), self.shards)),
-            base)
-        local = torch.where(reasoning, local[0], 0.0)
+        noise = None if hook.noise is None else lambda h: hook.noise(i, *_local_slots(batch, p, packed, reasoning), h)
+        local = embedding_scores(self.model, reasoning[None], noise,
+                                 lambda: on_probe(i, _probe(self.model, batch, packed, len(p.rows), self.shards)),
+                                 hook)[0]  # ([K,] n_local)
         if self.shards.size == 1:
             return local
         parts = [torch.empty_like(local) for _ in range(self.shards.size)]
         dist.all_gather(parts, local.contiguous(), group=self.shards.group)
-        return torch.cat(parts)
+        return torch.cat(parts, -1)
 
 
-def _local_noise(batch: AttributionBatch, p: Pass, packed: _Packed, reasoning: torch.Tensor, hidden: int,
-                 noise_std: float) -> torch.Tensor:
-    """(m, H) float32 noise of this shard's m reasoning tokens: the very draws they get unsharded."""
+def _local_slots(batch: AttributionBatch, p: Pass, packed: _Packed, reasoning: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot (m,), rank (m,)) of this shard's m reasoning tokens: their row in the pass and their reasoning rank in
+    that row, as unsharded."""
     slot = packed.slot[packed.lo:packed.hi][reasoning]
     col = packed.col[packed.lo:packed.hi][reasoning]
-    rank = batch.reasoning_mask.long().cumsum(-1)[p.rows[slot], col] - 1
-    counts = batch.reasoning_mask.sum(-1)[p.rows]
-    return reasoning_noise_at(slot, rank, p.seeds, counts, hidden, noise_std)
+    return slot, batch.reasoning_mask.long().cumsum(-1)[p.rows[slot], col] - 1

@@ -1,5 +1,5 @@
 """Second-order attribution patching of OAR-P's masking shift (docs/method.md §11), written once over the attribution
-engine (:mod:`oar_verl.core.engine`).
+backend interface (:mod:`oar_verl.core.backend`).
 
 OAR-P scores token t by I_t = KL(P_clean ‖ P^(t)), P^(t) the outcome distribution with y_t swapped for the mask token.
 Write the swap as a move of the token's embedding, δ_t = e_mask − e_t, and the outcome logits as a function of the
@@ -17,16 +17,20 @@ as OAR-P's).
 
 Each outcome of a row is a *draw row* e = b·K + k, packed under the token budget like OAR-G's noise draws, with no
 noise: the forward is the clean one, so the row's top outcomes are read from the very probe that is differentiated
-(no teacher pass).
+(no teacher pass). The projection on δ_t = e_mask − e_t is this module's
+(:func:`oar_verl.core.gradient.embedding_projection` with the backend's embedding of the mask token).
 """
 
 from __future__ import annotations
 
 import torch
 
-from oar_verl.core.engine import AttributionBackend, Pass, first_row, with_fillers
+from oar_verl.core.backend import (AttributionBackend, EmbeddingHook, Pass, collect, first_row, plan_draws,
+                                   with_fillers)
+from oar_verl.core.gradient import embedding_projection
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.memory import PassKind
+from oar_verl.core.methods import METHODS, AttributionResult, MethodInputs, require
 
 
 def fisher_importance(projections: torch.Tensor, weights: torch.Tensor, joint: torch.Tensor) -> torch.Tensor:
@@ -44,11 +48,12 @@ def fisher_importance(projections: torch.Tensor, weights: torch.Tensor, joint: t
     return torch.where(joint[:, None], -projections[:, 0], quadratic).float()
 
 
-def fisher(backend: AttributionBackend, batch: AttributionBatch, outcomes: int = 4) -> tuple[torch.Tensor, int]:
+def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: int, outcomes: int = 4
+           ) -> tuple[torch.Tensor, int]:
     """Second-order masking scores of every reasoning token, on any backend (see the module docstring).
 
     Args:
-        backend: the model runtime (its mask token gives e_mask).
+        backend: the model runtime.
         batch: AttributionBatch (B, L); B >= 1 when other data-parallel ranks run more passes.
         outcomes: K >= 1 most likely outcomes of each row's probe kept in the Fisher sum.
 
@@ -58,11 +63,9 @@ def fisher(backend: AttributionBackend, batch: AttributionBatch, outcomes: int =
     B, L = batch.input_ids.shape
     K = outcomes
     device = batch.input_ids.device
-    draw_rows = torch.arange(B, device=device).repeat_interleave(K)  # draw row e = b·K + k: outcome k of row b
-    packs = backend.plan(batch, draw_rows, PassKind.INPUT_GRADIENT)
-    zero = torch.zeros(B * K, dtype=torch.long, device=device)  # no noise: the seeds are never drawn from
-    passes = with_fillers([Pass(draw_rows[p], seeds=zero[p]) for p in packs], backend.align(len(packs)),
-                          Pass(first_row(batch), seeds=zero[:1], filler=True), batch)
+    draw_rows, packs = plan_draws(backend, batch, K, PassKind.INPUT_GRADIENT)  # draw row e = b·K + k: outcome k
+    passes = with_fillers([Pass(draw_rows[p]) for p in packs], backend.align(len(packs)),
+                          Pass(first_row(batch), filler=True), batch)
     weights = torch.zeros(B * K, dtype=torch.float32, device=device)
 
     def loss(i: int, probe) -> torch.Tensor:
@@ -77,10 +80,17 @@ def fisher(backend: AttributionBackend, batch: AttributionBatch, outcomes: int =
         first = (k == 0).to(pick.device)
         return torch.where(joint, torch.where(first, probe.phi, torch.zeros_like(probe.phi)), probe.log_prob(pick))
 
-    projections = backend.run(batch, passes, loss, noise_std=0.0, project="mask")
-    per_draw = torch.zeros(B * K, L, dtype=torch.float32, device=device)
-    for pack, proj in zip(packs, projections):  # per pass
-        per_draw[pack] = proj.to(device)
+    mask_embedding = backend.embedding(mask_token_id)  # (H,); None where no embedding lives (Megatron's later stages)
+    hook = EmbeddingHook(lambda grad, clean: embedding_projection(grad, clean, mask_embedding))
+    per_draw = collect(backend.run(batch, passes, loss, hook), packs, (B * K, L), device)
     scores = fisher_importance(per_draw.view(B, K, L), weights.view(B, K), batch.probe.joint)
     # the weights exist where the probe was read (Megatron: the last stage): the scores go from there to every rank
     return backend.share(torch.where(batch.reasoning_mask, scores, 0.0)), len(packs)
+
+
+@METHODS.register("fisher")
+def run_fisher(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
+    """``mode=fisher``: :func:`fisher` with ``fisher_outcomes`` of the configuration."""
+    mask = require(inputs.mask_token_id, f"{cfg.prefix}.mode=fisher needs a mask token",
+                   f"set {cfg.prefix}.mask_token_id or give the tokenizer a pad token")
+    return AttributionResult(*fisher(backend, batch, mask, cfg.fisher_outcomes))

@@ -1,15 +1,17 @@
 """OAR-G: gradient x input saliency of the outcome (docs/method.md §4, with the official code's gradient leak and
-LT-Logits position fixed, §7), written once over the attribution engine (:mod:`oar_verl.core.engine`).
+LT-Logits position fixed, §7), written once over the backend interface (:mod:`oar_verl.core.backend`).
 
-Per round (rows packed under the token budget by the backend): a clean no-grad pass gives the teacher p0 (or φ0) --
-the teacher passes run first, one per round over the round's distinct rows -- and the student pass adds seeded
+Per pass (rows packed under the token budget by the backend): a clean no-grad pass gives the teacher p0 (or φ0) --
+the teacher passes run first, one per student pass over its distinct rows -- and the student pass adds seeded
 Gaussian noise of std σ to the reasoning-token embeddings, J = KL(p0 ‖ p_noisy) (or φ0 − φ_noisy), and the score is
-|⟨∂J/∂e_t, e_t⟩| with the clean embedding e_t.
+|⟨∂J/∂e_t, e_t⟩| with the clean embedding e_t. The noise (:func:`reasoning_noise_at`) and the projection
+(:func:`embedding_projection`) are this module's; the backend only runs the passes with them
+(:class:`~oar_verl.core.backend.EmbeddingHook`).
 
 With K noise draws (``algorithm.oar.noise_samples``) each row becomes K *draw rows* e = b·K + k (row b, draw k, with
 the seed :func:`draw_seeds` gives it) and the score is the mean of the K single-draw scores. Draw rows are packed like
-rows, so a row's K draws share a round while the budget allows and spread over more rounds when not (every round stays
-within the budget); a round's clean teacher pass runs once per distinct row in it, not once per draw.
+rows, so a row's K draws share a pass while the budget allows and spread over more passes when not (every pass stays
+within the budget); a student pass's clean teacher pass runs once per distinct row in it, not once per draw.
 
 The noise is what makes the gradient non-zero: at p_noisy = p0 the KL sits at its minimum. How the gradient is taken
 (a detached embedding leaf, frozen parameters, checkpointed layers with eval numerics, logits only at probe positions)
@@ -18,14 +20,13 @@ is each backend's job: :mod:`oar_verl.core.backend_hf`, :mod:`oar_verl.core.back
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
-
 import torch
 
-from oar_verl.core.engine import AttributionBackend, Pass, first_row, with_fillers
+from oar_verl.core.backend import (AttributionBackend, EmbeddingHook, Pass, collect, first_row, plan_draws,
+                                   with_fillers)
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.memory import PassKind
+from oar_verl.core.methods import METHODS, AttributionResult, MethodInputs, require
 
 _SEED_MOD = 2**63 - 1
 _MIX = tuple(c - 2**64 if c >= 2**63 else c for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
@@ -94,17 +95,6 @@ def reasoning_noise_at(slot: torch.Tensor, rank: torch.Tensor, seeds: torch.Tens
     return out * noise_std
 
 
-def mask_noise(mask: torch.Tensor, hidden_size: int, noise_std: float, seeds: torch.Tensor) -> torch.Tensor:
-    """(n, H) float32 noise of the reasoning tokens of a (b, w) mask whose rows hold their whole reasoning, in
-    row-major order (:func:`reasoning_noise_at` with row i seeded by ``seeds[i]``)."""
-    slot, col = mask.nonzero().unbind(1)
-    rank = (mask.long().cumsum(-1) - 1)[slot, col]
-    return reasoning_noise_at(slot, rank, seeds, mask.sum(-1), hidden_size, noise_std)
-
-
-PROJECTIONS = ("input", "mask")
-
-
 def embedding_projection(grad: torch.Tensor, clean: torch.Tensor, mask_embedding: torch.Tensor | None = None
                          ) -> torch.Tensor:
     """(b, s) float32 signed ⟨∂J/∂e_t, v_t⟩ of (b, s, H) embedding gradients: v_t = e_t, the clean embedding
@@ -117,85 +107,55 @@ def embedding_projection(grad: torch.Tensor, clean: torch.Tensor, mask_embedding
                         for g, c in zip(grad, clean)]).float()
 
 
-@contextlib.contextmanager
-def frozen_parameters(params: torch.nn.Module | Iterable[torch.nn.Parameter]) -> Iterator[None]:
-    """Set requires_grad=False on every parameter (of a module, or given) for the duration; restore the flags after."""
-    params = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
-    flags = [p.requires_grad for p in params]
-    try:
-        for p in params:
-            p.requires_grad_(False)
-        yield
-    finally:
-        for p, f in zip(params, flags):
-            p.requires_grad_(f)
-
-
 def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Tensor, noise_std: float,
-          samples: int = 1, project: str = "input") -> tuple[torch.Tensor, int]:
+          samples: int = 1) -> tuple[torch.Tensor, int]:
     """OAR-G importance of every reasoning token, on any backend: the mean over ``samples`` noise draws of the
-    single-draw score.
+    single-draw score |⟨∂J/∂e_t, e_t⟩|.
 
     Args:
         backend: the model runtime.
-        batch: AttributionBatch (B, L); B >= 1 when other data-parallel ranks run more rounds.
+        batch: AttributionBatch (B, L); B >= 1 when other data-parallel ranks run more passes.
         seeds: (B,) int64 per-sequence seeds (:func:`sequence_seeds`); draw k of row b uses
             ``draw_seeds(seeds, samples)[b, k]`` (draw 0: ``seeds[b]`` itself).
         noise_std: σ of the Gaussian embedding noise (absolute).
         samples: K >= 1 noise draws per row (``algorithm.oar.noise_samples``); K = 1 is the single-draw method.
-        project: ``input`` (gradient × input, OAR-G) or ``mask`` (gradient × (e_mask − e_t): the first-order change of
-            J when the token is swapped for the mask token).
 
     Returns:
-        ((B, L) float32 mean over the K draws of |⟨∂J/∂e_t, e_t⟩| at reasoning positions, 0 elsewhere; the rounds this
-        rank needed before alignment). No parameter has a gradient or a changed requires_grad flag afterwards.
+        ((B, L) float32 mean over the K draws of |⟨∂J/∂e_t, e_t⟩| at reasoning positions, 0 elsewhere; the student
+        passes this rank needed before alignment). No parameter has a gradient or a changed requires_grad flag
+        afterwards.
     """
     B, L = batch.input_ids.shape
-    device = batch.input_ids.device
-    draw_rows = torch.arange(B, device=device).repeat_interleave(samples)  # draw row e = b·K + k
-    draw_seed = draw_seeds(seeds.to(device), samples).reshape(-1)
-    packs = backend.plan(batch, draw_rows, PassKind.INPUT_GRADIENT)
+    draw_rows, packs = plan_draws(backend, batch, samples, PassKind.INPUT_GRADIENT)  # draw row e = b·K + k
+    draw_seed = draw_seeds(seeds.to(draw_rows.device), samples).reshape(-1)
     count = backend.align(len(packs))
     row = first_row(batch)
-    students = with_fillers([Pass(draw_rows[p], seeds=draw_seed[p]) for p in packs], count,
-                            Pass(row, seeds=draw_seed[:1], filler=True), batch)
-    # the clean teacher of a round runs once per distinct row in it (not once per draw), before the students
+    students = with_fillers([Pass(draw_rows[p]) for p in packs], count, Pass(row, filler=True), batch)
+    student_seeds = [draw_seed[p] for p in packs] + [draw_seed[:1]] * (len(students) - len(packs))
+    # the clean teacher of a student pass runs once per distinct row in it (not once per draw), before the students
     teachers = with_fillers([Pass(torch.unique_consecutive(draw_rows[p])) for p in packs], count,
                             Pass(row, filler=True), batch)
     table = backend.table(B)
     backend.run(batch, teachers, lambda i, probe: None if teachers[i].filler else table.put(teachers[i].rows, probe))
+    counts = batch.reasoning_mask.sum(-1)
 
     def loss(i: int, probe) -> torch.Tensor:
         rows = students[i].rows
         return backend.shift(table.get(rows), probe, batch.probe.joint[rows])
 
-    saliency = backend.run(batch, students, loss, noise_std, project)
-    per_draw = torch.zeros(B * samples, L, dtype=torch.float32, device=device)
-    for pack, sal in zip(packs, saliency):  # per round
-        per_draw[pack] = sal.to(device).abs()
-    return per_draw.view(B, samples, L).mean(1), len(packs)
+    def noise(i: int, slot: torch.Tensor, rank: torch.Tensor, hidden: int) -> torch.Tensor:
+        rows = students[i].rows
+        return reasoning_noise_at(slot, rank, student_seeds[i], counts[rows], hidden, noise_std)
+
+    saliency = backend.run(batch, students, loss, EmbeddingHook(embedding_projection, noise))
+    per_draw = collect(saliency, packs, (B * samples, L), batch.input_ids.device).abs()
+    mean = per_draw.view(B, samples, L).mean(1)
+    return torch.where(batch.reasoning_mask, mean, 0.0), len(packs)
 
 
-def oar_g_rounds(batch: AttributionBatch, limits, samples: int = 1) -> int:
-    """Rounds (clean forward + noisy forward/backward) OAR-G runs on ``batch`` with a plain Hugging Face module and
-    ``samples`` noise draws per row; data-parallel ranks run the max."""
-    from oar_verl.core.backend_hf import ModuleBackend
-
-    rows = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device).repeat_interleave(samples)
-    return len(ModuleBackend(None, limits).plan(batch, rows, PassKind.INPUT_GRADIENT))
-
-
-def oar_g_importance(model: torch.nn.Module, batch: AttributionBatch, noise_std: float, seeds: torch.Tensor,
-                     limits, min_rounds: int = 0, checkpointing: bool = False, samples: int = 1) -> torch.Tensor:
-    """OAR-G on a plain Hugging Face causal LM (:class:`oar_verl.core.backend_hf.ModuleBackend`): (B, L) float32.
-
-    Args:
-        model: causal LM with ``get_input_embeddings()``, in eval mode. batch: AttributionBatch (B, L).
-        noise_std: σ. seeds: (B,) int64 per-sequence seeds. limits: PassLimits of one round.
-        min_rounds: rounds to run at least (data-parallel alignment). checkpointing: checkpoint the decoder layers
-            in the student pass. samples: K noise draws per row.
-    """
-    from oar_verl.core.backend_hf import ModuleBackend
-
-    backend = ModuleBackend(model, limits, checkpointing=checkpointing, align=lambda n: max(n, min_rounds))
-    return oar_g(backend, batch, seeds, noise_std, samples)[0]
+@METHODS.register("gradient")
+def run_oar_g(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
+    """``mode=gradient``: :func:`oar_g` with ``noise_std`` and ``noise_samples`` of the configuration."""
+    seeds = require(inputs.seeds, "OAR-G needs per-sequence noise seeds",
+                    "see oar_verl.core.gradient.sequence_seeds (prepare_attribution computes them)")
+    return AttributionResult(*oar_g(backend, batch, seeds, cfg.noise_std, cfg.noise_samples))

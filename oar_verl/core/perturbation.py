@@ -1,5 +1,5 @@
 """OAR-P: counterfactual masking (docs/method.md §3, with the official code's memory blow-up fixed, §7), written once
-over the attribution engine (:mod:`oar_verl.core.engine`).
+over the backend interface (:mod:`oar_verl.core.backend`).
 
 For every reasoning position t, replace y_t by the mask token (length unchanged) and score
 I_t = KL(P_clean ‖ P^(t)) (or φ_clean − φ^(t) with AS-Joint). Full-vocabulary logits are computed only at the probe
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from oar_verl.core.engine import AttributionBackend, Pass, first_row, with_fillers
+from oar_verl.core.backend import AttributionBackend, Pass, first_row, with_fillers
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.memory import PassKind
 
@@ -72,8 +72,10 @@ def masked_copies(reasoning_mask: torch.Tensor, span: int,
     return rows, cols, blocks
 
 
-def oar_p_passes(backend: AttributionBackend, batch: AttributionBatch, blocks: torch.Tensor) -> list[Pass]:
-    """The passes OAR-P runs on ``batch`` for a block layout (B, L) (one copy per block), before rank alignment.
+def oar_p_passes(backend: AttributionBackend, batch: AttributionBatch, blocks: torch.Tensor, mask_token_id: int
+                 ) -> list[Pass]:
+    """The passes OAR-P runs on ``batch`` for a block layout (B, L) (one copy per block, its block replaced by
+    ``mask_token_id``), before rank alignment.
 
     With the backend's prefix cache: per row with copies, its clean pass (cache kept), then its copies in passes that
     reuse the cache. Without: the clean rows packed, then every copy packed in order.
@@ -82,33 +84,36 @@ def oar_p_passes(backend: AttributionBackend, batch: AttributionBatch, blocks: t
     if not backend.prefix_cache:
         rows = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
         return ([Pass(rows[p]) for p in backend.plan(batch, rows, PassKind.FORWARD)]
-                + [Pass(src[p], first[p], blocks) for p in backend.plan(batch, src, PassKind.FORWARD, ordered=True)])
+                + [Pass(src[p], first[p], blocks, mask_token_id)
+                   for p in backend.plan(batch, src, PassKind.FORWARD, ordered=True)])
     passes = []
     row_ids, counts = torch.unique_consecutive(src, return_counts=True)
     offsets = (counts.cumsum(0) - counts).tolist()  # host metadata, once per batch
     for b, s, n in zip(row_ids.tolist(), offsets, counts.tolist()):  # per row with copies, never per copy
         passes.append(Pass(row_ids.new_tensor([b]), cache="keep"))
         idx = torch.arange(s, s + n, device=src.device)
-        passes += [Pass(src[idx[p]], first[idx[p]], blocks, cache="reuse")
+        passes += [Pass(src[idx[p]], first[idx[p]], blocks, mask_token_id, cache="reuse")
                    for p in backend.plan(batch, src[idx], PassKind.FORWARD_CACHED, ordered=True)]
     return passes
 
 
-def oar_p(backend: AttributionBackend, batch: AttributionBatch, blocks: torch.Tensor) -> tuple[torch.Tensor, int]:
+def oar_p(backend: AttributionBackend, batch: AttributionBatch, blocks: torch.Tensor, mask_token_id: int
+          ) -> tuple[torch.Tensor, int]:
     """OAR-P importance of every token of a block layout, on any backend.
 
     Args:
-        backend: the model runtime (its mask token replaces the masked tokens).
+        backend: the model runtime.
         batch: AttributionBatch (B, L); B >= 1 when other data-parallel ranks run more passes.
         blocks: (B, L) long block id of every token to perturb, -1 elsewhere (:func:`mask_blocks`, or a segment
             layout); one masked copy per block.
+        mask_token_id: the token that replaces a copy's block.
 
     Returns:
         ((B, L) float32 importance: every token of a block gets its copy's score, 0 off the blocks; the passes this
         rank needed before alignment). Non-finite model outputs propagate as
         NaN/inf; the gating turns such rows into uniform weights.
     """
-    own = oar_p_passes(backend, batch, blocks)
+    own = oar_p_passes(backend, batch, blocks, mask_token_id)
     passes = with_fillers(own, backend.align(len(own)), Pass(first_row(batch), filler=True), batch)
     importance = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
     table = backend.table(batch.input_ids.shape[0])
@@ -127,30 +132,3 @@ def oar_p(backend: AttributionBackend, batch: AttributionBatch, blocks: torch.Te
     backend.run(batch, passes, on_probe)
     # every rank of a model-parallel group needs the scores: a policy's next level is planned from them
     return backend.share(importance), len(own)
-
-
-def oar_p_rounds(batch: AttributionBatch, limits, prefix_cache: bool = True, mask_span: int = 1,
-                      blocks: torch.Tensor | None = None) -> int:
-    """Passes OAR-P runs on ``batch`` with a plain Hugging Face module (each a collective round under sharding)."""
-    from oar_verl.core.backend_hf import ModuleBackend
-
-    backend = ModuleBackend(None, limits, prefix_cache=prefix_cache)
-    return len(oar_p_passes(backend, batch, mask_blocks(batch.reasoning_mask, mask_span) if blocks is None else blocks))
-
-
-def oar_p_importance(model: torch.nn.Module, batch: AttributionBatch, mask_token_id: int, limits,
-                     min_rounds: int = 0, prefix_cache: bool = True, mask_span: int = 1,
-                     blocks: torch.Tensor | None = None) -> torch.Tensor:
-    """OAR-P on a plain Hugging Face causal LM (:class:`oar_verl.core.backend_hf.ModuleBackend`): (B, L) float32.
-
-    Args:
-        model: causal LM in eval mode. batch: AttributionBatch (B, L). mask_token_id: the replacement token.
-        limits: PassLimits of one pass. min_rounds: passes to run at least (data-parallel alignment).
-        prefix_cache: reuse each row's clean key/value prefix. mask_span: reasoning tokens masked together.
-        blocks: (B, L) explicit block layout (overrides ``mask_span``).
-    """
-    from oar_verl.core.backend_hf import ModuleBackend
-
-    backend = ModuleBackend(model, limits, mask_token_id=mask_token_id, prefix_cache=prefix_cache,
-                            align=lambda n: max(n, min_rounds))
-    return oar_p(backend, batch, mask_blocks(batch.reasoning_mask, mask_span) if blocks is None else blocks)[0]

@@ -14,7 +14,7 @@ square of the reasoning length. Two cheaper policies mask whole reasoning *segme
   OAR-P;
 * **auto**: exact OAR-P on rows whose reasoning has at most ``exact_max_tokens`` tokens, hierarchical above.
 
-Every level runs through the same OAR-P engine (a block layout in, one score per block out: prefix key/value reuse,
+Every level runs through the same OAR-P passes (a block layout in, one score per block out: prefix key/value reuse,
 token budget and rank alignment included: :func:`oar_verl.core.perturbation.oar_p` on the step's backend), given
 here as a callable.
 """
@@ -26,11 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from oar_verl.core.perturbation import block_copies
+from oar_verl.core.backend import AttributionBackend
+from oar_verl.core.layout import AttributionBatch
+from oar_verl.core.methods import METHODS, AttributionResult, MethodInputs, require
+from oar_verl.core.perturbation import block_copies, mask_blocks, oar_p
 
 POLICIES = ("exact", "segment", "hierarchical", "auto")
 
-# (B, L) block ids -> (B, L) float32 score of each token's block (0 off the blocks); see oar_p_importance(blocks=...)
+# (B, L) block ids -> (B, L) float32 score of each token's block (0 off the blocks); see oar_verl.core.perturbation.oar_p
 RunBlocks = Callable[[torch.Tensor], torch.Tensor]
 
 __all__ = ["POLICIES", "PolicyResult", "policy_importance", "refined_segments", "segment_table",
@@ -167,3 +170,23 @@ def _copies_per_row(blocks: torch.Tensor) -> torch.Tensor:
     """(B,) long masked copies a block layout (B, L) runs per row."""
     rows, _ = block_copies(blocks)
     return torch.bincount(rows, minlength=blocks.shape[0])
+
+
+@METHODS.register("perturbation")
+def run_oar_p(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
+    """``mode=perturbation``: OAR-P under ``perturbation`` (exact, segment, hierarchical, auto), each level one
+    :func:`~oar_verl.core.perturbation.oar_p` over the backend (levels are aligned over the ranks one by one)."""
+    mask = require(inputs.mask_token_id, "OAR-P needs a mask token",
+                   f"set {cfg.prefix}.mask_token_id or give the tokenizer a pad token")
+    own = 0
+
+    def run_blocks(blocks: torch.Tensor) -> torch.Tensor:  # one level of the policy, aligned over the ranks
+        nonlocal own
+        importance, n = oar_p(backend, batch, blocks, mask)
+        own += n
+        return importance
+
+    res = policy_importance(run_blocks, batch.reasoning_mask, batch.segments, cfg.perturbation,
+                            refine_share=cfg.refine_share, exact_max_tokens=cfg.exact_max_tokens,
+                            exact_blocks=mask_blocks(batch.reasoning_mask, cfg.mask_span))
+    return AttributionResult(res.importance, own, res.copies, res.refined, res.reasoning)

@@ -1,52 +1,60 @@
-"""verl's actor engines as attribution backends (:mod:`oar_verl.core.engine`): the one place that knows which engine
-is which, so the worker runs every method the same way on FSDP, FSDP + Ulysses and Megatron."""
+"""verl's actor engines as attribution backends (:mod:`oar_verl.core.backend`), registered by verl's actor strategy
+(``actor_rollout_ref.actor.strategy``, the key verl's own ``EngineRegistry`` selects engines by): the worker runs
+every method the same way on FSDP, FSDP + Ulysses and Megatron, and start-up refuses a strategy nobody registered."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from oar_verl.core.attribution import attribution_backend, pass_limits
+from oar_verl.core.attribution import module_backend, pass_limits
+from oar_verl.core.backend import AttributionBackend
 from oar_verl.core.backend_ulysses import SequenceShards
 from oar_verl.core.config import OARConfig
-from oar_verl.core.engine import AttributionBackend
 from oar_verl.core.memory import memory_guard, model_shape
+from oar_verl.core.registry import Registry
 
 
-def is_megatron(engine) -> bool:
-    """Whether ``engine`` is verl's Megatron engine (FSDP installs lack megatron-core: no import)."""
-    return type(engine).__module__.startswith("verl.workers.engine.megatron")
+@dataclass(frozen=True)
+class EngineBackend:
+    """How OAR attributes with one kind of verl actor engine.
+
+    Attributes:
+        make: (engine, cfg, tokens, *, pad_id, checkpointing, align) -> the backend, with the pass budget ``tokens``
+            (the actor's own).
+        device: engine -> where the attribution inputs go.
+        eval_numerics: engine -> None; no dropout during attribution (inside ``engine.eval_mode()``).
+        startup_error: verl's full config -> a message naming the setting this engine cannot attribute with, or None.
+    """
+
+    make: Callable[..., AttributionBackend]
+    device: Callable[[object], torch.device]
+    eval_numerics: Callable[[object], None]
+    startup_error: Callable[[object], str | None] = lambda config: None
 
 
-def engine_device(engine) -> torch.device:
-    """Where attribution inputs live: the FSDP module's device; CPU for Megatron (the engine moves micro-batches)."""
-    if is_megatron(engine):
-        return torch.device("cpu")
+ENGINE_BACKENDS: Registry[EngineBackend] = Registry("actor strategy OAR can attribute with",
+                                                    "actor_rollout_ref.actor.strategy")
+
+
+def _module_device(engine) -> torch.device:
+    """The FSDP module's device (FSDP2 DTensor parameters: their local shard's)."""
     for p in engine.module.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2 DTensor shards
+        local = p.to_local() if hasattr(p, "to_local") else p
         return local.device
     return torch.device("cpu")
 
 
-def engine_backend(engine, cfg: OARConfig, tokens: int, *, mask_token_id: int | None, pad_id: int,
-                   checkpointing: bool, align: Callable[[int], int]) -> AttributionBackend:
-    """The backend of a verl actor engine, with the attribution pass budget ``tokens`` (the actor's own).
-
-    FSDP: the engine's module, whole sequences per pass, with the memory guard of this accelerator; under Ulysses
-    sequence parallelism, every pass sharded over the group like verl's own forward (docs/verl.md). Megatron: the
-    engine's own forward/backward over TP/PP/SP (it aligns data-parallel ranks itself).
-    """
-    if is_megatron(engine):
-        from oar_verl.integration.megatron.backend import MegatronBackend
-
-        return MegatronBackend(engine, pass_limits(cfg, tokens), mask_token_id=mask_token_id)
+def _fsdp_backend(engine, cfg: OARConfig, tokens: int, *, pad_id: int, checkpointing: bool,
+                  align: Callable[[int], int]) -> AttributionBackend:
+    """The engine's module, whole sequences per pass, with the memory guard of this accelerator; under Ulysses
+    sequence parallelism, every pass sharded over the group like verl's own forward (docs/verl.md)."""
     shape = model_shape(engine.module)
-    device = engine_device(engine)
-    guard = memory_guard(device, shape, checkpointing=checkpointing) if shape is not None else None
-    return attribution_backend(engine.module, cfg, pass_limits(cfg, tokens, guard), mask_token_id=mask_token_id,
-                               checkpointing=checkpointing, align=align, shards=sequence_shards(engine),
-                               pad_id=pad_id)
+    guard = memory_guard(_module_device(engine), shape, checkpointing=checkpointing) if shape is not None else None
+    return module_backend(engine.module, cfg, limits=pass_limits(cfg, tokens, guard), checkpointing=checkpointing,
+                          align=align, shards=sequence_shards(engine), pad_id=pad_id)
 
 
 def sequence_shards(engine) -> SequenceShards | None:
@@ -57,7 +65,29 @@ def sequence_shards(engine) -> SequenceShards | None:
     return SequenceShards(engine.ulysses_parallel_group, engine.ulysses_device_mesh["sp"].get_local_rank(), size)
 
 
-def eval_numerics(engine) -> None:
-    """No dropout during attribution (inside ``engine.eval_mode()``, which Megatron's engine makes complete)."""
-    if not is_megatron(engine):
-        engine.module.eval()
+ENGINE_BACKENDS.register("fsdp", "fsdp2")(EngineBackend(make=_fsdp_backend, device=_module_device,
+                                                       eval_numerics=lambda engine: engine.module.eval()))
+
+
+def _megatron_backend(engine, cfg: OARConfig, tokens: int, *, pad_id: int, checkpointing: bool,
+                      align: Callable[[int], int]) -> AttributionBackend:
+    """The engine's own forward/backward over TP/PP/SP; it aligns data-parallel ranks itself (megatron-core is
+    imported only here, so FSDP installs need none)."""
+    from oar_verl.integration.megatron.backend import MegatronBackend
+
+    return MegatronBackend(engine, pass_limits(cfg, tokens))
+
+
+def _megatron_startup_error(config) -> str | None:
+    from oar_verl.integration.megatron.layout_checks import megatron_layout_error
+
+    model = config.actor_rollout_ref.model
+    return megatron_layout_error(config.actor_rollout_ref.actor.get("megatron", {}),
+                                 mtp_enabled=bool(model.get("mtp", {}).get("enable", False)),
+                                 use_fused_kernels=bool(model.get("use_fused_kernels", False)))
+
+
+# Megatron's engine moves micro-batches itself (inputs stay on CPU) and its eval_mode() is complete
+ENGINE_BACKENDS.register("megatron")(EngineBackend(make=_megatron_backend, device=lambda engine: torch.device("cpu"),
+                                                   eval_numerics=lambda engine: None,
+                                                   startup_error=_megatron_startup_error))

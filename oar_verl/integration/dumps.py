@@ -79,7 +79,7 @@ def write_dump(path: Path, step: int, rows: list[int], uids: np.ndarray, scores:
 
 def dump_step(cfg: OARConfig, step: int, att, result, tokenizer, default_local_dir: str | None) -> Path:
     """Dump ``cfg.dump_groups`` attributed prompt groups of a step (``att``: the step's
-    :class:`~oar_verl.integration.rows.StepAttribution`, with responses; ``result``: the estimator's OARAdvantage)."""
+    :class:`~oar_verl.integration.rows.StepAttribution`, with responses; ``result``: the estimator's Reshaped)."""
     batch, inputs = att.batch, att.estimator_inputs
     rows = pick_groups(batch.uids, inputs.attributed, cfg.dump_groups)
     return write_dump(dump_dir(cfg, default_local_dir) / f"step_{step}.jsonl", step, rows, batch.uids,

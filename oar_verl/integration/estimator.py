@@ -8,7 +8,6 @@ explaining how to run OAR.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,8 +15,7 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.core_algos import register_adv_est
 
 from oar_verl.core.config import OARConfig
-from oar_verl.core.gating import TokenWeights, oar_token_weights
-from oar_verl.core.selection import rows_to_reshape, sequence_advantage
+from oar_verl.core.reshape import Reshaped, reshape_advantages
 from oar_verl.integration import handoff
 
 ESTIMATOR_NAME = "oar"
@@ -33,23 +31,6 @@ RUN_HINT = (
 
 class OARSetupError(RuntimeError):
     """OAR is selected but the run is not set up to compute token importance."""
-
-
-@dataclass(frozen=True)
-class OARAdvantage:
-    """Result of the OAR estimator.
-
-    Attributes:
-        advantages: (B, T) reshaped token advantages Â = w · A_base.
-        returns: (B, T) the base estimator's returns, reshaped like the advantages.
-        base_advantages: (B, T) the base estimator's advantages.
-        token_weights: TokenWeights (B, T).
-    """
-
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    base_advantages: torch.Tensor
-    token_weights: TokenWeights
 
 
 def read_oar_config(algorithm: Any) -> OARConfig:
@@ -91,7 +72,7 @@ def base_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
 def compute_oar(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index=None, config: Any = None,
                 token_importance: torch.Tensor | None = None, reasoning_mask: torch.Tensor | None = None,
                 attributed: torch.Tensor | None = None,
-                base: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> OARAdvantage:
+                base: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> Reshaped:
     """Base advantage × OAR weights, with everything the trainer logs.
 
     Args:
@@ -106,7 +87,7 @@ def compute_oar(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, 
         **kwargs: any further arguments verl passes estimators (given to the base estimator).
 
     Returns:
-        OARAdvantage. Rows with zero base advantage, rows excluded by ``apply_to`` and rows with non-finite importance
+        Reshaped (:func:`oar_verl.core.reshape.reshape_advantages`). Rows with zero base advantage, rows excluded by ``apply_to`` and rows with non-finite importance
         keep their base advantage unchanged.
     """
     cfg = read_oar_config(config)
@@ -119,13 +100,8 @@ def compute_oar(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, 
     base_adv, base_ret = base or base_advantage(token_level_rewards, response_mask, index, config, cfg, **kwargs)
     if reasoning_mask is None:
         reasoning_mask = response_mask.bool()
-    rows = rows_to_reshape(sequence_advantage(base_adv, response_mask), cfg.apply_to)
-    if attributed is not None:
-        rows = rows & attributed.to(rows.device).bool()
-    tw = oar_token_weights(token_importance.to(base_adv.device), reasoning_mask.to(base_adv.device), response_mask,
-                           cfg.tau, cfg.beta, cfg.floor, reshape_rows=rows)
-    w = tw.weights.to(base_adv.dtype)
-    return OARAdvantage(base_adv * w, base_ret * w, base_adv, tw)
+    return reshape_advantages(base_adv, token_importance, reasoning_mask, response_mask, cfg, attributed=attributed,
+                              base_returns=base_ret)
 
 
 @register_adv_est(ESTIMATOR_NAME)

@@ -9,5 +9,5 @@ GROUND_TRUTH_KEY = "oar_ground_truth"
 
 # what compute_token_importance returns: per row (nested, response-aligned) and per sequence
 OUTPUT_FIELDS = ("token_importance", "oar_reasoning_mask", "oar_answer_mask", "oar_span_found", "oar_answer_probe",
-                 "oar_rounds", "oar_copies", "oar_refined", "oar_params_fingerprint",
+                 "oar_passes", "oar_copies", "oar_refined", "oar_params_fingerprint",
                  "oar_log_prob_params_fingerprint")

@@ -80,7 +80,7 @@ class StepAttribution:
         answer_probe: (B,) bool the probe read answer tokens (the response's or, with ``target=reference``, the
             ground truth's) rather than LT-Logits.
         batch: the batch rows the step read.
-        rounds: (N,) the attribution passes the rank of each attributed row ran (-1: not counted).
+        passes: (N,) the attribution passes the rank of each attributed row ran (-1: not counted).
         policy_match: (N,) per attributed row, 1 if its rank attributed with exactly the weights of its last
             old-log-prob pass, 0 if not, NaN if no such pass ran (rollout-correction bypass mode).
         copies: (B,) OAR-P masked copies run per row, -1 where not attributed or not counted.
@@ -94,7 +94,7 @@ class StepAttribution:
     found: torch.Tensor
     answer_probe: torch.Tensor
     batch: BatchRows
-    rounds: torch.Tensor
+    passes: torch.Tensor
     policy_match: torch.Tensor
     copies: torch.Tensor
     refined: torch.Tensor
@@ -106,7 +106,7 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
 
     Args:
         out: the worker's outputs, padded: ``token_importance`` (N, T') float, ``oar_reasoning_mask`` and
-            ``oar_answer_mask`` (N, T') 0/1, ``oar_span_found`` and ``oar_answer_probe`` (N,) 0/1, ``oar_rounds`` (N,),
+            ``oar_answer_mask`` (N, T') 0/1, ``oar_span_found`` and ``oar_answer_probe`` (N,) 0/1, ``oar_passes`` (N,),
             ``oar_copies`` and ``oar_refined`` (N,) (-1: not counted); None when no row was attributed.
         rows: (N,) the rows ``out`` belongs to (duplicates allowed: the last write wins, with identical values).
         batch: the batch rows.
@@ -117,11 +117,11 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
     importance, reasoning = torch.zeros(B, T), torch.zeros(B, T, dtype=torch.bool)
     answer = torch.zeros(B, T, dtype=torch.bool)
     found, probe = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
-    rounds = torch.full((len(rows),), -1.0)
+    passes = torch.full((len(rows),), -1.0)
     match = torch.full((len(rows),), float("nan"))
     copies, refined = torch.full((B,), -1.0), torch.full((B,), -1.0)
     if out is not None and len(rows):
-        rounds = out["oar_rounds"].float() if "oar_rounds" in out else rounds
+        passes = out["oar_passes"].float() if "oar_passes" in out else passes
         if "oar_params_fingerprint" in out:
             logp = out["oar_log_prob_params_fingerprint"].double()
             now = out["oar_params_fingerprint"].double()
@@ -136,4 +136,4 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
     base_adv, base_ret = base if base is not None else (None, None)
     inputs = EstimatorInputs(importance, reasoning & batch.response_mask.bool(), attributed, batch.response_mask,
                              batch.scores if base is not None else None, base_adv, base_ret)
-    return StepAttribution(inputs, rows, answer, found, probe, batch, rounds, match, copies, refined)
+    return StepAttribution(inputs, rows, answer, found, probe, batch, passes, match, copies, refined)

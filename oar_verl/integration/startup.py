@@ -9,9 +9,8 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from oar_verl.core.config import OARConfig, OARConfigError
+from oar_verl.integration.backends import ENGINE_BACKENDS
 from oar_verl.integration.estimator import OARSetupError, read_oar_config
-
-SUPPORTED_STRATEGIES = ("fsdp", "fsdp2", "megatron")
 
 
 def validate_oar_setup(config: DictConfig) -> OARConfig:
@@ -25,19 +24,13 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
     """
     cfg = read_oar_config(config.algorithm)
     actor = config.actor_rollout_ref.actor
-    strategy = actor.get("strategy", "fsdp")
-    if strategy not in SUPPORTED_STRATEGIES:
-        raise OARSetupError(f"actor_rollout_ref.actor.strategy={strategy!r} is not supported by OAR yet (supported: "
-                            f"{', '.join(SUPPORTED_STRATEGIES)})")
-    if strategy == "megatron":
-        from oar_verl.integration.megatron.layout_checks import megatron_layout_error
-
-        model = config.actor_rollout_ref.model
-        msg = megatron_layout_error(actor.get("megatron", {}),
-                                    mtp_enabled=bool(model.get("mtp", {}).get("enable", False)),
-                                    use_fused_kernels=bool(model.get("use_fused_kernels", False)))
-        if msg is not None:
-            raise OARSetupError(msg)
+    try:
+        engine = ENGINE_BACKENDS.get(actor.get("strategy", "fsdp"))
+    except ValueError as e:
+        raise OARSetupError(str(e)) from None
+    msg = engine.startup_error(config)
+    if msg is not None:
+        raise OARSetupError(msg)
     if cfg.base_estimator in ("gae",):
         raise OARConfigError(f"{cfg.prefix}.base_estimator='gae' needs a critic; OAR reshapes outcome advantages "
                              "(grpo, rloo, reinforce_plus_plus, ...)")

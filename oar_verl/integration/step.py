@@ -37,8 +37,7 @@ import torch
 from verl.utils.profiler import marked_timer
 
 from oar_verl.core.config import OARConfig
-from oar_verl.core.metrics import oar_metrics
-from oar_verl.core.selection import rows_to_reshape, sequence_advantage
+from oar_verl.core.reshape import attribution_rows
 from oar_verl.integration import dumps, handoff
 from oar_verl.integration.estimator import base_advantage
 from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
@@ -104,9 +103,9 @@ class OARStep:
     def wanted(self, batch: BatchRows, base: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """(B,) rows whose importance is needed: every row unless zero-advantage rows are skipped and the base
         advantage is known (with a KL penalty in the reward every row has a non-zero advantage)."""
-        if not self.cfg.skip_zero_advantage or base is None:
+        if base is None:
             return batch.eligible.clone()
-        return rows_to_reshape(sequence_advantage(base[0], batch.response_mask), self.cfg.apply_to)
+        return attribution_rows(base[0], batch.response_mask, self.cfg, batch.eligible)
 
     def worker_options(self, global_step: int) -> dict[str, Any]:
         """Per-call options of the worker RPC (verl fixes the workers' init arguments)."""
@@ -118,12 +117,11 @@ class OARStep:
             raise RuntimeError("oar: the advantage step did not run the `oar` estimator (algorithm.adv_estimator was "
                                "changed after start-up?)")
         response_mask = att.estimator_inputs.response_mask
-        metrics = oar_metrics(result.token_weights, result.base_advantages, result.advantages, response_mask,
-                              span_found=att.found[att.rows], answer_probe=att.answer_probe[att.rows])
+        metrics = result.metrics(span_found=att.found[att.rows], answer_probe=att.answer_probe[att.rows])
         metrics["oar/attributed_seq_frac"] = len(att.rows.unique()) / max(int(response_mask.shape[0]), 1)
         metrics["oar/global_step"] = float(global_step)  # the step the probe schedule and the noise seeds used
-        if len(att.rounds) and bool((att.rounds >= 0).all()):  # passes per data-parallel rank (the slowest sets it)
-            metrics["oar/rounds_max"], metrics["oar/rounds_min"] = float(att.rounds.max()), float(att.rounds.min())
+        if len(att.passes) and bool((att.passes >= 0).all()):  # passes per data-parallel rank (the slowest sets it)
+            metrics["oar/passes_max"], metrics["oar/passes_min"] = float(att.passes.max()), float(att.passes.min())
         counted = att.copies >= 0  # OAR-P rows whose masked copies were counted (docs/scaling.md: the cost model)
         if bool(counted.any()):
             reasoning = att.estimator_inputs.reasoning_mask.sum(-1).float()

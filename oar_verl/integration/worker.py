@@ -26,8 +26,8 @@ from oar_verl.core.attribution import run_attribution
 from oar_verl.core.config import OARConfig
 from oar_verl.core.preprocess import prepare_attribution
 from oar_verl.integration.actor_budget import actor_token_budget
-from oar_verl.integration.backends import engine_backend, engine_device, eval_numerics
-from oar_verl.integration.collectives import max_over_ranks
+from oar_verl.integration.backends import ENGINE_BACKENDS
+from oar_verl.core.collectives import max_over_ranks
 from oar_verl.integration.fields import CONFIG_KEY, GROUND_TRUTH_KEY, STEP_KEY
 
 logger = logging.getLogger("oar_verl")
@@ -98,7 +98,7 @@ class TokenImportanceMixin:
         Returns (on the engine's output-collecting ranks, None elsewhere):
             TensorDict of batch size B: nested (B, T_i) ``token_importance`` float32, ``oar_reasoning_mask`` and
             ``oar_answer_mask`` float 0/1; (B,) ``oar_span_found`` and ``oar_answer_probe`` float 0/1, and
-            ``oar_rounds``: the passes this rank needed (before padding to the slowest rank),
+            ``oar_passes``: the passes this rank needed (before padding to the slowest rank),
             ``oar_copies`` / ``oar_refined``: OAR-P's masked copies and reasoning tokens scored at token level per
             row (-1 for OAR-G),
             ``oar_params_fingerprint`` / ``oar_log_prob_params_fingerprint``: :func:`params_fingerprint` now and at
@@ -107,9 +107,10 @@ class TokenImportanceMixin:
         cfg = _config(json.dumps(tu.get(data, CONFIG_KEY), sort_keys=True))
         step = int(tu.get(data, STEP_KEY, default=0))
         engine = self.actor.engine
+        kind = ENGINE_BACKENDS.get(self.actor.engine_config.strategy)
         fingerprint = params_fingerprint(engine)
         log_prob_fingerprint, self._oar_log_prob_fingerprint = self._oar_log_prob_fingerprint, None  # consumed once
-        device = engine_device(engine)
+        device = kind.device(engine)
         prompts, responses = unpack_rows(data)
         truths = ground_truths(data) if cfg.target == "reference" else None
         tokenizer = self.actor.model_config.tokenizer
@@ -117,13 +118,12 @@ class TokenImportanceMixin:
         # the actor's own token budget; the longest sequence of any rank, so that every rank packs by the same budget
         lengths = prepared.batch.attention_mask.sum(-1)
         longest = max_over_ranks(int(lengths.max()) if lengths.numel() else 0, device)
-        backend = engine_backend(engine, cfg, actor_token_budget(cfg, self.actor.engine_config, longest),
-                                 mask_token_id=prepared.mask_token_id, pad_id=tokenizer.pad_token_id or 0,
-                                 checkpointing=bool(getattr(self.actor.model_config, "enable_gradient_checkpointing",
-                                                            False)),
-                                 align=lambda n: max_over_ranks(n, device))
+        backend = kind.make(engine, cfg, actor_token_budget(cfg, self.actor.engine_config, longest),
+                            pad_id=tokenizer.pad_token_id or 0,
+                            checkpointing=bool(getattr(self.actor.model_config, "enable_gradient_checkpointing", False)),
+                            align=lambda n: max_over_ranks(n, device))
         with engine.eval_mode():
-            eval_numerics(engine)
+            kind.eval_numerics(engine)
             result = run_attribution(backend, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
                                      seeds=prepared.seeds)
         if not engine.is_mp_src_rank_with_outputs():
@@ -135,7 +135,7 @@ class TokenImportanceMixin:
             "oar_answer_mask": _nested([spans.answer_mask[i, :n].float() for i, n in enumerate(lens)]),
             "oar_span_found": spans.found.float(),
             "oar_answer_probe": prepared.answer_probe.float(),
-            "oar_rounds": torch.full((len(lens),), float(result.rounds)),
+            "oar_passes": torch.full((len(lens),), float(result.passes)),
             "oar_copies": torch.full((len(lens),), -1.0) if result.copies is None else result.copies.float().cpu(),
             "oar_refined": torch.full((len(lens),), -1.0) if result.refined is None else result.refined.float().cpu(),
             "oar_params_fingerprint": torch.full((len(lens),), fingerprint, dtype=torch.float64),

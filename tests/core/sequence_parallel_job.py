@@ -25,6 +25,7 @@ from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import oar_g
 from oar_verl.core.perturbation import mask_blocks, oar_p
 from oar_verl.cpu import ulysses_attention
+from oar_helpers import count_passes
 
 
 def model(attn: str):
@@ -71,11 +72,11 @@ def main(out_dir: str) -> None:
             backend = UlyssesBackend(lm, limits, shards, mask_token_id=0, checkpointing=tokens == 40)
             results[(int(kind), tokens, "g")] = oar_g(backend, b, seeds, 1e-3)[0]
             results[(int(kind), tokens, "p")] = oar_p(backend, b, mask_blocks(b.reasoning_mask, 1))[0]
-            results[(int(kind), tokens, "rounds")] = collective_rounds(b, OARConfig(mode="perturbation"), limits,
+            results[(int(kind), tokens, "rounds")] = count_passes(b, OARConfig(mode="perturbation"), limits,
                                                                        shards)
             # K = 3 noise draws per row: 12 tokens -> one draw per pass, 40 -> a row's draws share passes
             results[(int(kind), tokens, "g3")] = oar_g(UlyssesBackend(lm, limits, shards), b, seeds, 1e-3, 3)[0]
-            results[(int(kind), tokens, "rounds_g3")] = collective_rounds(
+            results[(int(kind), tokens, "rounds_g3")] = count_passes(
                 b, OARConfig(mode="gradient", noise_samples=3), limits, shards)
             # the fisher mode: clean-point gradients of the top 2 outcomes, projected on e_mask - e_t
             results[(int(kind), tokens, "f")] = fisher(backend, b, outcomes=2)[0]

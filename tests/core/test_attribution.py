@@ -8,12 +8,10 @@ import torch
 from oar_verl.core import OARConfig, response_importance
 from oar_verl.core import reference
 from oar_verl.core.budget import PassLimits
-from oar_verl.core.gradient import oar_g_rounds as g_rounds
-from oar_verl.core.gradient import oar_g_importance, sequence_seeds
+from oar_verl.core.gradient import sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
-from oar_verl.core.perturbation import oar_p_rounds as p_rounds
-from oar_verl.core.perturbation import oar_p_importance
 from oar_verl.core.probes import ProbeKind
+from oar_helpers import run_p, run_g, count_p, count_g
 
 LT_LOGITS, AS_MEAN, AS_JOINT = ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT
 
@@ -26,7 +24,7 @@ MASK = 0
 def test_oar_p_matches_naive(lm64, make_batch, kind, chunk):
     rows = make_batch(B=4, P=5, T=9, seed=kind * 10 + chunk)
     batch = build_attribution_batch(*rows, torch.full((4,), kind))
-    fast = oar_p_importance(lm64, batch, MASK, PassLimits(10**6, rows=3, copies=chunk),
+    fast = run_p(lm64, batch, MASK, PassLimits(10**6, rows=3, copies=chunk),
                             prefix_cache=False)[:, batch.response_start:]
     ref = reference.batch_oar_p(lm64, *rows, kind, MASK)
     assert (fast[~rows[4]] == 0).all()
@@ -39,7 +37,7 @@ def test_oar_p_matches_naive(lm64, make_batch, kind, chunk):
 def test_oar_p_prefix_cache_matches_naive(lm64, make_batch, kind, chunk):
     rows = make_batch(B=4, P=5, T=9, seed=kind * 10 + chunk + 1)
     batch = build_attribution_batch(*rows, torch.full((4,), kind))
-    fast = oar_p_importance(lm64, batch, MASK, PassLimits(10**6, copies=chunk), prefix_cache=True)
+    fast = run_p(lm64, batch, MASK, PassLimits(10**6, copies=chunk), prefix_cache=True)
     fast = fast[:, batch.response_start:]
     ref = reference.batch_oar_p(lm64, *rows, kind, MASK)
     torch.testing.assert_close(fast.double(), ref, rtol=1e-5, atol=1e-9)
@@ -51,7 +49,7 @@ def test_oar_p_prefix_cache_matches_naive(lm64, make_batch, kind, chunk):
 def test_oar_p_mask_span_matches_naive(lm64, make_batch, prefix_cache, span):
     rows = make_batch(B=4, P=4, T=10, seed=span)
     batch = build_attribution_batch(*rows, torch.full((4,), AS_MEAN))
-    fast = oar_p_importance(lm64, batch, MASK, PassLimits(10**6, copies=3), prefix_cache=prefix_cache, mask_span=span)
+    fast = run_p(lm64, batch, MASK, PassLimits(10**6, copies=3), prefix_cache=prefix_cache, mask_span=span)
     ref = reference.batch_oar_p(lm64, *rows, AS_MEAN, MASK, span)
     torch.testing.assert_close(fast[:, batch.response_start:].double(), ref,
                                rtol=1e-5, atol=1e-9)
@@ -67,8 +65,8 @@ def test_collective_rounds_counts_every_forward(lm64, make_batch, prefix_cache):
         for span in (1, 2):
             calls.clear()
             limits = PassLimits(10**6, rows=2, copies=2)
-            oar_p_importance(lm64, batch, MASK, limits, prefix_cache=prefix_cache, mask_span=span)
-            assert len(calls) == p_rounds(batch, limits, prefix_cache, span)
+            run_p(lm64, batch, MASK, limits, prefix_cache=prefix_cache, mask_span=span)
+            assert len(calls) == count_p(batch, limits, prefix_cache, span)
     finally:
         h.remove()
 
@@ -79,7 +77,7 @@ def test_oar_g_matches_naive(lm64, make_batch, kind, micro):
     rows = make_batch(B=4, P=5, T=9, seed=100 + kind)
     seeds = sequence_seeds(7, 3, torch.arange(4))
     batch = build_attribution_batch(*rows, torch.full((4,), kind))
-    fast = oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(10**6, rows=micro))[:, batch.response_start:]
+    fast = run_g(lm64, batch, 1e-3, seeds, PassLimits(10**6, rows=micro))[:, batch.response_start:]
     ref = reference.batch_oar_g(lm64, *rows, kind, 1e-3, seeds)
     torch.testing.assert_close(fast.double(), ref, rtol=1e-5, atol=1e-12)
     assert ref.abs().sum() > 0
@@ -92,7 +90,7 @@ def test_oar_g_leaves_no_parameter_gradient_and_keeps_flags(make_lm, make_batch)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     rows = make_batch(B=3, P=4, T=6, seed=3)
     batch = build_attribution_batch(*rows, torch.full((3,), AS_MEAN))
-    oar_g_importance(model, batch, 1e-3, torch.arange(3), PassLimits(10**6, rows=2))
+    run_g(model, batch, 1e-3, torch.arange(3), PassLimits(10**6, rows=2))
     assert all(p.grad is None for p in model.parameters())
     assert flags == {n: p.requires_grad for n, p in model.named_parameters()}
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
@@ -102,25 +100,25 @@ def test_oar_g_seeded_noise_is_reproducible_and_batch_independent(lm64, make_bat
     rows = make_batch(B=5, P=4, T=8, seed=11)
     seeds = sequence_seeds(0, 5, torch.arange(5) * 13)
     batch = build_attribution_batch(*rows, torch.full((5,), LT_LOGITS))
-    a = oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(10**6, rows=5))
-    b = oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(10**6, rows=2))
+    a = run_g(lm64, batch, 1e-3, seeds, PassLimits(10**6, rows=5))
+    b = run_g(lm64, batch, 1e-3, seeds, PassLimits(10**6, rows=2))
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-14)
     # a row attributed alone gets the same scores as inside the batch
     one = [r[2:3] for r in rows]
-    alone = oar_g_importance(lm64, build_attribution_batch(*one, torch.full((1,), LT_LOGITS)), 1e-3, seeds[2:3],
+    alone = run_g(lm64, build_attribution_batch(*one, torch.full((1,), LT_LOGITS)), 1e-3, seeds[2:3],
                              PassLimits(10**6))
     torch.testing.assert_close(alone[:, batch.response_start:], a[2:3, batch.response_start:], rtol=1e-6, atol=1e-14)
-    c = oar_g_importance(lm64, batch, 1e-3, seeds + 1, PassLimits(10**6, rows=5))
+    c = run_g(lm64, batch, 1e-3, seeds + 1, PassLimits(10**6, rows=5))
     assert not torch.allclose(a, c, rtol=1e-2, atol=0.0)  # other seeds, other noise
 
 
 def test_oar_p_batch_composition_invariance(lm64, make_batch):
     rows = make_batch(B=5, P=6, T=8, seed=21)
     kinds = torch.full((5,), AS_MEAN)
-    full = oar_p_importance(lm64, build_attribution_batch(*rows, kinds), MASK, PassLimits(10**6, copies=5))
+    full = run_p(lm64, build_attribution_batch(*rows, kinds), MASK, PassLimits(10**6, copies=5))
     for b in range(5):
         one = [r[b: b + 1] for r in rows]
-        alone = oar_p_importance(lm64, build_attribution_batch(*one, kinds[:1]), MASK, PassLimits(10**6, copies=3))
+        alone = run_p(lm64, build_attribution_batch(*one, kinds[:1]), MASK, PassLimits(10**6, copies=3))
         torch.testing.assert_close(alone, full[b: b + 1], rtol=1e-6, atol=1e-12)
 
 
@@ -168,15 +166,15 @@ def test_min_rounds_runs_extra_rounds(lm64, make_batch):
     h = lm64.register_forward_hook(lambda *a: calls.append(1))
     try:
         limits = PassLimits(10**6, rows=8, copies=3)
-        n = p_rounds(batch, limits, prefix_cache=False)
-        oar_p_importance(lm64, batch, MASK, limits, prefix_cache=False)
+        n = count_p(batch, limits, prefix_cache=False)
+        run_p(lm64, batch, MASK, limits, prefix_cache=False)
         assert len(calls) == n
         calls.clear()
-        oar_p_importance(lm64, batch, MASK, limits, min_rounds=n + 4, prefix_cache=False)
+        run_p(lm64, batch, MASK, limits, align_to=n + 4, prefix_cache=False)
         assert len(calls) == n + 4
         calls.clear()
-        assert g_rounds(batch, PassLimits(10**6, rows=1)) == 2
-        oar_g_importance(lm64, batch, 1e-3, torch.arange(2), PassLimits(10**6, rows=1), min_rounds=5)
+        assert count_g(batch, PassLimits(10**6, rows=1)) == 2
+        run_g(lm64, batch, 1e-3, torch.arange(2), PassLimits(10**6, rows=1), align_to=5)
         assert len(calls) == 10  # clean + noisy forward per round
     finally:
         h.remove()
@@ -241,5 +239,5 @@ def test_core_entry_points_default_to_the_workers_safe_settings(lm64, make_batch
     assert pass_limits(cfg).tokens == DEFAULT_MAX_TOKENS  # a token budget, not a row count
     kinds = torch.full((3,), int(ProbeKind.AS_MEAN))
     batch = build_attribution_batch(*rows, kinds)
-    plain = oar_g_importance(lm64, batch, cfg.noise_std, seeds, PassLimits(10**6), checkpointing=False)
+    plain = run_g(lm64, batch, cfg.noise_std, seeds, PassLimits(10**6), checkpointing=False)
     torch.testing.assert_close(safe, plain[:, batch.response_start:], rtol=1e-9, atol=1e-12)

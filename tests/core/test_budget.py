@@ -12,13 +12,12 @@ from hypothesis import strategies as st
 
 from oar_verl.core import budget
 from oar_verl.core.budget import AttributionMemoryError, PassLimits, pack_copies, pack_rows, row_spans
-from oar_verl.core.gradient import oar_g_rounds as g_rounds
-from oar_verl.core.gradient import oar_g_importance, sequence_seeds
+from oar_verl.core.gradient import sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.memory import PassKind
-from oar_verl.core.perturbation import oar_p_rounds as p_rounds
-from oar_verl.core.perturbation import masked_copies, oar_p_importance
+from oar_verl.core.perturbation import masked_copies
 from oar_verl.core.probes import ProbeKind
+from oar_helpers import run_p, run_g, count_p, count_g
 
 MASK = 0
 
@@ -65,16 +64,16 @@ def test_pack_copies_invariants(make_batch, seed, tokens, copies_cap, span):
 def test_oar_p_is_budget_invariant_and_counts_its_rounds(lm64, make_batch, prefix_cache, kind):
     rows = make_batch(B=4, P=5, T=9, seed=int(kind) + 3)
     batch = build_attribution_batch(*rows, torch.full((4,), int(kind)))
-    ref = oar_p_importance(lm64, batch, MASK, PassLimits(10**6), prefix_cache=prefix_cache)
+    ref = run_p(lm64, batch, MASK, PassLimits(10**6), prefix_cache=prefix_cache)
     calls = []
     h = lm64.register_forward_hook(lambda *a: calls.append(1))
     try:
         for tokens in (1, 7, 15, 40):  # 1: every pass holds one row or one copy, each over the budget
             calls.clear()
             limits = PassLimits(tokens)
-            got = oar_p_importance(lm64, batch, MASK, limits, prefix_cache=prefix_cache)
+            got = run_p(lm64, batch, MASK, limits, prefix_cache=prefix_cache)
             torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
-            assert len(calls) == p_rounds(batch, limits, prefix_cache)
+            assert len(calls) == count_p(batch, limits, prefix_cache)
     finally:
         h.remove()
     assert ref.abs().sum() > 0
@@ -84,12 +83,12 @@ def test_oar_g_is_budget_invariant_and_counts_its_rounds(lm64, make_batch):
     rows = make_batch(B=5, P=4, T=8, seed=12)
     batch = build_attribution_batch(*rows, torch.full((5,), int(ProbeKind.AS_MEAN)))
     seeds = sequence_seeds(1, 2, torch.arange(5))
-    ref = oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(10**6))
+    ref = run_g(lm64, batch, 1e-3, seeds, PassLimits(10**6))
     for tokens in (1, 9, 20):
         limits = PassLimits(tokens)
-        torch.testing.assert_close(oar_g_importance(lm64, batch, 1e-3, seeds, limits), ref, rtol=1e-7, atol=1e-14)
-        assert g_rounds(batch, limits) == len(pack_rows(batch.attention_mask, limits, PassKind.INPUT_GRADIENT))
-    assert g_rounds(batch, PassLimits(1)) == 5  # one row per round
+        torch.testing.assert_close(run_g(lm64, batch, 1e-3, seeds, limits), ref, rtol=1e-7, atol=1e-14)
+        assert count_g(batch, limits) == len(pack_rows(batch.attention_mask, limits, PassKind.INPUT_GRADIENT))
+    assert count_g(batch, PassLimits(1)) == 5  # one row per round
 
 
 def test_a_sequence_over_the_budget_runs_alone_and_is_logged_once(lm64, make_batch, caplog, monkeypatch):
@@ -117,12 +116,12 @@ def test_memory_guard_splits_passes_and_names_the_key_when_one_row_cannot_fit(lm
     packs = pack_rows(batch.attention_mask, PassLimits(10**6, fits=fits), PassKind.INPUT_GRADIENT)
     assert max(len(p) for p in packs) == 2 and set(seen) == {PassKind.INPUT_GRADIENT}
     seeds = torch.arange(6)
-    torch.testing.assert_close(oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(10**6, fits=fits)),
-                               oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(10**6)), rtol=1e-7, atol=1e-14)
+    torch.testing.assert_close(run_g(lm64, batch, 1e-3, seeds, PassLimits(10**6, fits=fits)),
+                               run_g(lm64, batch, 1e-3, seeds, PassLimits(10**6)), rtol=1e-7, atol=1e-14)
     with pytest.raises(AttributionMemoryError, match=r"algorithm\.oar\.max_token_len_per_gpu=4096"):
         pack_rows(batch.attention_mask, PassLimits(4096, fits=lambda k, r, w: False), PassKind.FORWARD)
     with pytest.raises(AttributionMemoryError, match="does not fit"):
-        oar_p_importance(lm64, batch, MASK, PassLimits(4096, fits=lambda k, r, w: k != PassKind.FORWARD_CACHED))
+        run_p(lm64, batch, MASK, PassLimits(4096, fits=lambda k, r, w: k != PassKind.FORWARD_CACHED))
 
 
 class SavedBytes:
@@ -164,9 +163,9 @@ def test_oar_g_checkpointing_keeps_eval_numerics_and_saves_less(make_batch):
     seeds = torch.arange(3) + 11
     flags = {n: m.training for n, m in model.named_modules()}
     with SavedBytes() as plain:
-        a = oar_g_importance(model, batch, 1e-3, seeds, PassLimits(10**6))
+        a = run_g(model, batch, 1e-3, seeds, PassLimits(10**6))
     with SavedBytes() as ckpt:
-        b = oar_g_importance(model, batch, 1e-3, seeds, PassLimits(10**6), checkpointing=True)
+        b = run_g(model, batch, 1e-3, seeds, PassLimits(10**6), checkpointing=True)
     torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-14)
     assert torch.isfinite(a).all() and a.abs().sum() > 0
     assert ckpt.total < 0.5 * plain.total, (ckpt.total, plain.total)
@@ -185,7 +184,7 @@ def test_checkpointing_follows_a_model_that_enabled_it(make_batch):
     calls = []
     h = attention.register_forward_hook(lambda *a: calls.append(1))
     try:
-        oar_g_importance(model, batch, 1e-3, torch.arange(2), PassLimits(10**6), checkpointing=True)
+        run_g(model, batch, 1e-3, torch.arange(2), PassLimits(10**6), checkpointing=True)
     finally:
         h.remove()
     assert len(calls) == 3  # teacher, student, and the student's recomputation in the backward

@@ -21,7 +21,7 @@ MASK = 0
 def test_fisher_matches_the_per_sequence_reference(lm64, make_batch, kind, tokens):
     rows = make_batch(B=4, P=4, T=9, seed=3)
     batch = build_attribution_batch(*rows, torch.full((4,), int(kind)))
-    got, rounds = fisher(ModuleBackend(lm64, PassLimits(tokens), mask_token_id=MASK), batch, outcomes=3)
+    got, rounds = fisher(ModuleBackend(lm64, PassLimits(tokens)), batch, MASK, outcomes=3)
     ref = reference.batch_fisher(lm64, *rows, kind, MASK, 3)
     torch.testing.assert_close(got[:, batch.response_start:].double(), ref, rtol=1e-6, atol=1e-12)
     assert bool((ref != 0).sum() > 10)
@@ -53,9 +53,9 @@ def test_the_quadratic_form_is_the_masking_kl_at_second_order(lm64, make_batch):
 def test_fisher_is_budget_and_batch_composition_invariant(lm64, make_batch):
     rows = make_batch(B=5, P=4, T=8, seed=11)
     batch = build_attribution_batch(*rows, torch.full((5,), int(ProbeKind.AS_MEAN)))
-    whole, _ = fisher(ModuleBackend(lm64, PassLimits(10**6), mask_token_id=MASK), batch, outcomes=4)
+    whole, _ = fisher(ModuleBackend(lm64, PassLimits(10**6)), batch, MASK, outcomes=4)
     sub = build_attribution_batch(*(r[[1, 3]] for r in rows), torch.full((2,), int(ProbeKind.AS_MEAN)))
-    part, _ = fisher(ModuleBackend(lm64, PassLimits(20, rows=1), mask_token_id=MASK), sub, outcomes=4)
+    part, _ = fisher(ModuleBackend(lm64, PassLimits(20, rows=1)), sub, MASK, outcomes=4)
     scale = float(whole.abs().max())
     torch.testing.assert_close(part[:, sub.response_start:], whole[[1, 3], batch.response_start:], rtol=1e-6,
                                atol=1e-9 * scale)

@@ -10,15 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oar_verl.core import OARConfig, reference
-from oar_verl.core.attribution import collective_rounds, run_attribution
+from oar_verl.core.attribution import module_backend, run_attribution
 from oar_verl.core.budget import PassLimits, pack_rows
 from oar_verl.core.backend_hf import ModuleBackend, column_window
-from oar_verl.core.gradient import draw_seeds, frozen_parameters, oar_g_importance, sequence_seeds
-from oar_verl.core.gradient import oar_g_rounds as g_rounds
+from oar_verl.core.backend import frozen_parameters
+from oar_verl.core.gradient import draw_seeds, sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.memory import PassKind
 from oar_verl.core.probes import ProbeKind, logits_at, outcome_shift, probe_forward, probe_from_logits, \
     probe_keep_positions
+from oar_helpers import run_g, count_g, count_passes
 
 AS_MEAN, LT_LOGITS, AS_JOINT = ProbeKind.AS_MEAN, ProbeKind.LT_LOGITS, ProbeKind.AS_JOINT
 
@@ -85,9 +86,9 @@ def test_one_draw_is_the_single_draw_method_bit_for_bit(lm32, make_batch, kind, 
     rows = make_batch(B=5, P=4, T=9, seed=40 + kind)
     batch = build_attribution_batch(*rows, torch.full((5,), kind))
     seeds = sequence_seeds(2, 9, torch.arange(5))
-    got = oar_g_importance(lm32, batch, 1e-3, seeds, PassLimits(tokens), samples=1)
+    got = run_g(lm32, batch, 1e-3, seeds, PassLimits(tokens), samples=1)
     assert torch.equal(got, previous_single_draw(lm32, batch, 1e-3, seeds, PassLimits(tokens)))
-    assert torch.equal(got, oar_g_importance(lm32, batch, 1e-3, seeds, PassLimits(tokens)))
+    assert torch.equal(got, run_g(lm32, batch, 1e-3, seeds, PassLimits(tokens)))
     assert got.abs().sum() > 0
 
 
@@ -97,9 +98,9 @@ def test_k_draws_are_the_mean_of_k_single_draw_runs(lm64, make_batch, kind, K):
     rows = make_batch(B=4, P=5, T=9, seed=60 + kind)
     batch = build_attribution_batch(*rows, torch.full((4,), kind))
     seeds = sequence_seeds(7, 3, torch.arange(4))
-    got = oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(10**6), samples=K)
+    got = run_g(lm64, batch, 1e-3, seeds, PassLimits(10**6), samples=K)
     per_seed = draw_seeds(seeds, K)
-    singles = [oar_g_importance(lm64, batch, 1e-3, per_seed[:, k], PassLimits(10**6)) for k in range(K)]
+    singles = [run_g(lm64, batch, 1e-3, per_seed[:, k], PassLimits(10**6)) for k in range(K)]
     torch.testing.assert_close(got, torch.stack(singles).mean(0), rtol=1e-6, atol=1e-14)
     # and against the float64 per-position specification, draw by draw
     ref = torch.stack([reference.batch_oar_g(lm64, *rows, kind, 1e-3, per_seed[:, k]) for k in range(K)]).mean(0)
@@ -115,20 +116,20 @@ def test_draws_share_a_round_and_its_teacher_while_the_budget_allows(lm64, make_
     h = lm64.register_forward_hook(lambda m, a, kw, out: calls.append((torch.is_grad_enabled(),
                                                                        kw["input_ids"].shape[0])), with_kwargs=True)
     try:
-        oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(10**6), samples=4)
+        run_g(lm64, batch, 1e-3, seeds, PassLimits(10**6), samples=4)
         assert calls == [(False, 3), (True, 12)]  # one round: the teacher on the 3 rows, the student on 12 draws
         calls.clear()
         width = int(batch.attention_mask.shape[1])
         limits = PassLimits(2 * width)  # two draw rows per round at most
-        oar_g_importance(lm64, batch, 1e-3, seeds, limits, samples=4)
+        run_g(lm64, batch, 1e-3, seeds, limits, samples=4)
         students = [n for grad, n in calls if grad]
         teachers = [n for grad, n in calls if not grad]
-        assert len(students) == g_rounds(batch, limits, 4) == 6 and max(students) == 2
+        assert len(students) == count_g(batch, limits, 4) == 6 and max(students) == 2
         assert teachers == [1] * 6  # a round's two draws come from one row: one teacher row, not two
     finally:
         h.remove()
-    assert g_rounds(batch, PassLimits(1), 4) == 12  # every draw alone
-    assert g_rounds(batch, PassLimits(10**6), 4) == 1
+    assert count_g(batch, PassLimits(1), 4) == 12  # every draw alone
+    assert count_g(batch, PassLimits(10**6), 4) == 1
     packs = ModuleBackend(None, PassLimits(10**6, rows=5)).plan(batch, torch.arange(3).repeat_interleave(4),
                                                                 PassKind.INPUT_GRADIENT)
     assert sorted(i for p in packs for i in p.tolist()) == list(range(12)) and max(len(p) for p in packs) == 5
@@ -141,16 +142,16 @@ def test_k_draws_are_budget_and_batch_composition_invariant(lm64, make_batch, se
     kinds = torch.full((5,), AS_MEAN)
     batch = build_attribution_batch(*rows, kinds)
     seeds = sequence_seeds(1, seed, torch.arange(5) * 31)
-    ref = oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(10**6), samples=K)
+    ref = run_g(lm64, batch, 1e-3, seeds, PassLimits(10**6), samples=K)
     # J ~ σ² is a difference of nearly equal probe values and a token's |Σ_h g·e| can cancel far below the row's
     # scale, so another packing (other padding, other rounding) moves the smallest scores: by up to 3.6e-5 of the
     # largest score over 800 examples, K = 1 among them (the single-draw path does it too). The tolerance is relative
     # to the largest score; a wrong draw, seed or row moves scores by the size of the scores themselves
     tol = {"rtol": 1e-5, "atol": 1e-4 * float(ref.abs().max())}
-    torch.testing.assert_close(oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(tokens), samples=K), ref, **tol)
+    torch.testing.assert_close(run_g(lm64, batch, 1e-3, seeds, PassLimits(tokens), samples=K), ref, **tol)
     idx = torch.tensor(sorted(subset))
     part = build_attribution_batch(*(r[idx] for r in rows), kinds[idx])
-    got = oar_g_importance(lm64, part, 1e-3, seeds[idx], PassLimits(tokens), samples=K)
+    got = run_g(lm64, part, 1e-3, seeds[idx], PassLimits(tokens), samples=K)
     torch.testing.assert_close(got[:, part.response_start:], ref[idx, batch.response_start:], **tol)
 
 
@@ -158,14 +159,14 @@ def test_min_rounds_pads_k_draw_rounds_without_changing_scores(lm64, make_batch)
     rows = make_batch(B=2, P=4, T=8, seed=8)
     batch = build_attribution_batch(*rows, torch.full((2,), AS_MEAN))
     seeds = torch.arange(2)
-    ref = oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(1), samples=3)
+    ref = run_g(lm64, batch, 1e-3, seeds, PassLimits(1), samples=3)
     calls = []
     h = lm64.register_forward_hook(lambda *a: calls.append(1))
     try:
-        got = oar_g_importance(lm64, batch, 1e-3, seeds, PassLimits(1), samples=3, min_rounds=9)
+        got = run_g(lm64, batch, 1e-3, seeds, PassLimits(1), samples=3, align_to=9)
     finally:
         h.remove()
-    assert g_rounds(batch, PassLimits(1), 3) == 6 and len(calls) == 2 * 9
+    assert count_g(batch, PassLimits(1), 3) == 6 and len(calls) == 2 * 9
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
 
 
@@ -175,10 +176,10 @@ def test_run_attribution_reads_noise_samples_and_counts_its_rounds(lm64, make_ba
     seeds = sequence_seeds(0, 0, torch.arange(3))
     cfg = OARConfig(noise_samples=3, max_token_len_per_gpu=10)
     limits = PassLimits(10)
-    res = run_attribution(lm64, batch, cfg, mask_token_id=None, seeds=seeds)
-    assert res.rounds == collective_rounds(batch, cfg, limits) == g_rounds(batch, limits, 3) > g_rounds(batch, limits)
-    torch.testing.assert_close(res.importance, oar_g_importance(lm64, batch, 1e-3, seeds, limits, samples=3),
+    res = run_attribution(module_backend(lm64, cfg), batch, cfg, mask_token_id=None, seeds=seeds)
+    assert res.passes == count_passes(batch, cfg, limits) == count_g(batch, limits, 3) > count_g(batch, limits)
+    torch.testing.assert_close(res.importance, run_g(lm64, batch, 1e-3, seeds, limits, samples=3),
                                rtol=1e-7, atol=1e-14)
     # OAR-P ignores the key, like noise_std and seed
     p_cfg = OARConfig(mode="perturbation", noise_samples=3, max_token_len_per_gpu=10)
-    assert collective_rounds(batch, p_cfg, limits) == collective_rounds(batch, OARConfig(mode="perturbation"), limits)
+    assert count_passes(batch, p_cfg, limits) == count_passes(batch, OARConfig(mode="perturbation"), limits)

@@ -9,12 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oar_verl.core import OARConfig, reference
-from oar_verl.core.attribution import run_attribution
+from oar_verl.core.attribution import module_backend, run_attribution
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.policies import policy_importance, refined_segments, segment_table, spread_segment_scores
 from oar_verl.core.layout import build_attribution_batch, with_segments
-from oar_verl.core.perturbation import oar_p_importance
 from oar_verl.core.probes import ProbeKind
+from oar_helpers import run_p
 
 MASK = 0
 LT_LOGITS, AS_MEAN, AS_JOINT = ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT
@@ -63,8 +63,8 @@ def make(make_batch, kind, seed, B=4, P=5, T=12, max_len=4):
 def fast(model, batch, policy, prefix_cache=True, share=0.3, limits=None, exact_max_tokens=0, align=None):
     cfg = OARConfig(mode="perturbation", perturbation=policy, refine_share=share, prefix_cache=prefix_cache,
                     exact_max_tokens=exact_max_tokens)
-    return run_attribution(model, batch, cfg, mask_token_id=MASK, limits=limits or PassLimits(10**6, copies=3),
-                           align=align)
+    backend = module_backend(model, cfg, limits=limits or PassLimits(10**6, copies=3), align=align)
+    return run_attribution(backend, batch, cfg, mask_token_id=MASK)
 
 
 @pytest.mark.parametrize("kind", [LT_LOGITS, AS_MEAN, AS_JOINT])
@@ -83,7 +83,7 @@ def test_policy_matches_naive_reference(lm64, make_batch, kind, prefix_cache, po
 def test_every_segment_refined_is_exact_oar_p(lm64, make_batch, kind):
     _, _, batch = make(make_batch, kind, seed=11)
     got = fast(lm64, batch, "hierarchical", share=1.0)
-    exact = oar_p_importance(lm64, batch, MASK, PassLimits(10**6, copies=3))
+    exact = run_p(lm64, batch, MASK, PassLimits(10**6, copies=3))
     torch.testing.assert_close(got.importance, exact, rtol=1e-6, atol=1e-10)
     assert torch.equal(got.refined, batch.reasoning_mask.sum(-1))  # every token scored at token level
 
@@ -93,7 +93,7 @@ def test_auto_is_exact_on_short_rows_and_hierarchical_on_long_ones(lm64, make_ba
     reasoning = batch.reasoning_mask.sum(-1)
     threshold = int(reasoning.median())
     got = fast(lm64, batch, "auto", exact_max_tokens=threshold, share=0.3).importance
-    exact = oar_p_importance(lm64, batch, MASK, PassLimits(10**6))
+    exact = run_p(lm64, batch, MASK, PassLimits(10**6))
     hier = fast(lm64, batch, "hierarchical", share=0.3).importance
     short = reasoning <= threshold
     assert short.any() and (~short).any()
@@ -125,7 +125,7 @@ def test_ranks_align_level_by_level(lm64, make_batch):
     asked = []
     res = fast(lm64, batch, "hierarchical", align=lambda n: asked.append(n) or n + 3)
     plain = fast(lm64, batch, "hierarchical")
-    assert len(asked) == 2 and sum(asked) == res.rounds
+    assert len(asked) == 2 and sum(asked) == res.passes
     torch.testing.assert_close(res.importance, plain.importance, rtol=0, atol=0)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oar_verl.core import OARConfig, prepare_attribution, run_attribution
+from oar_verl.core import OARConfig, module_backend, prepare_attribution, run_attribution
 from oar_verl.core.preprocess import pad_rows, row_fingerprints
 from oar_verl.cpu.tokenizers import train_tiny_bpe
 
@@ -43,7 +43,8 @@ def test_response_target_layout_and_scores_map_back(tok, make_lm):
     # the probe read the answer span where one was found, LT-Logits elsewhere
     assert prepared.answer_probe.tolist() == [True, False]
     model = make_lm(torch.float64, vocab=len(tok))
-    importance = run_attribution(model, prepared.batch, cfg, mask_token_id=prepared.mask_token_id).importance
+    importance = run_attribution(module_backend(model, cfg), prepared.batch, cfg,
+                                 mask_token_id=prepared.mask_token_id).importance
     per_row = prepared.response_importance(importance)
     assert [len(x) for x in per_row] == prepared.response_lengths
     for scores, reasoning in zip(per_row, prepared.spans.reasoning_mask):

@@ -19,8 +19,8 @@ import torch
 from oar_verl.core.backend_hf import ModuleBackend
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.fisher import fisher
-from oar_verl.core.gradient import oar_g_importance, sequence_seeds
-from oar_verl.core.perturbation import oar_p_importance
+from oar_verl.core.gradient import sequence_seeds
+from oar_helpers import run_p, run_g
 
 JOB = Path(__file__).with_name("sequence_parallel_job.py")
 
@@ -51,12 +51,12 @@ def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
         kind, tokens, method = key
         b = job.batch(kind)
         if method in ("g", "g3"):
-            ref = oar_g_importance(lm, b, 1e-3, sequence_seeds(3, 7, torch.arange(4)), PassLimits(10**6),
+            ref = run_g(lm, b, 1e-3, sequence_seeds(3, 7, torch.arange(4)), PassLimits(10**6),
                                    samples=3 if method == "g3" else 1)
         elif method == "f":
-            ref = fisher(ModuleBackend(lm, PassLimits(10**6), mask_token_id=0), b, outcomes=2)[0]
+            ref = fisher(ModuleBackend(lm, PassLimits(10**6)), b, 0, outcomes=2)[0]
         else:
-            ref = oar_p_importance(lm, b, 0, PassLimits(10**6), prefix_cache=False)
+            ref = run_p(lm, b, 0, PassLimits(10**6), prefix_cache=False)
         assert ref.abs().sum() > 0
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-12, msg=f"{key}")
         torch.testing.assert_close(ranks[1][key], got, rtol=0, atol=0)  # every rank holds the same result

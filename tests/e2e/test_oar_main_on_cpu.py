@@ -54,7 +54,7 @@ def _check_oar_run(name, run, steps, dump_dir=None):
           f"peak used-memory rise={run.peak_used_gib} GiB")
     for m in run.metrics:
         print({k: m.get(k) for k in ("step", "timing_s/step", "timing_s/oar", "actor/grad_norm", "oar/weight_std",
-                                     "oar/ess_ratio", "oar/adv_mass_rel_err", "oar/rounds_max", "oar/rounds_min",
+                                     "oar/ess_ratio", "oar/adv_mass_rel_err", "oar/passes_max", "oar/passes_min",
                                      "oar/answer_probe_frac")})
     assert run.returncode == 0, f"{name} failed (rc={run.returncode}); log tail:\n{run.log_tail()}"
     assert [m["step"] for m in run.metrics] == list(steps)
@@ -137,7 +137,7 @@ def test_oar_g_at_scale_settings_saves_and_resumes(tiny_assets, tmp_path):
     assert probe == {1: 0.0, 2: 0.0, 3: 1.0, 4: 1.0}, probe
     # the budget needs several passes on every rank (ranks pad to the slowest; unequal counts are tested
     # deterministically by tests/integration/test_worker_group_on_cpu.py)
-    assert all(m["oar/rounds_min"] >= 2 for m in first.metrics + resumed.metrics)
+    assert all(m["oar/passes_min"] >= 2 for m in first.metrics + resumed.metrics)
 
 
 def _check_dumps(dump_dir):

@@ -21,7 +21,7 @@ from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from oar_verl.core.attribution import run_attribution
+from oar_verl.core.attribution import module_backend, run_attribution
 from oar_verl.core.config import OARConfig
 from oar_verl.core.preprocess import prepare_attribution
 from oar_verl.cpu.launcher import cpu_env, new_ray_temp_dir
@@ -98,7 +98,7 @@ def test_separate_async_attributes_with_the_cycles_old_policy(tiny_assets, tmp_p
     prompts = [p[p != tok.pad_token_id] for p in res["prompts"]]
     responses = [r[: len(t)] for r, t in zip(res["responses"], inside["token_importance"])]
     prepared = prepare_attribution(prompts, responses, tok, cfg, 3)
-    ref = prepared.response_importance(run_attribution(model, prepared.batch, cfg, mask_token_id=0,
+    ref = prepared.response_importance(run_attribution(module_backend(model, cfg), prepared.batch, cfg, mask_token_id=0,
                                                        seeds=prepared.seeds).importance)
     scale = float(torch.cat(ref).abs().max())
     for got, want in zip(inside["token_importance"], ref):

@@ -18,7 +18,7 @@ import verl  # noqa: F401  loads the plugin (estimator registration)
 from verl.protocol import DataProto
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
-from oar_verl.core import OARConfig, prepare_attribution, run_attribution
+from oar_verl.core import OARConfig, module_backend, prepare_attribution, run_attribution
 from oar_verl.cpu.tokenizers import train_tiny_bpe
 from oar_verl.integration import handoff
 from oar_verl.integration.rows import BatchRows
@@ -59,7 +59,7 @@ class InProcessIO:
         idx = rows.tolist()
         prepared = prepare_attribution([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.tok,
                                        cfg, options[STEP_KEY])
-        imp = run_attribution(self.model, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
+        imp = run_attribution(module_backend(self.model, cfg), prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
                               seeds=prepared.seeds).importance
 
         def pad(xs):
@@ -70,7 +70,7 @@ class InProcessIO:
                 "oar_reasoning_mask": pad([spans.reasoning_mask[i, :n].float() for i, n in enumerate(lens)]),
                 "oar_answer_mask": pad([spans.answer_mask[i, :n].float() for i, n in enumerate(lens)]),
                 "oar_span_found": spans.found.float(), "oar_answer_probe": prepared.answer_probe.float(),
-                "oar_rounds": torch.full((len(idx),), 2.0),
+                "oar_passes": torch.full((len(idx),), 2.0),
                 "oar_params_fingerprint": torch.full((len(idx),), 1.5, dtype=torch.float64),
                 "oar_log_prob_params_fingerprint": torch.full((len(idx),), self.log_prob_weights, dtype=torch.float64)}
 
@@ -126,7 +126,7 @@ def test_one_step_reads_top_to_bottom(setup, tmp_path, mode):
     assert seq[0] > 0 > seq[1]
     assert metrics["oar/attributed_seq_frac"] == 0.5 and metrics["oar/answer_probe_frac"] == 1.0
     assert metrics["oar/adv_mass_rel_err"] < 1e-6 and metrics["oar/span_found_frac"] == 1.0
-    assert metrics["oar/global_step"] == 3.0 and metrics["oar/rounds_max"] == metrics["oar/rounds_min"] == 2.0
+    assert metrics["oar/global_step"] == 3.0 and metrics["oar/passes_max"] == metrics["oar/passes_min"] == 2.0
     assert metrics["oar/policy_matches_old_log_prob"] == 1.0
     dumped = [json.loads(line) for line in (tmp_path / "step_3.jsonl").read_text().splitlines()]
     assert {d["uid"] for d in dumped} == {"p0"}

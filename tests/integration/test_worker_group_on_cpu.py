@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from oar_verl.core.attribution import collective_rounds, pass_limits, run_attribution
+from oar_verl.core.attribution import module_backend, pass_limits, run_attribution
 from oar_verl.core.config import OARConfig
 from oar_verl.core.preprocess import prepare_attribution
 from oar_verl.cpu.launcher import cpu_env, new_ray_temp_dir
+from oar_helpers import count_passes
 
 JOB = Path(__file__).with_name("worker_group_job.py")
 
@@ -41,16 +42,16 @@ def core_reference(model_dir, res):
     cfg = OARConfig.from_mapping(res["config"])
     prepared = prepare_attribution(res["prompts"], res["responses"], tok, cfg, 3,
                                    ground_truths=res["truths"] if cfg.target == "reference" else None)
-    result = run_attribution(model, prepared.batch, cfg, mask_token_id=prepared.mask_token_id, seeds=prepared.seeds)
+    result = run_attribution(module_backend(model, cfg), prepared.batch, cfg, mask_token_id=prepared.mask_token_id, seeds=prepared.seeds)
     ref = padded(prepared.response_importance(result.importance))
     assert prepared.answer_probe.all()  # as_mean on a found span: every probe read answer tokens
     rounds = []  # what each rank needs: rank r holds rows [2r, 2r + 2)
     for r in range(2):
         half = prepare_attribution(res["prompts"][2 * r: 2 * r + 2], res["responses"][2 * r: 2 * r + 2], tok, cfg, 3,
                                    ground_truths=res["truths"][2 * r: 2 * r + 2] if cfg.target == "reference" else None)
-        own = run_attribution(model, half.batch, cfg, mask_token_id=half.mask_token_id, seeds=half.seeds).rounds
+        own = run_attribution(module_backend(model, cfg), half.batch, cfg, mask_token_id=half.mask_token_id, seeds=half.seeds).passes
         if cfg.perturbation == "exact":  # what the policy ran is what the planner counts
-            assert own == collective_rounds(half.batch, cfg, pass_limits(cfg))
+            assert own == count_passes(half.batch, cfg, pass_limits(cfg))
         rounds.append(own)
     return ref, prepared.spans, rounds, result
 
@@ -119,5 +120,5 @@ def test_sequence_parallel_group_attributes_sharded_and_equals_core(tiny_assets,
     if mode == "hierarchical":  # two levels, each sharded; the copies are the core's
         assert two["copies"].tolist() == result.copies.float().tolist()
         return
-    sharded = collective_rounds(prepared.batch, cfg, pass_limits(cfg), SequenceShards(None, 0, 2))
+    sharded = count_passes(prepared.batch, cfg, pass_limits(cfg), SequenceShards(None, 0, 2))
     assert two["rounds"].tolist() == [sharded] * 4

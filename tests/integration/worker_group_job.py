@@ -111,7 +111,7 @@ def main() -> None:
                     "answer": [t.clone() for t in out["oar_answer_mask"].unbind()],
                     "span_found": out["oar_span_found"].clone(),
                     "answer_probe": out["oar_answer_probe"].clone(),
-                    "rounds": out["oar_rounds"].clone(), "copies": out["oar_copies"].clone(),
+                    "rounds": out["oar_passes"].clone(), "copies": out["oar_copies"].clone(),
                     "refined": out["oar_refined"].clone(),
                     "log_probs_before": [t.clone() for t in before.unbind()],
                     "log_probs_after": [t.clone() for t in after.unbind()]}, out_file)

@@ -118,7 +118,7 @@ def main(spec_path: str) -> None:
         t0 = time.perf_counter()
         mask_id = int(spec["mask_token_id"])
         with engine.eval_mode():
-            res = run_attribution(MegatronBackend(engine, pass_limits(cfg), mask_token_id=mask_id), batch, cfg,
+            res = run_attribution(MegatronBackend(engine, pass_limits(cfg)), batch, cfg,
                                   mask_token_id=mask_id, seeds=sel["seeds"])
         seconds[case["name"]] = time.perf_counter() - t0
         results[case["name"]] = res.importance if engine.is_mp_src_rank_with_outputs() else None
@@ -142,7 +142,7 @@ def main(spec_path: str) -> None:
     # unsupported layouts are refused with a message naming them
     try:
         object.__setattr__(engine.engine_config, "context_parallel_size", 2)
-        MegatronBackend(engine, pass_limits(cfg), mask_token_id=0)
+        MegatronBackend(engine, pass_limits(cfg))
         checks["cp_error"] = None
     except ma.MegatronLayoutError as e:
         checks["cp_error"] = str(e)

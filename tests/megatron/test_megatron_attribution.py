@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from oar_verl.core.attribution import probe_kinds, run_attribution
+from oar_verl.core.attribution import module_backend, probe_kinds, run_attribution
 from oar_verl.core.config import OARConfig
 from oar_verl.core.layout import build_attribution_batch, with_segments
 
@@ -142,7 +142,7 @@ def reference(assets, rows, case, dtype=torch.float32):
     batch = with_segments(build_attribution_batch(x["prompts"], x["prompt_mask"], x["responses"], x["response_mask"],
                                                   x["reasoning"], x["answer"], probe_kinds(cfg, 0, len(rows))),
                           x["segments"])
-    result = run_attribution(_HF[dtype], batch, cfg, mask_token_id=assets["pad"], seeds=x["seeds"])
+    result = run_attribution(module_backend(_HF[dtype], cfg), batch, cfg, mask_token_id=assets["pad"], seeds=x["seeds"])
     return result.importance.float(), batch
 
 

@@ -1,5 +1,5 @@
-"""The attribution backend of verl's Megatron engine (:mod:`oar_verl.core.engine`): every method of the core -- OAR-P
-under every perturbation policy, OAR-G with K noise draws -- runs through it unchanged.
+"""The attribution backend of verl's Megatron engine (:mod:`oar_verl.core.backend`): every method of the core -- OAR-P
+under every perturbation policy, OAR-G with K noise draws, fisher -- runs through it unchanged.
 
 * **Layout**: each row's real tokens from position 0 (:class:`.engine.EngineRows`); a pass is one engine
   micro-batch. Passes are planned as rows (or copies, as long as their rows) per micro-batch under the token budget,
@@ -7,14 +7,16 @@ under every perturbation policy, OAR-G with K noise draws -- runs through it unc
 * **Run**: all passes of a ``run`` go through ONE engine call (megatron-core pipelines the micro-batches), each padded
   to the same row count with copies of its first row whose results are dropped; the micro-batch size is all-reduced,
   so every data-parallel rank issues the same call with the same number of micro-batches. Forward-only passes call
-  ``infer_batch``; OAR-G's student passes call ``forward_backward_batch`` with frozen parameters, no gradient
-  finalisation and the engine's full recomputation (:func:`.engine.no_param_grads`, :func:`.engine.full_recompute`).
+  ``infer_batch``; backward passes (a method's embedding hook) call ``forward_backward_batch`` with frozen parameters,
+  no gradient finalisation and the engine's full recomputation (:func:`.engine.no_param_grads`,
+  :func:`.engine.full_recompute`).
 * **Probe**: the engine's logits processor on the last stage reads the vocab-parallel probe (never gathered,
   :mod:`.vocab_parallel`) and hands it to the method, whose per-row loss becomes the engine's loss.
-* **Noise and gradient**: a forward hook on the first stage's embedding (output ``[s, b, h]``, ``[s/tp, b, h]`` under
-  sequence parallelism) adds the core's seeded noise and returns a detached leaf; a tensor hook turns ∂J/∂e into
-  |⟨∂J/∂e_t, e_t⟩|. Sequence-parallel chunks are gathered over the tensor-parallel group; the scores then go from the
-  first to every pipeline stage with one broadcast.
+* **Embedding hook**: a forward hook on the first stage's embedding (output ``[s, b, h]``, ``[s/tp, b, h]`` under
+  sequence parallelism) adds the method's noise and returns a detached leaf; a tensor hook turns ∂J/∂e into the
+  method's projection (signed, e.g. ⟨∂J/∂e_t, e_t⟩). Sequence-parallel chunks are gathered over the tensor-parallel
+  group; the scores then go from the first to every pipeline stage with one broadcast. One backward per micro-batch
+  (the engine's schedule runs one): a hook with K > 1 outputs is refused.
 """
 
 from __future__ import annotations
@@ -24,11 +26,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from oar_verl.core.backend import EmbeddingHook, OnProbe, Pass, reasoning_slots
 from oar_verl.core.budget import PassLimits
-from oar_verl.core.engine import OnProbe, Pass
-from oar_verl.core.gradient import embedding_projection, mask_noise
 from oar_verl.core.layout import AttributionBatch
-from oar_verl.integration.collectives import max_over_ranks
+from oar_verl.core.collectives import max_over_ranks
 from oar_verl.integration.megatron.engine import (CleanTable, EngineRows, ProbeHook, engine_batch, engine_rows,
                                                   full_recompute, micro_batch_rows, no_param_grads, run_engine)
 from oar_verl.integration.megatron.layout_checks import check_megatron_layout
@@ -54,7 +55,6 @@ class MegatronBackend:
     Args:
         engine: the initialised engine.
         limits: the token budget of one micro-batch (rows × the longest sequence); caps apply.
-        mask_token_id: OAR-P's replacement token.
 
     Raises:
         MegatronLayoutError: a layout OAR does not support (context parallelism, virtual pipeline, fused kernels,
@@ -63,9 +63,9 @@ class MegatronBackend:
 
     prefix_cache = False  # the engine has no key/value cache path: OAR-P runs the batched copies, same numbers
 
-    def __init__(self, engine, limits: PassLimits, *, mask_token_id: int | None = None):
+    def __init__(self, engine, limits: PassLimits):
         check_megatron_layout(engine)
-        self.engine, self.limits, self.mask_token_id = engine, limits, mask_token_id
+        self.engine, self.limits = engine, limits
         self._rows: tuple[AttributionBatch, EngineRows] | None = None
 
     def rows(self, batch: AttributionBatch) -> EngineRows:
@@ -100,15 +100,20 @@ class MegatronBackend:
                        group=mpu.get_pipeline_model_parallel_group())
         return buf.to(x.device)
 
-    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe, noise_std: float = 0.0,
-            project: str = "input") -> list[torch.Tensor | None]:
+    def embedding(self, token_id: int) -> torch.Tensor | None:
+        """(H,) the token's word embedding on the first pipeline stage (None on the others, which never project)."""
+        emb = embedding_module(self.engine)
+        return None if emb is None else _token_embedding(emb, int(token_id))
+
+    def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe,
+            hook: EmbeddingHook | None = None) -> list[torch.Tensor | None]:
+        if hook is not None and hook.outputs != 1:
+            raise ValueError(f"the Megatron backend runs one backward per micro-batch; a hook with {hook.outputs} "
+                             "outputs per row needs that many passes")
         rows = self.rows(batch)
         mbs = max_over_ranks(max((p.rows.shape[0] for p in passes), default=0))
         if not passes or mbs == 0:
             return [None] * len(passes)
-        noisy = passes[0].seeds is not None
-        if any((p.seeds is not None) != noisy for p in passes):
-            raise ValueError("one Megatron engine call runs either forward-only or noisy passes, not both")
         # slot k·mbs + j is row j of pass k; short passes are topped up with their first row, unmasked (dropped)
         src, ids = [], []
         for p in passes:  # per pass (and per row of it), never per token
@@ -117,7 +122,7 @@ class MegatronBackend:
                 s0, n = rows.start[b], rows.n[b]
                 tokens = rows.ids[b]
                 if replaced is not None and j < p.rows.shape[0]:
-                    tokens = tokens.masked_fill(replaced[j, s0:s0 + n].cpu(), int(self.mask_token_id))
+                    tokens = tokens.masked_fill(replaced[j, s0:s0 + n].cpu(), int(p.token))
                 src.append(b)
                 ids.append(tokens)
         src_t = torch.tensor(src, dtype=torch.long)
@@ -128,27 +133,27 @@ class MegatronBackend:
             loss = on_probe(k, probe.head(n))
             return None if loss is None else torch.cat([loss, loss.new_zeros(mbs - n)])  # dropped rows add nothing
 
-        hook = ProbeHook(self.engine, rows, lambda slots: src_t[slots], on_micro_batch, need_loss=noisy)
+        probe_hook = ProbeHook(self.engine, rows, lambda slots: src_t[slots], on_micro_batch,
+                               need_loss=hook is not None)
         td = engine_batch(ids, list(range(len(ids))), mbs, self.engine.engine_config.use_fused_kernels)
-        if not noisy:
-            run_engine(self.engine, td, hook, forward_only=True)
+        if hook is None:
+            run_engine(self.engine, td, probe_hook, forward_only=True)
             return [None] * len(passes)
-        return self._student_call(batch, passes, rows, ids, mbs, noise_std, project, td, hook)
+        return self._backward_call(batch, passes, rows, ids, mbs, hook, td, probe_hook)
 
-    def _student_call(self, batch: AttributionBatch, passes: Sequence[Pass], rows: EngineRows,
-                      ids: list[torch.Tensor], mbs: int, noise_std: float, project: str, td,
-                      hook: ProbeHook) -> list[torch.Tensor]:
-        """Backward passes in one forward-backward: the (n, L) signed projection of every pass, on every stage."""
+    def _backward_call(self, batch: AttributionBatch, passes: Sequence[Pass], rows: EngineRows,
+                       ids: list[torch.Tensor], mbs: int, hook: EmbeddingHook, td, probe_hook: ProbeHook
+                       ) -> list[torch.Tensor]:
+        """Backward passes in one forward-backward: the (n, L) projection of every pass, on every stage."""
         from megatron.core import parallel_state as mpu
 
         emb = embedding_module(self.engine)
-        base = _mask_embedding(emb, int(self.mask_token_id)) if emb is not None and project == "mask" else None
         sp = bool(getattr(self.engine.tf_config, "sequence_parallel", False))
         tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
         scores: dict[int, tuple[torch.Tensor, bool]] = {}
         state = {"mb": 0}
 
-        def add_noise(module, args, kwargs, out):
+        def at_embedding(module, args, kwargs, out):
             k = state["mb"]
             state["mb"] += 1
             p = passes[k]
@@ -163,28 +168,29 @@ class MegatronBackend:
             mask = torch.zeros(mbs, s_full, dtype=torch.bool)
             for i, b in enumerate(p.rows.tolist()):  # real rows only: the top-up rows get no noise
                 mask[i, :rows.n[b]] = rows.reasoning[b]
-            mask = mask.to(out.device)
-            noise = torch.zeros(mbs, s_full, out.shape[-1], dtype=out.dtype, device=out.device)
-            seeds = torch.cat([p.seeds.cpu(), p.seeds.new_zeros(mbs - p.rows.shape[0]).cpu()])
-            noise[mask] = mask_noise(mask, out.shape[-1], noise_std, seeds).to(out.dtype)
-            noise = noise.transpose(0, 1)  # [s, b, h] like the embedding output
-            if chunked:
-                s_loc = out.shape[0]
-                noise = noise[tp_rank * s_loc:(tp_rank + 1) * s_loc]
             clean = out.detach()
-            leaf = (clean + noise).requires_grad_(True)
+            leaf = clean.clone()
+            if hook.noise is not None:
+                noise = torch.zeros(mbs, s_full, out.shape[-1], dtype=out.dtype, device=out.device)
+                noise[mask.to(out.device)] = hook.noise(k, *reasoning_slots(mask), out.shape[-1]).to(out.device,
+                                                                                                       out.dtype)
+                noise = noise.transpose(0, 1)  # [s, b, h] like the embedding output
+                if chunked:
+                    s_loc = out.shape[0]
+                    noise = noise[tp_rank * s_loc:(tp_rank + 1) * s_loc]
+                leaf = leaf + noise
+            leaf.requires_grad_(True)
 
-            def grad_x_input(grad, clean=clean, k=k):
-                scores[k] = (embedding_projection(grad.transpose(0, 1), clean.transpose(0, 1), base),
-                             chunked)  # (b, s_local)
+            def project(grad, clean=clean, k=k):
+                scores[k] = (hook.project(grad.transpose(0, 1), clean.transpose(0, 1)), chunked)  # (b, s_local)
 
-            leaf.register_hook(grad_x_input)
+            leaf.register_hook(project)
             return leaf
 
-        handle = emb.register_forward_hook(add_noise, with_kwargs=True) if emb is not None else None
+        handle = emb.register_forward_hook(at_embedding, with_kwargs=True) if emb is not None else None
         try:
             with no_param_grads(self.engine), full_recompute(self.engine):
-                run_engine(self.engine, td, hook, forward_only=False)
+                run_engine(self.engine, td, probe_hook, forward_only=False)
         finally:
             if handle is not None:
                 handle.remove()
@@ -212,7 +218,7 @@ class MegatronBackend:
                 sc = sc.cpu()
                 for i, b in enumerate(p.rows.tolist()):
                     s0, n = rows.start[b], rows.n[b]
-                    sal[at + i, s0:s0 + n] = torch.where(rows.reasoning[b], sc[i, :n], 0.0)
+                    sal[at + i, s0:s0 + n] = sc[i, :n]
                 at += p.rows.shape[0]
         if mpu.get_pipeline_model_parallel_world_size() > 1:  # first stage -> every stage of this pipeline
             buf = sal.to(get_device_id())
@@ -222,14 +228,14 @@ class MegatronBackend:
         return list(sal.split([p.rows.shape[0] for p in passes]))
 
 
-def _mask_embedding(emb, mask_token_id: int) -> torch.Tensor:
-    """(H,) the mask token's word embedding, read from the vocab-parallel table (its row lives on one tensor-parallel
-    rank; a sum over the group brings it to all). The attributed models add no absolute position embedding."""
+def _token_embedding(emb, token_id: int) -> torch.Tensor:
+    """(H,) a token's word embedding, read from the vocab-parallel table (its row lives on one tensor-parallel rank; a
+    sum over the group brings it to all). The attributed models add no absolute position embedding."""
     from megatron.core import parallel_state as mpu
 
     words = emb.word_embeddings
     lo, hi = words.vocab_start_index, words.vocab_end_index
-    row = words.weight[mask_token_id - lo].detach().clone() if lo <= mask_token_id < hi else \
+    row = words.weight[token_id - lo].detach().clone() if lo <= token_id < hi else \
         torch.zeros(words.weight.shape[-1], dtype=words.weight.dtype, device=words.weight.device)
     if mpu.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(row, group=mpu.get_tensor_model_parallel_group())

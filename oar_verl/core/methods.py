@@ -1,0 +1,61 @@
+"""The attribution methods' common contract: what a method takes and returns, and the registry ``algorithm.oar.mode``
+names them in (docs/method.md §10).
+
+A method is a function ``(backend, batch, cfg, inputs) -> AttributionResult``, written once over the backend interface
+(:mod:`oar_verl.core.backend`) and registered under its mode: ``gradient`` (:mod:`oar_verl.core.gradient`),
+``perturbation`` (:mod:`oar_verl.core.policies`, every perturbation policy), ``fisher`` (:mod:`oar_verl.core.fisher`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from oar_verl.core.registry import Registry
+
+
+@dataclass(frozen=True)
+class MethodInputs:
+    """The per-row inputs a method may need besides the batch.
+
+    Attributes:
+        mask_token_id: the token that replaces a masked token (OAR-P) or whose embedding the swap moves to (fisher).
+        seeds: (B,) int64 per-sequence noise seeds (OAR-G; :func:`oar_verl.core.gradient.sequence_seeds`).
+    """
+
+    mask_token_id: int | None = None
+    seeds: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class AttributionResult:
+    """What a method computed.
+
+    Attributes:
+        importance: (B, L) float32, 0 off the reasoning tokens.
+        passes: the passes this rank ran for itself (before alignment with the other ranks).
+        copies: (B,) long OAR-P masked copies per row (None for the gradient methods).
+        refined: (B,) long reasoning tokens per row with a token-level OAR-P score (None for the gradient methods).
+        reasoning: (B,) long reasoning tokens per row (None for the gradient methods).
+    """
+
+    importance: torch.Tensor
+    passes: int
+    copies: torch.Tensor | None = None
+    refined: torch.Tensor | None = None
+    reasoning: torch.Tensor | None = None
+
+
+# (backend, batch, cfg, inputs) -> AttributionResult
+Method = Callable[..., AttributionResult]
+
+METHODS: Registry[Method] = Registry("attribution method", "algorithm.oar.mode")
+
+
+def require(value, need: str, fix: str):
+    """``value``, or a ValueError saying what the method needs and how to give it."""
+    if value is None:
+        raise ValueError(f"{need}: {fix}")
+    return value

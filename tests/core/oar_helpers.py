@@ -1,0 +1,50 @@
+"""The tests' shorthands over the public API (:func:`oar_verl.core.run_attribution` on :func:`module_backend`), and
+pass counts from the methods' own plans (what a run must issue), for the core, integration and multi-rank tests.
+tests/core/conftest.py puts this folder on sys.path."""
+
+from __future__ import annotations
+
+import torch
+
+from oar_verl.core import OARConfig, module_backend, run_attribution
+from oar_verl.core.backend import plan_draws
+from oar_verl.core.backend_hf import ModuleBackend
+from oar_verl.core.memory import PassKind
+from oar_verl.core.perturbation import mask_blocks, oar_p_passes
+
+
+def run_p(model, batch, mask_token_id: int, limits, *, prefix_cache: bool = True, mask_span: int = 1,
+          align_to: int = 0, **options) -> torch.Tensor:
+    """(B, L) OAR-P importance (exact unless ``options`` say otherwise) through run_attribution; ``align_to``: run at
+    least that many passes (the data-parallel alignment of a rank with less to do)."""
+    cfg = OARConfig(mode="perturbation", prefix_cache=prefix_cache, mask_span=mask_span, **options)
+    backend = module_backend(model, cfg, limits=limits, align=lambda n: max(n, align_to))
+    return run_attribution(backend, batch, cfg, mask_token_id=mask_token_id).importance
+
+
+def run_g(model, batch, noise_std: float, seeds: torch.Tensor, limits, *, samples: int = 1,
+          checkpointing: bool = False, align_to: int = 0) -> torch.Tensor:
+    """(B, L) OAR-G importance with ``samples`` noise draws through run_attribution."""
+    cfg = OARConfig(mode="gradient", noise_std=noise_std, noise_samples=samples)
+    backend = module_backend(model, cfg, limits=limits, checkpointing=checkpointing, align=lambda n: max(n, align_to))
+    return run_attribution(backend, batch, cfg, seeds=seeds).importance
+
+
+def count_p(batch, limits, prefix_cache: bool = True, mask_span: int = 1) -> int:
+    """Passes exact OAR-P plans on ``batch`` with a plain module (each a collective pass under sharding)."""
+    backend = ModuleBackend(None, limits, prefix_cache=prefix_cache)
+    return len(oar_p_passes(backend, batch, mask_blocks(batch.reasoning_mask, mask_span), 0))
+
+
+def count_g(batch, limits, samples: int = 1) -> int:
+    """Student passes OAR-G (or fisher, with ``samples`` outcomes) plans on ``batch`` with a plain module."""
+    return len(plan_draws(ModuleBackend(None, limits), batch, samples, PassKind.INPUT_GRADIENT)[1])
+
+
+def count_passes(batch, cfg: OARConfig, limits, shards=None) -> int:
+    """Passes the configured exact method plans on ``batch`` with a module backend (sharded with ``shards``)."""
+    backend = module_backend(None, cfg, limits=limits, shards=shards)
+    if cfg.mode == "perturbation":
+        return len(oar_p_passes(backend, batch, mask_blocks(batch.reasoning_mask, cfg.mask_span), 0))
+    draws = cfg.noise_samples if cfg.mode == "gradient" else cfg.fisher_outcomes
+    return len(plan_draws(backend, batch, draws, PassKind.INPUT_GRADIENT)[1])
