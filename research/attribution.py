@@ -34,10 +34,10 @@ from research import REPO
 from research.common import measure, progress
 from oar_verl.core import reference
 from oar_verl.core.budget import PassLimits
-from oar_verl.core.gradient import oar_g_importance, sequence_seeds
+from oar_verl.core.gradient import sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
-from oar_verl.core.perturbation import oar_p_importance
 from oar_verl.core.probes import ProbeKind
+from research.common import oar_p_importance, oar_g_importance
 
 SHAPES = {
     # hidden, layers, heads, kv heads, intermediate, vocab

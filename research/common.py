@@ -12,7 +12,37 @@ import time
 import numpy as np
 import torch
 
+from oar_verl.core import OARConfig, module_backend, run_attribution
 from oar_verl.cpu.progress import progress  # noqa: F401  (the product's warm start shows the same bars)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The product's methods, in the studies' shorthand (all through oar_verl.core.run_attribution)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def oar_p_importance(model, batch, mask_token_id: int, limits, *, prefix_cache: bool = True,
+                     mask_span: int = 1) -> torch.Tensor:
+    """(B, L) exact (or ``mask_span``-block) OAR-P importance on a Hugging Face module."""
+    cfg = OARConfig(mode="perturbation", prefix_cache=prefix_cache, mask_span=mask_span)
+    return run_attribution(module_backend(model, cfg, limits=limits), batch, cfg,
+                           mask_token_id=mask_token_id).importance
+
+
+def oar_g_importance(model, batch, noise_std: float, seeds: torch.Tensor, limits, *, checkpointing: bool = False,
+                     samples: int = 1) -> torch.Tensor:
+    """(B, L) OAR-G importance (``samples`` noise draws) on a Hugging Face module."""
+    cfg = OARConfig(mode="gradient", noise_std=noise_std, noise_samples=samples)
+    return run_attribution(module_backend(model, cfg, limits=limits, checkpointing=checkpointing), batch, cfg,
+                           seeds=seeds).importance
+
+
+def fisher_importance(model, batch, mask_token_id: int, limits, *, outcomes: int = 1,
+                      checkpointing: bool = True) -> torch.Tensor:
+    """(B, L) ``mode=fisher`` importance (``outcomes`` kept) on a Hugging Face module."""
+    cfg = OARConfig(mode="fisher", fisher_outcomes=outcomes)
+    return run_attribution(module_backend(model, cfg, limits=limits, checkpointing=checkpointing), batch, cfg,
+                           mask_token_id=mask_token_id).importance
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Measurement

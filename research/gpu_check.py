@@ -46,8 +46,8 @@ from research.common import progress
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.backend_hf import ModuleBackend
 from oar_verl.core.fisher import fisher
-from oar_verl.core.gradient import oar_g_importance, sequence_seeds
-from oar_verl.core.perturbation import oar_p_importance
+from oar_verl.core.gradient import sequence_seeds
+from research.common import oar_p_importance, oar_g_importance, fisher_importance
 
 SHAPES = ("qwen2.5-1.5b", "qwen2.5-7b")
 LENGTHS = (2048, 4096, 16384)
@@ -116,8 +116,7 @@ def attribution_point(model, length: int, rows: int, device: str) -> dict:
         s, peak = measure(lambda: oar_g_importance(model, batch, 1e-3, seeds, limits, checkpointing=True,
                                                    samples=k), device)
         point[f"oar_g_k{k}"] = {"seconds": s, "peak_mib": peak}
-    backend = ModuleBackend(model, limits, mask_token_id=0, checkpointing=True)
-    s, peak = measure(lambda: fisher(backend, batch, 1), device)  # mode=fisher, the default fisher_outcomes
+    s, peak = measure(lambda: fisher_importance(model, batch, 0, limits), device)  # the default fisher_outcomes
     point["fisher_k1"] = {"seconds": s, "peak_mib": peak}
     sampled, frac = scaling.sample_reasoning(batch, 3, rows)
     s, peak = measure(lambda: oar_p_importance(model, sampled, 0, limits, prefix_cache=True), device)

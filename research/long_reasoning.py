@@ -48,10 +48,11 @@ from oar_verl.core.budget import PassLimits
 from oar_verl.core.config import OARConfig
 from oar_verl.core.policies import refined_segments, segment_table, token_blocks
 from oar_verl.core.layout import build_attribution_batch, with_segments
-from oar_verl.core.perturbation import block_copies, oar_p_importance
+from oar_verl.core.perturbation import block_copies
 from oar_verl.core.probes import ProbeKind
 from oar_verl.core.segments import reasoning_segments
 from oar_verl.core.spans import locate_answer_spans
+from research.common import oar_p_importance
 
 SHARES = (0.05, 0.1, 0.2)  # hierarchical refine shares compared
 NAMES = ["Lisa", "Omar", "Mei", "Tom", "Ana", "Ravi"]

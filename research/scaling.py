@@ -41,11 +41,11 @@ from research.common import progress
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.backend_hf import ModuleBackend
 from oar_verl.core.fisher import fisher
-from oar_verl.core.gradient import oar_g_importance, sequence_seeds
+from oar_verl.core.gradient import sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.memory import ModelShape, PassKind, pass_bytes
-from oar_verl.core.perturbation import oar_p_importance
 from oar_verl.core.probes import ProbeKind
+from research.common import oar_p_importance, oar_g_importance, fisher_importance
 
 SHAPES = {
     # layers, hidden, heads, kv heads, head dim, intermediate, vocab, tied: Qwen2.5's ratios (I ≈ 5.3 H,
@@ -145,8 +145,8 @@ def point(args) -> dict:
                                                          samples=args.noise_samples), device)
         info["noise_samples"] = args.noise_samples
     elif args.method == "fisher":  # OAR-P's masking KL to second order: one gradient pass per kept outcome
-        backend = ModuleBackend(model, limits, mask_token_id=0, checkpointing=True)
-        seconds, peak = measure(lambda: fisher(backend, batch, args.fisher_outcomes), device)
+        seconds, peak = measure(lambda: fisher_importance(model, batch, 0, limits, outcomes=args.fisher_outcomes),
+                                device)
         info["fisher_outcomes"] = args.fisher_outcomes
     else:
         per_pass = max(1, tokens // (PROMPT + args.point_length))

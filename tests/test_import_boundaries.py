@@ -79,3 +79,68 @@ def test_the_product_imports_no_research(forbidden):
                                               if m == forbidden or m.startswith(forbidden + "."))
              for f in files}
     assert not any(leaks.values()), {f: m for f, m in leaks.items() if m}
+
+
+# the package's layers, bottom up: a module imports only from its own layer or below
+LAYERS = {"oar_verl.core": 0, "oar_verl.integration": 1, "oar_verl.openrlhf": 1, "oar_verl.rewards": 1,
+          "oar_verl.data": 1, "oar_verl.viz": 1, "oar_verl.main": 1, "oar_verl.cpu": 2}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts[:-1]) if rel.name == "__init__" else list(rel.parts)
+    return ".".join(parts)
+
+
+def _layer(module: str) -> int | None:
+    return next((layer for prefix, layer in LAYERS.items() if module == prefix or module.startswith(prefix + ".")),
+                None)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every oar_verl module -> the oar_verl modules it imports by name, at any depth of its code (lazy imports
+    count: an import inside a function is still a dependency); ``from pkg import name`` is an edge to the submodule
+    ``pkg.name`` where there is one, else to ``pkg``. A package's implicit import of its parents is not an edge."""
+    files = {_module_name(f): f for f in (ROOT / "oar_verl").rglob("*.py")}
+    graph = {}
+    for name, f in files.items():
+        edges = set()
+        for m in _imported_modules(f):
+            if not m.startswith("oar_verl"):
+                continue
+            if m in files:
+                edges.add(m)
+            elif m.rsplit(".", 1)[0] in files and m.rsplit(".", 1)[0] != name:
+                edges.add(m.rsplit(".", 1)[0])
+        # `from pkg import sub` yields both pkg and pkg.sub: keep the submodule only
+        graph[name] = {e for e in edges if not any(o.startswith(e + ".") for o in edges)} - {name}
+    return graph
+
+
+def test_no_import_reaches_up_a_layer():
+    """core < integration, openrlhf, rewards, data, viz < cpu (the development tooling): the maths never imports the
+    glue, the glue never imports the CPU platform or the quickstart."""
+    graph = _import_graph()
+    up = {(a, b) for a, edges in graph.items() for b in edges
+          if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a)}
+    assert not up, sorted(up)
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = _import_graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:  # depth-first, on a graph of ~100 modules
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles

@@ -15,7 +15,9 @@ from collections.abc import Callable
 import torch
 
 # the methods register themselves in METHODS when imported
-from oar_verl.core import fisher, gradient, policies  # noqa: F401
+import oar_verl.core.fisher  # noqa: F401
+import oar_verl.core.gradient  # noqa: F401
+import oar_verl.core.policies  # noqa: F401
 from oar_verl.core.backend import AttributionBackend
 from oar_verl.core.backend_hf import ModuleBackend
 from oar_verl.core.backend_ulysses import SequenceShards, UlyssesBackend

@@ -18,7 +18,6 @@ from oar_verl.core.budget import PassLimits
 from oar_verl.core.gradient import sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.probes import ProbeKind
-from oar_verl.core.attribution import collective_rounds
 from oar_verl.core.backend_ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.config import OARConfig
 from oar_verl.core.fisher import fisher
@@ -69,17 +68,16 @@ def main(out_dir: str) -> None:
         seeds = sequence_seeds(3, 7, torch.arange(4))
         for tokens in (12, 40):  # per rank: 12 -> one row (or a few copies) per pass; 40 -> several
             limits = PassLimits(tokens)
-            backend = UlyssesBackend(lm, limits, shards, mask_token_id=0, checkpointing=tokens == 40)
+            backend = UlyssesBackend(lm, limits, shards, checkpointing=tokens == 40)
             results[(int(kind), tokens, "g")] = oar_g(backend, b, seeds, 1e-3)[0]
-            results[(int(kind), tokens, "p")] = oar_p(backend, b, mask_blocks(b.reasoning_mask, 1))[0]
-            results[(int(kind), tokens, "rounds")] = count_passes(b, OARConfig(mode="perturbation"), limits,
-                                                                       shards)
+            results[(int(kind), tokens, "p")] = oar_p(backend, b, mask_blocks(b.reasoning_mask, 1), 0)[0]
+            results[(int(kind), tokens, "rounds")] = count_passes(b, OARConfig(mode="perturbation"), limits, shards)
             # K = 3 noise draws per row: 12 tokens -> one draw per pass, 40 -> a row's draws share passes
             results[(int(kind), tokens, "g3")] = oar_g(UlyssesBackend(lm, limits, shards), b, seeds, 1e-3, 3)[0]
             results[(int(kind), tokens, "rounds_g3")] = count_passes(
                 b, OARConfig(mode="gradient", noise_samples=3), limits, shards)
             # the fisher mode: clean-point gradients of the top 2 outcomes, projected on e_mask - e_t
-            results[(int(kind), tokens, "f")] = fisher(backend, b, outcomes=2)[0]
+            results[(int(kind), tokens, "f")] = fisher(backend, b, 0, outcomes=2)[0]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

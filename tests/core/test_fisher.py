@@ -59,3 +59,28 @@ def test_fisher_is_budget_and_batch_composition_invariant(lm64, make_batch):
     scale = float(whole.abs().max())
     torch.testing.assert_close(part[:, sub.response_start:], whole[[1, 3], batch.response_start:], rtol=1e-6,
                                atol=1e-9 * scale)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_one_forward_and_k_backwards_equal_k_backward_passes(lm64, make_batch, checkpointing):
+    """The backend interface lets a method take several backwards from one forward (``EmbeddingHook.outputs``): each
+    loss column's projection equals that of a pass with that loss alone, with and without checkpointed layers."""
+    from oar_verl.core.backend import EmbeddingHook, Pass
+    from oar_verl.core.gradient import embedding_projection
+
+    rows = make_batch(B=3, P=4, T=8, seed=2)
+    batch = build_attribution_batch(*rows, torch.full((3,), int(ProbeKind.AS_MEAN)))
+    backend = ModuleBackend(lm64, PassLimits(10**6), checkpointing=checkpointing)
+    passes = [Pass(torch.arange(3))]
+
+    def outcome(probe, k):
+        return probe.log_prob(probe.top(2)[1][:, k])
+
+    both = backend.run(batch, passes, lambda i, probe: torch.stack([outcome(probe, 0), outcome(probe, 1)], 1),
+                       EmbeddingHook(embedding_projection, outputs=2))[0]
+    assert both.shape == (3, 2, batch.input_ids.shape[1])
+    for k in range(2):
+        alone = backend.run(batch, passes, lambda i, probe: outcome(probe, k), EmbeddingHook(embedding_projection))[0]
+        torch.testing.assert_close(both[:, k], alone, rtol=1e-10, atol=1e-12)
+    assert not torch.equal(both[:, 0], both[:, 1])
+    assert all(p.grad is None and p.requires_grad for p in lm64.parameters())

