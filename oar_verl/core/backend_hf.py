@@ -170,7 +170,7 @@ def embedding_scores(model: torch.nn.Module, mask: torch.Tensor, noise: Callable
     grads = []
     try:
         with torch.enable_grad():
-            losses = loss().reshape(mask.shape[0], hook.outputs)
+            losses = loss().reshape(-1, hook.outputs)  # (rows, K): a packed sequence holds several rows
             for k in range(hook.outputs):  # K backwards from one forward, never one per token
                 losses[:, k].sum().backward(retain_graph=k + 1 < hook.outputs)
                 grads.append(captured["leaf"].grad)
