@@ -14,6 +14,7 @@ on a pass count. A backend never sees a method setting (noise σ, seeds, the pro
 The interface, as a method sees it::
 
     prefix_cache: bool                              copies of one row may reuse its clean key/value prefix
+    shared_backwards: bool                          one forward may serve several backwards (EmbeddingHook.outputs)
     plan(batch, rows, kind, ordered) -> packs       index packs into ``rows`` (repeats allowed) under the budget
     align(n) -> n'                                  passes every data-parallel rank runs (the max over ranks)
     run(batch, passes, on_probe, hook=None)         run passes in order; on_probe(i, probe) per pass; with a hook,
@@ -112,6 +113,7 @@ class AttributionBackend(Protocol):
     """What an attribution method needs from a model runtime (see the module docstring)."""
 
     prefix_cache: bool
+    shared_backwards: bool
 
     def plan(self, batch: AttributionBatch, rows: torch.Tensor, kind: str, ordered: bool = False
              ) -> list[torch.Tensor]: ...

@@ -53,6 +53,8 @@ class ModuleBackend(DenseProbes):
         align: maps this rank's pass count to the count every data-parallel rank runs (default: its own).
     """
 
+    shared_backwards = True  # the embedding leaf's graph is kept between a pass's backwards
+
     def __init__(self, model: torch.nn.Module | None, limits: PassLimits, *, prefix_cache: bool = True,
                  checkpointing: bool = True, align: Callable[[int], int] | None = None):
         self.model, self.limits = model, limits

@@ -154,6 +154,7 @@ class UlyssesBackend(DenseProbes):
     """
 
     prefix_cache = False
+    shared_backwards = True
 
     def __init__(self, model: torch.nn.Module | None, limits: PassLimits, shards: SequenceShards, *, pad_id: int = 0,
                  checkpointing: bool = True, align: Callable[[int], int] | None = None):

@@ -3,9 +3,6 @@ tokenizers of the span tests (a locally trained byte-level BPE and the real Qwen
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import random
 
 import pytest
@@ -15,8 +12,6 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from oar_verl.cpu.tokenizers import qwen25_tokenizer as qwen25_tokenizer_of_wheel
 from oar_verl.cpu.tokenizers import train_tiny_bpe
 
-# the tests' shorthands over the public API (oar_helpers.py) import as a plain module
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 VOCAB = 97
 PAD = 0

@@ -1,6 +1,6 @@
 """The tests' shorthands over the public API (:func:`oar_verl.core.run_attribution` on :func:`module_backend`), and
 pass counts from the methods' own plans (what a run must issue), for the core, integration and multi-rank tests.
-tests/core/conftest.py puts this folder on sys.path."""
+tests/conftest.py puts this folder on sys.path."""
 
 from __future__ import annotations
 

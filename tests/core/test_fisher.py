@@ -11,22 +11,31 @@ from oar_verl.core.backend_hf import ModuleBackend
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.fisher import fisher
 from oar_verl.core.layout import build_attribution_batch
+from oar_verl.core.memory import PassKind
 from oar_verl.core.probes import ProbeKind
 
 MASK = 0
 
 
 @pytest.mark.parametrize("kind", [ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT])
-@pytest.mark.parametrize("tokens", [10**6, 24])  # one pass for everything; one draw row per pass
-def test_fisher_matches_the_per_sequence_reference(lm64, make_batch, kind, tokens):
+@pytest.mark.parametrize("tokens", [10**6, 24])  # one pass for everything; one row (or draw row) per pass
+@pytest.mark.parametrize("shared", [True, False])  # one forward, K backwards; or K draw rows (Megatron's plan)
+def test_fisher_matches_the_per_sequence_reference(lm64, make_batch, kind, tokens, shared):
     rows = make_batch(B=4, P=4, T=9, seed=3)
     batch = build_attribution_batch(*rows, torch.full((4,), int(kind)))
-    got, rounds = fisher(ModuleBackend(lm64, PassLimits(tokens)), batch, MASK, outcomes=3)
+    backend = ModuleBackend(lm64, PassLimits(tokens))
+    backend.shared_backwards = shared
+    got, rounds = fisher(backend, batch, MASK, outcomes=3)
     ref = reference.batch_fisher(lm64, *rows, kind, MASK, 3)
     torch.testing.assert_close(got[:, batch.response_start:].double(), ref, rtol=1e-6, atol=1e-12)
     assert bool((ref != 0).sum() > 10)
     assert bool((got[~batch.reasoning_mask] == 0).all())
-    assert (rounds == 1) == (tokens > 10**5)  # the small budget spreads the 12 draw rows over several passes
+    assert (rounds == 1) == (tokens > 10**5)  # the small budget spreads the rows over several passes
+    # K outcomes share their row's pass (rows packed), or take one draw row each (12 draw rows packed)
+    row_passes = len(backend.plan(batch, torch.arange(4), PassKind.INPUT_GRADIENT))
+    draw_passes = len(backend.plan(batch, torch.arange(4).repeat_interleave(3), PassKind.INPUT_GRADIENT))
+    assert rounds == (row_passes if shared else draw_passes)
+    assert row_passes < draw_passes or tokens > 10**5
 
 
 def test_the_quadratic_form_is_the_masking_kl_at_second_order(lm64, make_batch):

@@ -41,13 +41,6 @@ def wheel_venv(tmp: Path) -> Path:
     return python
 
 
-def test_the_recipe_runs_the_module():
-    """The README's command is set-up plus the module the wheel test runs (so the two cannot drift)."""
-    script = (ROOT / "recipes" / "quickstart_cpu.sh").read_text()
-    assert 'bash "$ROOT/scripts/setup_env.sh"' in script
-    assert script.rstrip().endswith('exec "$VENV/bin/python" -m oar_verl.cpu.quickstart "$@"')
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(1800)
 def test_quickstart_from_the_wheel_end_to_end(tmp_path):

@@ -276,3 +276,11 @@ def test_openrlhf_recipes_pass_openrlhf_parser(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for case, r in zip(cases, json.loads(out.read_text())):
         assert r["code"] == 0 and "arguments accepted with OAR" in r["stdout"], (case, r)
+
+
+def test_the_quickstart_recipe_runs_the_module_the_wheel_test_runs():
+    """The README's first command is set-up plus ``python -m oar_verl.cpu.quickstart``, the module
+    tests/e2e/test_quickstart_on_cpu.py runs from the wheel (so the two cannot drift)."""
+    script = (ROOT / "recipes" / "quickstart_cpu.sh").read_text()
+    assert 'bash "$ROOT/scripts/setup_env.sh"' in script
+    assert script.rstrip().endswith('exec "$VENV/bin/python" -m oar_verl.cpu.quickstart "$@"')

@@ -62,6 +62,7 @@ class MegatronBackend:
     """
 
     prefix_cache = False  # the engine has no key/value cache path: OAR-P runs the batched copies, same numbers
+    shared_backwards = False  # the engine's schedule runs one backward per micro-batch
 
     def __init__(self, engine, limits: PassLimits):
         check_megatron_layout(engine)
