@@ -95,13 +95,15 @@ class OARConfig:
     noise_samples: int = _key(1, "OAR-G noise",
                               "OAR-G: noise draws per sequence, >= 1; the score is the mean of the single-draw "
                               "scores (draw 0 uses the sequence's own seed, so 1 is the single-draw method). Costs K "
-                              "student passes per sequence, run in the same rounds where the token budget allows "
+                              "student passes per sequence, run in the same passes where the token budget allows "
                               "(each draw counts as a sequence for the budget and for `micro_batch_size`). Ignored by "
                               "OAR-P. Measured cost: research/docs/evidence.md.")
     fisher_outcomes: int = _key(1, "method",
                                 "`fisher`: the most likely outcomes of each row's probe kept in the Fisher sum, >= 1; "
-                                "one gradient pass per outcome and sequence. Measured fidelity and cost: "
-                                "research/docs/faithfulness.md.")
+                                "one forward and one backward per outcome and sequence (Megatron: a forward+backward "
+                                "per outcome). 1 keeps only the top outcome: first-order attribution patching of its "
+                                "log-probability (docs/method.md §11). Measured fidelity and cost: "
+                                "research/docs/faithfulness.md."),
     mask_token_id: int | None = _key(None, "OAR-P cost",
                                      "OAR-P: the replacement token id, >= 0; null = the tokenizer's pad token.")
     max_token_len_per_gpu: int | None = _key(None, "budgets",
