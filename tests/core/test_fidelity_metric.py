@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from oar_verl.core import reference
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.fidelity import (
-    MEASURES, OPERATORS, bootstrap_mean, fidelity_report, leave_one_out_scores, naopc, outcome_shifts,
-    random_scores, resample_tokens,
+    FRACTIONS, MEASURES, OPERATORS, bootstrap_mean, fidelity_report, leave_one_out_scores, naopc, outcome_shifts,
+    random_scores, removal_count, resample_tokens,
 )
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.probes import ProbeKind
@@ -123,25 +123,38 @@ def random_removals(batch, n_per_row, seed):
 
 
 # ------------------------------------------------------------------------------------------------ operators
+@pytest.fixture(scope="module")
+def flat64(lm64):
+    """lm64 with flatter next-token distributions (the fixture's are near one-hot, so every resampling draw would
+    be the same token)."""
+    flat = copy.deepcopy(lm64)
+    with torch.no_grad():
+        flat.get_input_embeddings().weight.mul_(0.1)
+    return flat
+
+
 @pytest.mark.parametrize("op", ["mask", "zero", "delete", "resample"])
-def test_joint_removal_matches_one_row_by_hand(lm64, make_batch, op):
+def test_joint_removal_matches_one_row_by_hand(lm64, flat64, make_batch, op):
+    model = flat64 if op == "resample" else lm64
     batch = make(make_batch, seed=3)
     removed, src = random_removals(batch, 2, seed=1)
     kw = dict(src=src, mask_token_id=MASK, seed=7, draws=4)
-    fast = outcome_shifts(lm64, batch, removed, op, limits=PassLimits(40), **kw)  # several packed passes
-    sampled = resample_tokens(lm64, batch, 4, seed=7) if op == "resample" else None
+    fast = outcome_shifts(model, batch, removed, op, limits=PassLimits(40), **kw)  # several packed passes
+    sampled = resample_tokens(model, batch, 4, seed=7) if op == "resample" else None
     for i in range(len(src)):
         b = int(src[i])
         gone = {c for c in range(removed.shape[1]) if removed[i, c]}
-        ref = naive_shift(lm64, batch, b, gone, op, sampled)
+        ref = naive_shift(model, batch, b, gone, op, sampled)
         for m in range(2):
             if math.isnan(ref[m]):
                 assert math.isnan(float(fast[m, i]))
             else:
                 assert float(fast[m, i]) == pytest.approx(ref[m], rel=1e-6, abs=1e-9), (op, MEASURES[m], i)
     assert fast[0].abs().sum() > 1e-6  # not vacuous
+    if op == "resample":  # the draws differ, so the mean over draws is not one draw's shift
+        assert (sampled[batch.reasoning_mask][:, 1:] != sampled[batch.reasoning_mask][:, :1]).any()
     # one budget or another, the same numbers
-    alone = outcome_shifts(lm64, batch, removed, op, limits=PassLimits(10**6), **kw)
+    alone = outcome_shifts(model, batch, removed, op, limits=PassLimits(10**6), **kw)
     torch.testing.assert_close(fast, alone, equal_nan=True, rtol=1e-9, atol=1e-12)
 
 
@@ -162,10 +175,8 @@ def test_delete_shortens_rows_and_lt_probe_follows(lm64, make_batch):
     assert L > 0 and fast[0].abs().min() > 0  # the row really changed
 
 
-def test_resample_draws_follow_the_model_and_the_row_only(lm64, make_batch):
-    flat = copy.deepcopy(lm64)  # the fixture's next-token distributions are near one-hot: flatten them
-    with torch.no_grad():
-        flat.get_input_embeddings().weight.mul_(0.1)
+def test_resample_draws_follow_the_model_and_the_row_only(flat64, make_batch):
+    flat = flat64
     batch = make(make_batch, B=3, seed=2)
     D = 20000
     draws = resample_tokens(flat, batch, D, seed=1)
@@ -248,6 +259,17 @@ def test_best_candidate_has_naopc_one(small_report):
         for b in range(stacked.shape[-1]):
             winner = stacked[int(rep.best[i, b]), i, b]
             assert math.isnan(float(winner)) or float(winner) == pytest.approx(1.0)
+
+
+def test_removal_counts_are_exact_ceilings():
+    from fractions import Fraction
+    R = torch.arange(0, 400)
+    rounding = 0
+    for f in (*FRACTIONS, 0.07, 0.14, 0.28, 0.3, 0.4, 0.7):
+        want = [math.ceil(Fraction(str(f)) * r) for r in range(400)]
+        assert removal_count(f, R).tolist() == want, f
+        rounding += sum(math.ceil(f * r) != w for r, w in enumerate(want))
+    assert rounding > 0  # some f·R round above an integer in floating point: the test has teeth
 
 
 def test_naopc_degenerate_denominator_is_nan():
