@@ -45,8 +45,8 @@ from oar_verl.core.probes import ProbeOutput, logits_at, outcome_shift, probe_fr
 
 __all__ = [
     "FRACTIONS", "MEASURES", "OPERATORS", "FidelityReport", "Interval", "MethodFidelity", "aopc", "bootstrap_mean",
-    "fidelity_report", "leave_one_out_scores", "mass_on_target", "naopc", "outcome_shifts", "ranks_from_scores",
-    "random_scores", "resample_tokens", "suppression_ratio", "top_removal", "bottom_removal",
+    "default_min_gap", "fidelity_report", "leave_one_out_scores", "mass_on_target", "naopc", "outcome_shifts", "ranks_from_scores",
+    "random_scores", "removal_count", "resample_tokens", "row_keys", "suppression_ratio", "top_removal", "bottom_removal",
 ]
 
 OPERATORS = ("mask", "zero", "delete", "resample")
@@ -438,22 +438,31 @@ def aopc(curve: torch.Tensor) -> torch.Tensor:
     return curve.mean(-1).mean(-1)
 
 
-def _degenerate(den: torch.Tensor, *scale: torch.Tensor) -> torch.Tensor:
-    tol = 1e-12 + 1e-9 * torch.stack([s.abs() for s in scale]).amax(0)
+def _degenerate(den: torch.Tensor, min_gap: float, *scale: torch.Tensor) -> torch.Tensor:
+    tol = torch.clamp(1e-9 * torch.stack([s.abs() for s in scale]).amax(0), min=max(min_gap, 1e-12))
     return ~(den > tol)  # also True for NaN
 
 
-def naopc(method: torch.Tensor, random: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+def naopc(method: torch.Tensor, random: torch.Tensor, best: torch.Tensor, min_gap: float = 0.0) -> torch.Tensor:
     """NAOPC = (AOPC_method − AOPC_random) / (AOPC_best − AOPC_random), elementwise; NaN where the denominator is not
-    positive beyond rounding (best no better than random: the row cannot tell rankings apart) or an input is NaN."""
+    above max(``min_gap``, 1e-12, 1e-9 · max(|best|, |random|)) (best no better than random, within the numerical
+    noise of the shifts: the row cannot tell rankings apart) or an input is NaN."""
     den = best - random
-    return torch.where(_degenerate(den, best, random), float("nan"), (method - random) / den)
+    return torch.where(_degenerate(den, min_gap, best, random), float("nan"), (method - random) / den)
 
 
-def suppression_ratio(bottom: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
+def suppression_ratio(bottom: torch.Tensor, random: torch.Tensor, min_gap: float = 0.0) -> torch.Tensor:
     """S = shift(remove the method's bottom share) / shift(remove a random share of the same size), elementwise;
-    NaN where the random removal's shift is not positive beyond rounding."""
-    return torch.where(_degenerate(random, random), float("nan"), bottom / random)
+    NaN where the random removal's shift is not above max(``min_gap``, 1e-12, 1e-9 · |random|)."""
+    return torch.where(_degenerate(random, min_gap, random), float("nan"), bottom / random)
+
+
+def default_min_gap(model: torch.nn.Module) -> float:
+    """The smallest denominator (in shift units) NAOPC and S trust, from the model's parameter dtype: 0 for float64
+    (the relative 1e-9 rule alone), 1e-6 for float32, 1e-3 for 16-bit types (a perturbed row runs in another batch
+    and padding than its clean row, so even an empty removal shifts by about the dtype's rounding)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return 0.0 if dtype == torch.float64 else 1e-6 if dtype == torch.float32 else 1e-3
 
 
 def mass_on_target(weights: torch.Tensor, target: torch.Tensor, reasoning: torch.Tensor) -> torch.Tensor:
@@ -631,7 +640,7 @@ def fidelity_report(model: torch.nn.Module, batch: AttributionBatch, scores: Map
                     gate: tuple[float, float, float] = (0.4, 2.0, 0.1),
                     candidates: Mapping[str, torch.Tensor] | None = None, random_rankings: int = 4, draws: int = 4,
                     suppress_fraction: float = 0.4, target_fraction: float = 0.2, primary: str = "kl",
-                    resamples: int = 1000, alpha: float = 0.05) -> FidelityReport:
+                    resamples: int = 1000, alpha: float = 0.05, min_gap: float | None = None) -> FidelityReport:
     """Fidelity of token attributions on a batch of rollouts (docs/fidelity.md).
 
     Args:
@@ -651,6 +660,8 @@ def fidelity_report(model: torch.nn.Module, batch: AttributionBatch, scores: Map
         suppress_fraction: the bottom share of S. target_fraction: the top share of the best ranking for ``mass``.
         primary: the measure (:data:`MEASURES`) the best ranking for ``mass`` is chosen by.
         resamples, alpha: the paired bootstrap over rows (percentile interval of coverage 1 − alpha).
+        min_gap: the smallest NAOPC / S denominator trusted, in shift units (default :func:`default_min_gap`);
+            rows below it get NaN and are counted as undefined.
 
     Returns:
         FidelityReport. Cost: one clean forward per row, then per ranking (M methods + C candidates + J random) one
@@ -711,11 +722,12 @@ def fidelity_report(model: torch.nn.Module, batch: AttributionBatch, scores: Map
     target = top_removal(best_rank, reasoning, target_fraction)
     r_tok = reasoning.sum(-1)
     tau, beta, floor = gate
+    gap = default_min_gap(model) if min_gap is None else float(min_gap)
     out = {}
     for i, (name, s) in enumerate(methods.items()):
         w = oar_token_weights(s, reasoning, reasoning, tau, beta, floor).weights
-        out[name] = MethodFidelity(curves[:, i], aopcs[:, i], naopc(aopcs[:, i], random_aopc, best_aopc),
-                                   bottom_shift[:, i], suppression_ratio(bottom_shift[:, i], random_shift),
+        out[name] = MethodFidelity(curves[:, i], aopcs[:, i], naopc(aopcs[:, i], random_aopc, best_aopc, gap),
+                                   bottom_shift[:, i], suppression_ratio(bottom_shift[:, i], random_shift, gap),
                                    mass_on_target(w, target, reasoning))
     baseline = torch.where(r_tok > 0, removal_count(target_fraction, r_tok).double() / r_tok.clamp(min=1),
                            float("nan"))

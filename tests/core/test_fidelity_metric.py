@@ -15,7 +15,7 @@ from oar_verl.core import reference
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.fidelity import (
     FRACTIONS, MEASURES, OPERATORS, bootstrap_mean, fidelity_report, leave_one_out_scores, naopc, outcome_shifts,
-    random_scores, removal_count, resample_tokens,
+    random_scores, removal_count, resample_tokens, suppression_ratio,
 )
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.probes import ProbeKind
@@ -275,6 +275,10 @@ def test_removal_counts_are_exact_ceilings():
 def test_naopc_degenerate_denominator_is_nan():
     got = naopc(torch.tensor([0.3, 0.2, 0.5]), torch.tensor([0.1, 0.4, 0.1]), torch.tensor([0.5, 0.4, 0.1]))
     assert got[0] == pytest.approx(0.5) and math.isnan(got[1]) and math.isnan(got[2])
+    got = naopc(torch.tensor([2e-6, 2e-6]), torch.tensor([0.0, 0.0]), torch.tensor([4e-6, 4e-7]), min_gap=1e-6)
+    assert got[0] == pytest.approx(0.5) and math.isnan(got[1])  # a gap below the noise floor is no denominator
+    assert math.isnan(float(naopc(torch.tensor([0.0]), torch.tensor([float("nan")]), torch.tensor([1.0]))[0]))
+    assert math.isnan(float(suppression_ratio(torch.tensor([1e-7]), torch.tensor([1e-7]), min_gap=1e-6)[0]))
 
 
 def test_leave_one_out_mask_ranking_is_the_best_at_one_token(lm64, make_batch):
