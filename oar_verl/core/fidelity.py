@@ -13,8 +13,8 @@ For each ranking (a method's scores, random rankings, candidate "best" rankings)
 
 and the **outcome shift** of the perturbed row against the clean row is measured twice (the ``measure`` axis, size 2):
 
-* ``kl``: :func:`oar_verl.core.probes.outcome_shift`, KL(P_clean ‖ P_perturbed) of the row's probe (φ_clean − φ for
-  AS-Joint rows);
+* ``kl``: :func:`oar_verl.core.probes.outcome_shift`, KL(P_clean ‖ P_perturbed) of the row's probe (φ_clean − φ
+  for AS-Joint rows);
 * ``logp``: the drop of log p(answer), φ_clean − φ_perturbed with φ = Σ_k w_k log p(target_k) read from the row's
   own :class:`~oar_verl.core.probes.ProbeSpec` (weights ``logit_weight``, tokens ``target_ids``): on rows whose probe
   reads answer tokens, the mean log-probability of the answer tokens (teacher-forced); on LT-Logits rows, the
@@ -32,7 +32,6 @@ O operators, F fractions, D resampling draws, N perturbed rows.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -45,8 +44,9 @@ from oar_verl.core.probes import ProbeOutput, logits_at, outcome_shift, probe_fr
 
 __all__ = [
     "FRACTIONS", "MEASURES", "OPERATORS", "FidelityReport", "Interval", "MethodFidelity", "aopc", "bootstrap_mean",
-    "default_min_gap", "fidelity_report", "leave_one_out_scores", "mass_on_target", "naopc", "outcome_shifts", "ranks_from_scores",
-    "random_scores", "removal_count", "resample_tokens", "row_keys", "suppression_ratio", "top_removal", "bottom_removal",
+    "bottom_removal", "default_min_gap", "fidelity_report", "leave_one_out_scores", "mass_on_target", "naopc",
+    "outcome_shifts", "random_scores", "ranks_from_scores", "removal_count", "resample_tokens", "row_keys",
+    "suppression_ratio", "top_removal",
 ]
 
 OPERATORS = ("mask", "zero", "delete", "resample")
@@ -319,7 +319,8 @@ def _delete_rows(batch: AttributionBatch, src: torch.Tensor, removed: torch.Tens
 
 
 def _shifts(model: torch.nn.Module, batch: AttributionBatch, clean: _Clean, removed: torch.Tensor,
-            src: torch.Tensor, operator: str, limits: PassLimits, mask_token_id: int | None) -> tuple[torch.Tensor, int]:
+            src: torch.Tensor, operator: str, limits: PassLimits,
+            mask_token_id: int | None) -> tuple[torch.Tensor, int]:
     """(2, N) outcome shifts (kl, logp) of the N perturbed rows (``src`` (N,), ``removed`` (N, L)) under one operator
     (``resample``: the mean over the D draws of ``clean.sampled``), and the forwards run."""
     spec = batch.probe
@@ -335,7 +336,7 @@ def _shifts(model: torch.nn.Module, batch: AttributionBatch, clean: _Clean, remo
     out = torch.zeros(2, req.shape[0], dtype=torch.float64, device=removed.device)
     passes = _passes(attn_all, limits)
     for rows, lo, hi in passes:
-        n, b, rm = req[rows], src[req[rows]], removed[req[rows]]
+        b, rm = src[req[rows]], removed[req[rows]]
         zero_keep = None
         if operator == "delete":
             ids, attn, pos, weight, target = (t[:, lo:hi] for t in _delete_rows(batch, b, rm))
@@ -444,8 +445,8 @@ def _degenerate(den: torch.Tensor, min_gap: float, *scale: torch.Tensor) -> torc
 
 
 def naopc(method: torch.Tensor, random: torch.Tensor, best: torch.Tensor, min_gap: float = 0.0) -> torch.Tensor:
-    """NAOPC = (AOPC_method − AOPC_random) / (AOPC_best − AOPC_random), elementwise; NaN where the denominator is not
-    above max(``min_gap``, 1e-12, 1e-9 · max(|best|, |random|)) (best no better than random, within the numerical
+    """NAOPC = (AOPC_method − AOPC_random) / (AOPC_best − AOPC_random), elementwise; NaN where the denominator is
+    not above max(``min_gap``, 1e-12, 1e-9 · max(|best|, |random|)) (best no better than random, within the numerical
     noise of the shifts: the row cannot tell rankings apart) or an input is NaN."""
     den = best - random
     return torch.where(_degenerate(den, min_gap, best, random), float("nan"), (method - random) / den)
@@ -689,7 +690,7 @@ def fidelity_report(model: torch.nn.Module, batch: AttributionBatch, scores: Map
         raise ValueError(f"fidelity: names used both as methods and candidates: {sorted(clash)}")
     ranked = {**methods, **extra, **{f"random/{j}": random_scores(batch, seed, j) for j in range(random_rankings)}}
     ranks = torch.stack([ranks_from_scores(s, reasoning) for s in ranked.values()])  # (Q, B, L)
-    M, C, J, Q = len(methods), len(extra), random_rankings, len(ranked)
+    M, C, Q = len(methods), len(extra), len(ranked)
     # removal sets: every ranking's top ⌈f·R⌉ per f, then the methods' bottom and the random rankings' top share
     tops = torch.stack([torch.stack([top_removal(r, reasoning, f) for f in fractions]) for r in ranks])  # (Q,F,B,L)
     bottoms = torch.stack([bottom_removal(r, reasoning, suppress_fraction) for r in ranks[:M]])  # (M, B, L)
