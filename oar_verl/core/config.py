@@ -103,7 +103,7 @@ class OARConfig:
                                 "one forward and one backward per outcome and sequence (Megatron: a forward+backward "
                                 "per outcome). 1 keeps only the top outcome: first-order attribution patching of its "
                                 "log-probability (docs/method.md §11). Measured fidelity and cost: "
-                                "research/docs/faithfulness.md."),
+                                "research/docs/faithfulness.md.")
     mask_token_id: int | None = _key(None, "OAR-P cost",
                                      "OAR-P: the replacement token id, >= 0; null = the tokenizer's pad token.")
     max_token_len_per_gpu: int | None = _key(None, "budgets",
