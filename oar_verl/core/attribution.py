@@ -28,7 +28,7 @@ from oar_verl.core.methods import METHODS, AttributionResult, MethodInputs
 from oar_verl.core.probes import ProbeKind
 from oar_verl.core.registry import Registry
 
-__all__ = ["AttributionResult", "DEFAULT_MAX_TOKENS", "MODULE_BACKENDS", "module_backend", "pass_limits",
+__all__ = ["AttributionResult", "DEFAULT_MAX_TOKENS", "METHODS", "MODULE_BACKENDS", "module_backend", "pass_limits",
            "probe_kinds", "response_importance", "run_attribution"]
 
 # the budget when neither the configuration nor the trainer gives one (core-only use): a typical verl
@@ -102,7 +102,7 @@ def run_attribution(backend: AttributionBackend, batch: AttributionBatch, cfg: O
     Returns:
         AttributionResult: (B, L) float32 importance (0 off the reasoning tokens) and what ran.
     """
-    return METHODS.get(cfg.mode)(backend, batch, cfg, MethodInputs(mask_token_id, seeds))
+    return METHODS.get(cfg.mode).run(backend, batch, cfg, MethodInputs(mask_token_id, seeds))
 
 
 def response_importance(model: torch.nn.Module, prompts: torch.Tensor, prompt_mask: torch.Tensor,

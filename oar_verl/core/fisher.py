@@ -34,7 +34,7 @@ from oar_verl.core.backend import (AttributionBackend, EmbeddingHook, Pass, coll
 from oar_verl.core.gradient import embedding_projection
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.memory import PassKind
-from oar_verl.core.methods import METHODS, AttributionResult, MethodInputs, require
+from oar_verl.core.methods import AttributionResult, MethodInputs, method, require
 
 
 def fisher_importance(projections: torch.Tensor, weights: torch.Tensor, joint: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,8 @@ def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: 
         # AS-Joint rows: φ's gradient once (its first outcome), no other loss
         phi = torch.zeros_like(logp)
         phi[:, 0] = torch.where(first, probe.phi, torch.zeros_like(probe.phi))
-        return torch.where(joint[:, None], phi, logp)
+        losses = torch.where(joint[:, None], phi, logp)
+        return losses if columns > 1 else losses[:, 0]  # one loss per row where each outcome has its own pass
 
     mask_embedding = backend.embedding(mask_token_id)  # (H,); None where no embedding lives (Megatron's later stages)
     hook = EmbeddingHook(lambda grad, clean: embedding_projection(grad, clean, mask_embedding), outputs=columns)
@@ -104,7 +105,7 @@ def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: 
     return backend.share(torch.where(batch.reasoning_mask, scores, 0.0)), len(packs)
 
 
-@METHODS.register("fisher")
+@method("fisher")
 def run_fisher(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
     """``mode=fisher``: :func:`fisher` with ``fisher_outcomes`` of the configuration."""
     mask = require(inputs.mask_token_id, f"{cfg.prefix}.mode=fisher needs a mask token",

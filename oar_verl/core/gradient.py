@@ -26,7 +26,7 @@ from oar_verl.core.backend import (AttributionBackend, EmbeddingHook, Pass, coll
                                    with_fillers)
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.memory import PassKind
-from oar_verl.core.methods import METHODS, AttributionResult, MethodInputs, require
+from oar_verl.core.methods import AttributionResult, MethodInputs, method, require
 
 _SEED_MOD = 2**63 - 1
 _MIX = tuple(c - 2**64 if c >= 2**63 else c for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
@@ -153,7 +153,7 @@ def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Ten
     return torch.where(batch.reasoning_mask, mean, 0.0), len(packs)
 
 
-@METHODS.register("gradient")
+@method("gradient")
 def run_oar_g(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
     """``mode=gradient``: :func:`oar_g` with ``noise_std`` and ``noise_samples`` of the configuration."""
     seeds = require(inputs.seeds, "OAR-G needs per-sequence noise seeds",

@@ -2,8 +2,9 @@
 names them in (docs/method.md §10).
 
 A method is a function ``(backend, batch, cfg, inputs) -> AttributionResult``, written once over the backend interface
-(:mod:`oar_verl.core.backend`) and registered under its mode: ``gradient`` (:mod:`oar_verl.core.gradient`),
-``perturbation`` (:mod:`oar_verl.core.policies`, every perturbation policy), ``fisher`` (:mod:`oar_verl.core.fisher`).
+(:mod:`oar_verl.core.backend`) and registered under its mode with what the layers around it must know (:class:`Method`):
+``gradient`` (:mod:`oar_verl.core.gradient`), ``perturbation`` (:mod:`oar_verl.core.policies`, every perturbation
+policy), ``fisher`` (:mod:`oar_verl.core.fisher`).
 """
 
 from __future__ import annotations
@@ -48,10 +49,33 @@ class AttributionResult:
     reasoning: torch.Tensor | None = None
 
 
-# (backend, batch, cfg, inputs) -> AttributionResult
-Method = Callable[..., AttributionResult]
+@dataclass(frozen=True)
+class Method:
+    """A registered attribution method.
+
+    Attributes:
+        run: (backend, batch, cfg, inputs) -> AttributionResult.
+        forward_only: its passes are forward-only (they take the budget of the actor's log-prob pass), else forward +
+            backward (the budget of the policy update).
+        segments: cfg -> whether this configuration needs the rows' reasoning segments (``AttributionBatch.segments``).
+    """
+
+    run: Callable[..., AttributionResult]
+    forward_only: bool = False
+    segments: Callable[[object], bool] = lambda cfg: False
+
 
 METHODS: Registry[Method] = Registry("attribution method", "algorithm.oar.mode")
+
+
+def method(name: str, *, forward_only: bool = False, segments: Callable[[object], bool] | None = None):
+    """Decorator: register the decorated ``run`` function as the method ``name`` (``algorithm.oar.mode``)."""
+
+    def add(run: Callable[..., AttributionResult]) -> Callable[..., AttributionResult]:
+        METHODS.register(name)(Method(run, forward_only, segments or (lambda cfg: False)))
+        return run
+
+    return add
 
 
 def require(value, need: str, fix: str):

@@ -28,7 +28,7 @@ import torch
 
 from oar_verl.core.backend import AttributionBackend
 from oar_verl.core.layout import AttributionBatch
-from oar_verl.core.methods import METHODS, AttributionResult, MethodInputs, require
+from oar_verl.core.methods import AttributionResult, MethodInputs, method, require
 from oar_verl.core.perturbation import block_copies, mask_blocks, oar_p
 
 POLICIES = ("exact", "segment", "hierarchical", "auto")
@@ -172,7 +172,7 @@ def _copies_per_row(blocks: torch.Tensor) -> torch.Tensor:
     return torch.bincount(rows, minlength=blocks.shape[0])
 
 
-@METHODS.register("perturbation")
+@method("perturbation", forward_only=True, segments=lambda cfg: cfg.perturbation != "exact")
 def run_oar_p(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
     """``mode=perturbation``: OAR-P under ``perturbation`` (exact, segment, hierarchical, auto), each level one
     :func:`~oar_verl.core.perturbation.oar_p` over the backend (levels are aligned over the ranks one by one)."""

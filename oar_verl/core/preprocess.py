@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oar_verl.core.attribution import probe_kinds
+from oar_verl.core.attribution import METHODS, probe_kinds
 from oar_verl.core.config import OARConfig
 from oar_verl.core.gradient import sequence_seeds
 from oar_verl.core.layout import AttributionBatch, build_attribution_batch, build_reference_responses, with_segments
@@ -127,7 +127,7 @@ def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[tor
     device = torch.device("cpu") if device is None else torch.device(device)
     kinds = probe_kinds(cfg, global_step, len(responses))
     batch = build_attribution_batch(*(t.to(device) for t in (prompt_ids, prompt_mask, *target, kinds)))
-    if cfg.mode == "perturbation" and cfg.perturbation != "exact":  # OAR-P's segment-level policies
+    if METHODS.get(cfg.mode).segments(cfg):  # OAR-P's segment-level policies
         segments = reasoning_segments(response_ids, response_mask, spans.reasoning_mask, tokenizer, cfg.segment_split,
                                       cfg.segment_min_tokens, cfg.segment_max_tokens)
         batch = with_segments(batch, segments)

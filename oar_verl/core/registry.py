@@ -47,6 +47,7 @@ class Registry(Generic[T]):
 
 
 def _origin(entry) -> str:
-    """Where an entry was defined: module and qualified name (its class's, for an instance)."""
-    owner = entry if hasattr(entry, "__qualname__") else type(entry)
+    """Where an entry was defined: module and qualified name (of its ``run`` function, or its class, for an
+    instance)."""
+    owner = entry if hasattr(entry, "__qualname__") else getattr(entry, "run", type(entry))
     return f"{owner.__module__}.{owner.__qualname__}"

@@ -9,6 +9,7 @@ own budgets are (docs/verl.md).
 
 from __future__ import annotations
 
+from oar_verl.core.attribution import METHODS
 from oar_verl.core.config import OARConfig
 
 
@@ -23,7 +24,7 @@ def actor_token_budget(cfg: OARConfig, engine_config, longest: int) -> int:
     """
     if cfg.max_token_len_per_gpu is not None:
         return cfg.max_token_len_per_gpu
-    forward_only = cfg.mode == "perturbation"
+    forward_only = METHODS.get(cfg.mode).forward_only
     if engine_config.use_dynamic_bsz:
         tokens = engine_config.infer_max_token_len_per_gpu if forward_only else engine_config.max_token_len_per_gpu
         if tokens:
