@@ -87,12 +87,6 @@ class NotOARActorError(RuntimeError):
     """OpenRLHF built or runs its policy actor group with a class that is not OAR's."""
 
 
-def _policy_base():
-    from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
-
-    return getattr(PolicyModelActor, "__ray_actor_class__", PolicyModelActor)
-
-
 def is_policy_actor_class(actor_type: Any, base: type) -> bool:
     """Whether a Ray actor class (or a plain class) is OpenRLHF's policy actor or derives from it."""
     cls = getattr(actor_type, "__ray_actor_class__", actor_type)
@@ -123,7 +117,7 @@ def guard_actor_groups() -> None:
 
     if getattr(RayActorGroup, "_oar_guarded", False):
         return
-    base = _policy_base()
+    base = OARPolicyModelActorImpl.__bases__[0]  # OpenRLHF's own policy actor (the module attribute may be swapped)
     init, run = RayActorGroup.__init__, RayActorGroup.async_run_method
 
     def guarded_init(self, num_nodes, num_gpus_per_node, ray_actor_type, *args, **kwargs):

@@ -369,7 +369,7 @@ def job_cli(out, cases_json):
             finally:
                 ray.is_initialized = initialized
                 ppo_actor.PolicyModelActor = plain
-        res.append({"argv": argv, "code": code, "stderr": err.getvalue()[-3000:], "stdout": std.getvalue()[-3000:]})
+        res.append({"argv": argv, "code": code, "stderr": err.getvalue()[-3000:], "stdout": std.getvalue() if "--help" in argv else std.getvalue()[-3000:]})
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
 

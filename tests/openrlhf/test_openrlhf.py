@@ -82,11 +82,13 @@ def test_install_keeps_openrlhf_pins():
         assert m, (line, proc.stdout, proc.stderr)
         pairs.add((m.group(1).lower(), re.split(r"[<>=!~\[; ]", m.group(2))[0].lower()))
     assert pairs <= CPU_STAND_IN_GAPS, proc.stdout
-    code = ("import importlib.metadata as md, json; print(json.dumps({p: md.version(p) for p in "
-            f"{sorted(PINNED) + ['flash-attn']!r}}} | {{'verl': [d.metadata['Name'] for d in md.distributions() "
-            "if d.metadata['Name'].lower() == 'verl']}, 'oar': md.requires('oar-verl')}))")
-    found = json.loads(subprocess.run([str(PYTHON), "-c", code], env=_env(), capture_output=True, text=True,
-                                      timeout=120, check=True).stdout)
+    code = ("import importlib.metadata as md, json, sys\n"
+            "found = {p: md.version(p) for p in sys.argv[1:]}\n"
+            "found['verl'] = [d.metadata['Name'] for d in md.distributions() if d.metadata['Name'].lower() == 'verl']\n"
+            "found['oar'] = md.requires('oar-verl')\n"
+            "print(json.dumps(found))\n")
+    found = json.loads(subprocess.run([str(PYTHON), "-c", code, *PINNED, "flash-attn"], env=_env(),
+                                      capture_output=True, text=True, timeout=120, check=True).stdout)
     assert {p: found[p] for p in PINNED} == PINNED and found["flash-attn"] == "2.8.3+cpu", found
     assert found["verl"] == [], found  # the [openrlhf] install pulls no verl
     assert any(r.startswith("openrlhf==0.11.2") and "extra == \"openrlhf\"" in r for r in found["oar"]), found
