@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import ray
+from openrlhf.trainer.ray.launcher import RayActorGroup
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
 from oar_verl.core.config import OARConfig
@@ -66,4 +67,19 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
 
 
 OARPolicyModelActor = ray.remote(num_gpus=1)(OARPolicyModelActorImpl)
+
+
+class OARPolicyGroup(RayActorGroup):
+    """OpenRLHF's actor group of OAR's policy actors (:func:`oar_verl.openrlhf.checks.guard_actor_groups` gives the
+    group this class): at its first ``fit`` every actor is asked whether it runs OAR's ``fit``."""
+
+    _oar_checked = False
+
+    def async_run_method(self, method_name, *args, **kwargs):
+        if method_name == "fit" and not self._oar_checked:
+            from oar_verl.openrlhf.checks import check_group_runs_oar
+
+            check_group_runs_oar(self._actor_handlers)
+            self._oar_checked = True
+        return super().async_run_method(method_name, *args, **kwargs)
 

@@ -99,48 +99,49 @@ def _is_oar_instance(actor) -> bool:  # runs inside each policy actor (ray's __r
     return isinstance(actor, OARPolicyModelActorImpl)
 
 
+def check_group_runs_oar(handles: list) -> None:
+    """At the policy group's first ``fit``: ask every actor, in its own process, whether it is OAR's actor."""
+    import ray
+
+    found = ray.get([h.__ray_call__.remote(_is_oar_instance) for h in handles])
+    if not all(found):
+        raise NotOARActorError(f"the first fit of the policy actor group: {found.count(False)} of {len(found)} actors "
+                               "are not OAR's actor, so OAR would not run. Refusing.")
+    print(f"[oar] first fit: all {len(found)} policy actors are OAR's", flush=True)
+
+
 def guard_actor_groups() -> None:
     """Wrap OpenRLHF's ``RayActorGroup`` so that its policy group must be OAR's (call before its CLI module runs).
 
     * when a group is built: a group of OpenRLHF's ``PolicyModelActor`` (or a subclass) that is not OAR's is refused
       before any actor starts (e.g. an OpenRLHF whose CLI takes the class from elsewhere than
       ``openrlhf.trainer.ray.ppo_actor``, where the entry point swaps it);
-    * at the group's first ``fit`` (in the process that calls it: the driver with the sync trainer): every actor of the
-      group is asked, in its own process, whether it is an OAR actor.
+    * OAR's policy group becomes an :class:`oar_verl.openrlhf.actor.OARPolicyGroup`, which travels as such to the
+      process that calls ``fit`` (OpenRLHF's trainer is a Ray actor) and there, at the first ``fit``, asks every actor
+      whether it is OAR's (:func:`check_group_runs_oar`).
 
     Both raise :class:`NotOARActorError`. Idempotent.
     """
-    import ray
     from openrlhf.trainer.ray.launcher import RayActorGroup
 
-    from oar_verl.openrlhf.actor import OARPolicyModelActorImpl
+    from oar_verl.openrlhf.actor import OARPolicyGroup, OARPolicyModelActorImpl
 
     if getattr(RayActorGroup, "_oar_guarded", False):
         return
     base = OARPolicyModelActorImpl.__bases__[0]  # OpenRLHF's own policy actor (the module attribute may be swapped)
-    init, run = RayActorGroup.__init__, RayActorGroup.async_run_method
+    init = RayActorGroup.__init__
 
     def guarded_init(self, num_nodes, num_gpus_per_node, ray_actor_type, *args, **kwargs):
-        if is_policy_actor_class(ray_actor_type, base) and not is_policy_actor_class(ray_actor_type,
-                                                                                    OARPolicyModelActorImpl):
+        policy = is_policy_actor_class(ray_actor_type, base)
+        if policy and not is_policy_actor_class(ray_actor_type, OARPolicyModelActorImpl):
             cls = getattr(ray_actor_type, "__ray_actor_class__", ray_actor_type)
             raise NotOARActorError(f"OpenRLHF is building its policy actor group from {cls.__module__}."
                                    f"{cls.__qualname__}, not OAR's actor: the entry point's swap of "
                                    "openrlhf.trainer.ray.ppo_actor.PolicyModelActor did not reach OpenRLHF's CLI, "
                                    "so this run would be plain OpenRLHF under an OAR name. Refusing.")
         init(self, num_nodes, num_gpus_per_node, ray_actor_type, *args, **kwargs)
-        self._oar_policy = is_policy_actor_class(ray_actor_type, base)
-
-    def guarded_run(self, method_name, *args, **kwargs):
-        if method_name == "fit" and getattr(self, "_oar_policy", False) and not getattr(self, "_oar_checked", False):
-            handles = list(self._actor_handlers)
-            found = ray.get([h.__ray_call__.remote(_is_oar_instance) for h in handles])
-            if not all(found):
-                raise NotOARActorError(f"the first fit of the policy actor group: {found.count(False)} of "
-                                       f"{len(found)} actors are not OAR's actor; OAR would not run. Refusing.")
-            self._oar_checked = True
-        return run(self, method_name, *args, **kwargs)
+        if policy and type(self) is RayActorGroup:
+            self.__class__ = OARPolicyGroup  # pickled by its module path: the check goes wherever the group goes
 
     RayActorGroup.__init__ = guarded_init
-    RayActorGroup.async_run_method = guarded_run
     RayActorGroup._oar_guarded = True

@@ -247,6 +247,7 @@ def test_train_ppo_ray_loop_on_cpu(model_dir, tmp_path, sync_run, trainer):
         steps, logs = _train(model_dir, work, trainer, RUNS[trainer][2])
     _check_steps(steps, ["1", "2"])
     _check_platform_lines(logs)
+    assert "[oar] first fit: all 2 policy actors are OAR's" in logs, logs[-3000:]  # the guard ran where fit is called
     # the actor's weights reached the rollout engine after each step (through Ray, in place of NCCL)
     for k in (1, 2):
         assert f"rollout engine: weights from the actor, update {k}" in logs, logs[-3000:]
