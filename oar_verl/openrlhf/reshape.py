@@ -1,4 +1,4 @@
-"""OAR on OpenRLHF's replay buffer: per-item rows -> core attribution -> gate -> w_t x A_seq written back.
+"""OAR on OpenRLHF's replay buffer: per-item rows -> core attribution -> gate -> w_t x A_seq assigned back.
 
 OpenRLHF 0.11 stores one unpadded :class:`openrlhf.trainer.ppo_utils.experience.Experience` per sample: ``sequences``
 (L,) prompt + response ids, ``action_mask`` (L-1,) with ``action_mask[j]`` marking ``sequences[j + 1]`` as a generated
@@ -25,7 +25,7 @@ from oar_verl.core.metrics import oar_metrics
 from oar_verl.core.preprocess import prepare_attribution
 from oar_verl.core.selection import rows_to_reshape, sequence_advantage
 
-__all__ = ["ItemRows", "item_rows", "reshape_replay_buffer"]
+__all__ = ["ItemRows", "assign_reshaped", "item_rows", "reshape_replay_buffer"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,30 @@ def _reduce_metrics(metrics: dict[str, float], counts: dict[str, float], device:
     return out
 
 
+def _replaced(old: torch.Tensor, start: int, values: torch.Tensor) -> torch.Tensor:
+    """A new tensor equal to ``old`` with ``values`` at the flat positions ``start:start + len(values)``."""
+    new = old.detach().clone()
+    new.reshape(-1)[start: start + len(values)] = values.to(device=new.device, dtype=new.dtype)
+    return new
+
+
+def assign_reshaped(items: Sequence, rows: ItemRows, advantages: torch.Tensor, returns: torch.Tensor | None) -> None:
+    """Give every item new ``advantages`` (and ``returns``) tensors with the reshaped response slices.
+
+    Never writes into the items' tensors: they can be zero-copy views into Ray's object store (OpenRLHF starts Ray
+    with ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``, and the replay buffer splits each received batch into views), so an
+    in-place write could change memory other readers share, or fail on a read-only buffer.
+
+    Args:
+        advantages / returns: (N, T) float64, response-aligned (``rows.starts`` maps them into each item).
+    """
+    for i, it in enumerate(items):  # per item: unpadded items of different lengths
+        n, start = len(rows.actions[i]), rows.starts[i]
+        it.advantages = _replaced(it.advantages, start, advantages[i, :n])
+        if returns is not None:
+            it.returns = _replaced(it.returns, start, returns[i, :n])
+
+
 @dataclass(frozen=True)
 class ReshapeResult:
     """What :func:`reshape_replay_buffer` did on this rank.
@@ -167,7 +191,8 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
 
     Args:
         items: the replay buffer's unpadded per-sample items (``sequences``, ``action_mask``, ``advantages``,
-            ``returns``, ``labels``); their ``advantages`` and ``returns`` are rewritten in place.
+            ``returns``, ``labels``); their ``advantages`` and ``returns`` are replaced by new tensors
+            (:func:`assign_reshaped`).
         model: the policy's causal LM (the DeepSpeed engine's module), put in eval mode for the passes.
         tokenizer: the policy's tokenizer.
         cfg: OARConfig.
@@ -232,11 +257,7 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
                            reshape_rows=wanted & attributed)
     w = tw.weights.double()
     adv = base * w
-    for i, it in enumerate(items):  # write back each item's response slice (unpadded items of different lengths)
-        n, s = len(rows.actions[i]), rows.starts[i]
-        it.advantages.reshape(-1)[s: s + n] = adv[i, :n].to(it.advantages.dtype)
-        if base_ret is not None:
-            it.returns.reshape(-1)[s: s + n] = (base_ret[i, :n] * w[i, :n]).to(it.returns.dtype)
+    assign_reshaped(items, rows, adv, base_ret * w if base_ret is not None else None)
     metrics = oar_metrics(tw, base, adv, action, span_found=found[attributed], answer_probe=probe[attributed])
     metrics["oar/attributed_seq_frac"] = float(attributed.float().mean()) if len(items) else 0.0
     metrics["oar/global_step"] = float(global_step)

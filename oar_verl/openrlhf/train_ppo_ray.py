@@ -8,6 +8,10 @@ trainers) with two substitutions made before it starts:
 * the strategy factory first refuses what OAR cannot be sound with (:func:`check_args`) and attaches the validated
   OAR settings to OpenRLHF's ``args`` (which every actor receives), before any model is loaded or rollout is made.
 
+Before that it refuses an OpenRLHF other than the tested release (:mod:`oar_verl.openrlhf.checks`), and OpenRLHF's
+actor groups are guarded: a policy group that is not OAR's fails at its creation and at its first ``fit``.
+``--help`` prints OpenRLHF's help with the ``--oar.*`` flags in a group of their own.
+
 ``--oar.<key>=<value>`` (or ``--oar.<key> <value>``) takes every ``algorithm.oar.*`` key of the verl plugin; values
 are parsed as JSON where they parse (numbers, true/false, null, lists), as strings otherwise. ``--oar.dry_run``
 stops after the checks (no Ray cluster is started): CI checks the recipes with it.
@@ -15,13 +19,17 @@ stops after the checks (no Ray cluster is started): CI checks the recipes with i
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
 import json
 import runpy
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from oar_verl.core.config import OARConfig, OARConfigError
+from oar_verl.openrlhf.checks import OpenRLHFVersionError, check_openrlhf_version, check_policy_loss
 
 FLAG_PREFIX = "--oar"
 OUTCOME_ESTIMATORS = ("group_norm", "rloo", "reinforce_baseline", "dr_grpo", "flash_reinforce", "reinforce")
@@ -121,6 +129,46 @@ def check_args(args, cfg: OARConfig) -> None:
         raise OpenRLHFArgsError("--data.max_images_per_prompt: OAR attributes text-only rollouts")
     if cfg.target == "reference" and not getattr(args.data, "label_key", None):
         raise OpenRLHFArgsError("--oar.target=reference needs the ground truth of every sample: set --data.label_key")
+    check_policy_loss(args)
+
+
+def add_oar_arguments(parser: argparse.ArgumentParser) -> None:
+    """List the ``--oar.*`` flags in OpenRLHF's ``--help`` (one group; idempotent).
+
+    Help only: the entry point takes the ``--oar.*`` flags off the command line before OpenRLHF's parser runs
+    (:func:`split_oar_flags`), so these arguments never parse a value (``default=SUPPRESS`` keeps them off ``args``).
+    """
+    if getattr(parser, "_oar_group", False):
+        return
+    parser._oar_group = True
+    group = parser.add_argument_group(
+        "OAR (oar_verl)", "Outcome-grounded Advantage Reshaping of the outcome advantage, token by token, in the "
+        "policy actor's fit. --oar.<key>=<value> or --oar.<key> <value>; values are JSON where they parse.")
+    for f in dataclasses.fields(OARConfig):
+        if f.name == "prefix" or f.name in UNSUPPORTED:
+            continue
+        default = f.default if not isinstance(f.default, tuple) else list(f.default)
+        group.add_argument(f"{FLAG_PREFIX}.{f.name}", default=argparse.SUPPRESS, metavar="VALUE",
+                           help=f"{f.metadata.get('help', '')} (default: {json.dumps(default)})".replace("%", "%%"))
+    group.add_argument(f"{FLAG_PREFIX}.dry_run", default=argparse.SUPPRESS, action="store_true",
+                       help="Check the flags (OpenRLHF's and OAR's) and stop before Ray or any model starts.")
+
+
+@contextlib.contextmanager
+def oar_help() -> Iterator[None]:
+    """While OpenRLHF's CLI module runs: every parser it parses with lists the ``--oar.*`` flags
+    (:func:`add_oar_arguments`); OpenRLHF 0.11.2 offers no hook into its parser."""
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_args(self, *args, **kwargs):
+        add_oar_arguments(self)
+        return parse(self, *args, **kwargs)
+
+    argparse.ArgumentParser.parse_args = parse_args
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.parse_args = parse
 
 
 def install(cfg: OARConfig, dry_run: bool = False) -> None:
@@ -130,6 +178,7 @@ def install(cfg: OARConfig, dry_run: bool = False) -> None:
     import ray
 
     from oar_verl.openrlhf.actor import ARGS_KEY, OARPolicyModelActor
+    from oar_verl.openrlhf.checks import guard_actor_groups
 
     get_strategy = getattr(orl_utils.get_strategy, "__wrapped__", orl_utils.get_strategy)  # install() twice: rewrap
 
@@ -144,6 +193,7 @@ def install(cfg: OARConfig, dry_run: bool = False) -> None:
     checked_get_strategy.__wrapped__ = get_strategy
     ppo_actor.PolicyModelActor = OARPolicyModelActor
     orl_utils.get_strategy = checked_get_strategy
+    guard_actor_groups()  # fail loudly if OpenRLHF's policy group is not built from (or does not run) OAR's actor
     if dry_run:  # train() starts Ray only when it is not running yet: a dry run never needs it
         ray.is_initialized = lambda: True
 
@@ -151,15 +201,17 @@ def install(cfg: OARConfig, dry_run: bool = False) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        check_openrlhf_version()
         values, rest, dry = split_oar_flags(argv)
         cfg = oar_config(values)
-    except OpenRLHFArgsError as e:
+    except (OpenRLHFArgsError, OpenRLHFVersionError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     install(cfg, dry_run=dry)
     sys.argv = ["openrlhf.cli.train_ppo_ray", *rest]
     try:
-        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+        with oar_help():
+            runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
     except OpenRLHFArgsError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

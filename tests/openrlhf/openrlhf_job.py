@@ -185,15 +185,17 @@ def job_advantages(out, model_dir):
         else:
             want = (g - (g.sum(-1, keepdim=True) - g) / (N_SAMPLES - 1)).reshape(-1)
         for mode, oar in CONFIGS.items():
-            # fresh experiences per mode: the replay buffer's items are views of them, reshaped in place
+            # fresh experiences per mode: the replay buffer's items start as views of them
             items = buffer_items(openrlhf_advantages(args, experiences(prompts, responses, rewards, per_batch=5)))
             # per-item sequence advantage as OpenRLHF computed it (constant over the action tokens)
             seq_adv = torch.stack([it.advantages[it.action_mask.bool()].double().mean() for it in items])
             const = max(float((it.advantages[it.action_mask.bool()].double() - seq_adv[i]).abs().max())
                         for i, it in enumerate(items))
             before = [it.advantages.clone() for it in items]
+            received = [it.advantages for it in items]  # views into the experiences (as Ray's zero-copy ones are)
             cfg = OARConfig.from_mapping(oar)
             result = reshape_replay_buffer(items, model, tok, cfg, 3, max_tokens=64)
+            untouched = all(torch.equal(t, b) for t, b in zip(received, before))
             rows = [i for i in range(len(items)) if float(seq_adv[i]) != 0.0]
             zero = [i for i in range(len(items)) if float(seq_adv[i]) == 0.0]
             expected, ok = core_reference(model, tok, cfg, 3, prompts, responses, seq_adv, rows)
@@ -206,6 +208,7 @@ def job_advantages(out, model_dir):
                 "mass_err_max": max(mass),
                 "zero_rows": len(zero),
                 "zero_rows_changed": sum(int(not torch.equal(items[i].advantages, before[i])) for i in zero),
+                "received_tensors_untouched": untouched,
                 "reshaped_rows": len(rows),
                 "weights_not_uniform": float((result.weights.weights[result.weights.reshaped] - 1).abs().max()),
                 "metrics": result.metrics,
@@ -278,7 +281,7 @@ def job_zero(out, model_dir, stage, mode):
 TRAIN_PROMPTS = 4
 
 
-def train_argv(model_dir, work, trainer, stage, mode):
+def train_argv(model_dir, work, trainer, stage, mode, extra=()):
     """``train_ppo_ray`` flags: 4 arithmetic prompts x 4 samples, 2 per rollout batch -> 2 global steps, 2 ZeRO ranks
     with micro-batches of 2 (the OAR token budget), 16 new tokens, the arithmetic reward as OpenRLHF's reward_func."""
     import random
@@ -303,15 +306,15 @@ def train_argv(model_dir, work, trainer, stage, mode):
             "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
             "--reward.remote_url", arith_reward.__file__, "--actor.adam.lr", "1e-3",
             "--ckpt.output_dir", os.path.join(work, "model_out"), "--ckpt.path", os.path.join(work, "ckpt"),
-            "--ckpt.save_steps", "-1", "--logger.tensorboard_dir", os.path.join(work, "tb")]
+            "--ckpt.save_steps", "-1", "--logger.tensorboard_dir", os.path.join(work, "tb"), *extra]
 
 
-def job_train(out, model_dir, work, trainer, stage, mode):
+def job_train(out, model_dir, work, trainer, stage, mode, extra="[]"):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from oar_verl.cpu.openrlhf_platform import main
 
-    main(train_argv(model_dir, work, trainer, int(stage), mode))
+    main(train_argv(model_dir, work, trainer, int(stage), mode, json.loads(extra)))
     steps: dict[int, dict] = {}
     for run in os.listdir(os.path.join(work, "tb")):
         acc = EventAccumulator(os.path.join(work, "tb", run), size_guidance={"scalars": 0})
@@ -323,6 +326,9 @@ def job_train(out, model_dir, work, trainer, stage, mode):
         json.dump({"steps": {str(k): v for k, v in sorted(steps.items())}}, f, indent=1)
 
 
+MISSED_SWAP = "--oar-test.missed-swap"  # job_cli: undo the actor swap after install (not an OAR flag)
+
+
 def job_cli(out, cases_json):
     """The entry point's ``main`` (OpenRLHF's CLI module run unchanged, ``--oar.dry_run``) on each case's argv, in one
     process (OpenRLHF's imports cost most of the time): exit status and stderr per case."""
@@ -331,10 +337,28 @@ def job_cli(out, cases_json):
 
     from oar_verl.openrlhf.train_ppo_ray import main
 
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+    import ray
+
+    import oar_verl.openrlhf.train_ppo_ray as entry
+
+    plain, install = ppo_actor.PolicyModelActor, entry.install
+
+    def install_then_miss(cfg, dry_run=False):
+        """The swap made, then undone: as if OpenRLHF's CLI took its actor class from elsewhere."""
+        install(cfg, dry_run=dry_run)
+        ppo_actor.PolicyModelActor = plain
+
     res = []
     for argv in json.loads(cases_json):
         err, std = io.StringIO(), io.StringIO()
         code = 0
+        missed = MISSED_SWAP in argv
+        argv = [a for a in argv if a != MISSED_SWAP]
+        entry.install = install_then_miss if missed else install
+        initialized = ray.is_initialized
+        if missed:  # no Ray cluster: the guard must refuse before any actor is created
+            ray.is_initialized = lambda: True
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
             try:
                 main(argv)
@@ -342,7 +366,10 @@ def job_cli(out, cases_json):
                 code = e.code if isinstance(e.code, int) else 1
             except Exception as e:  # noqa: BLE001 - reported per case, the test names it
                 code, _ = 1, err.write(f"{type(e).__name__}: {e}")
-        res.append({"argv": argv, "code": code, "stderr": err.getvalue()[-3000:], "stdout": std.getvalue()[-3000:]})
+            finally:
+                ray.is_initialized = initialized
+                ppo_actor.PolicyModelActor = plain
+        res.append({"argv": argv, "code": code, "stderr": err.getvalue()[-3000:], "stdout": std.getvalue() if "--help" in argv else std.getvalue()[-3000:]})
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
 
@@ -355,7 +382,7 @@ if __name__ == "__main__":
     elif kind == "cli":
         job_cli(sys.argv[2], sys.argv[3])
     elif kind == "train":
-        job_train(*sys.argv[2:8])
+        job_train(*sys.argv[2:9])
     elif kind == "zero":
         job_zero(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     else:

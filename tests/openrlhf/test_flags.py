@@ -28,3 +28,65 @@ def test_flag_without_value_is_refused():
 def test_bad_oar_values_name_the_flag(values, named):
     with pytest.raises(OpenRLHFArgsError, match=named.replace(".", r"\.")):
         oar_config(values)
+
+
+def test_version_outside_the_tested_release_is_refused_naming_both():
+    from oar_verl.openrlhf.checks import TESTED_OPENRLHF, OpenRLHFVersionError, check_openrlhf_version
+
+    assert check_openrlhf_version(TESTED_OPENRLHF, allow_untested=False) == TESTED_OPENRLHF
+    with pytest.raises(OpenRLHFVersionError, match=r"OpenRLHF 0\.12\.0 is installed.*tested with OpenRLHF 0\.11\.2"):
+        check_openrlhf_version("0.12.0", allow_untested=False)
+    with pytest.warns(UserWarning, match="running anyway"):
+        assert check_openrlhf_version("0.12.0", allow_untested=True) == "0.12.0"
+
+
+def test_gspo_is_refused_with_the_reason():
+    from types import SimpleNamespace
+
+    from oar_verl.openrlhf.checks import check_policy_loss
+
+    check_policy_loss(SimpleNamespace(actor=SimpleNamespace(policy_loss_type="ppo")))
+    with pytest.raises(OpenRLHFArgsError, match=r"--actor\.policy_loss_type=gspo.*one ratio per sequence"):
+        check_policy_loss(SimpleNamespace(actor=SimpleNamespace(policy_loss_type="gspo")))
+
+
+def test_gspo_gradient_is_blind_to_mass_preserving_weights():
+    """The reason the refusal gives, checked on OpenRLHF 0.11.2's GSPO formula (models/loss.py, copied in the
+    docstring of INVARIANT_LOSSES): the same gradient with and without token weights that keep Σ_t A_t."""
+    import torch
+
+    torch.manual_seed(0)
+    logp = torch.randn(3, 6, requires_grad=True)
+    old = logp.detach() + 0.05 * torch.randn(3, 6)
+    mask = torch.ones(3, 6)
+    adv = torch.tensor([1.0, -0.5, 2.0])[:, None].expand(3, 6)
+    w = torch.rand(3, 6) + 0.1
+    w = w / w.mean(-1, keepdim=True)  # mass-preserving weights: mean 1 per row
+
+    def grad(a):
+        ratio = ((logp - old) * mask).sum(-1) / mask.sum(-1)
+        ratio = ratio.exp().unsqueeze(-1) * mask
+        loss = -torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a)
+        loss = ((loss * mask).sum(-1) / mask.sum(-1)).mean()  # GSPO: per-sample mean
+        (g,) = torch.autograd.grad(loss, logp)
+        return g
+
+    assert torch.allclose(grad(adv), grad(adv * w), atol=1e-6)
+    # a token-level PPO ratio is not blind to them
+    ratio = (logp - old).exp()
+    g1, g2 = (torch.autograd.grad((-(ratio * a)).mean(), logp, retain_graph=True)[0] for a in (adv, adv * w))
+    assert not torch.allclose(g1, g2, atol=1e-3)
+
+
+def test_oar_flags_in_help():
+    import argparse
+
+    from oar_verl.openrlhf.train_ppo_ray import add_oar_arguments
+
+    parser = argparse.ArgumentParser()
+    add_oar_arguments(parser)
+    add_oar_arguments(parser)  # idempotent
+    text = parser.format_help()
+    assert "OAR (oar_verl)" in text and "--oar.mode VALUE" in text and "--oar.dry_run" in text
+    assert "--oar.dump_every" not in text  # not available with OpenRLHF
+    assert vars(parser.parse_args([])) == {}  # help only: nothing lands on OpenRLHF's args

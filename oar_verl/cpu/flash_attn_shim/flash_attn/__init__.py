@@ -3,4 +3,4 @@
 Only for the CPU test environment ``.venv-openrlhf``; the attention kernels are not provided.
 """
 
-__version__ = "2.8.3+cpu.shim"
+__version__ = "2.8.3+cpu"

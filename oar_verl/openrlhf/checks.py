@@ -1,0 +1,147 @@
+"""Start-up and first-``fit`` checks that keep OAR from silently doing nothing under OpenRLHF.
+
+* :func:`check_openrlhf_version`: the adapter reaches into OpenRLHF's internals (the replay buffer's items, the policy
+  actor's ``fit``, the CLI module's actor class), so an OpenRLHF outside the tested release is refused by default.
+* :func:`check_policy_loss`: loss forms under which a mass-preserving reshaping cannot change the gradient.
+* :func:`guard_actor_groups`: the policy actor group OpenRLHF builds must be OAR's, checked when the group is built and
+  again, on the actors themselves, at the first ``fit``.
+
+Imports OpenRLHF lazily (the entry point's flag handling runs without it).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+TESTED_OPENRLHF = "0.11.2"  # the release the adapter is tested against (tests/openrlhf, docs/openrlhf.md)
+ALLOW_UNTESTED_ENV = "OAR_OPENRLHF_ALLOW_UNTESTED"
+
+
+class OpenRLHFVersionError(SystemExit):
+    """OpenRLHF outside the tested release (exit status 2)."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def check_openrlhf_version(version: str | None = None, *, allow_untested: bool | None = None) -> str:
+    """Refuse an OpenRLHF other than :data:`TESTED_OPENRLHF`, naming both; ``OAR_OPENRLHF_ALLOW_UNTESTED=1`` turns the
+    refusal into a warning. Returns the version found.
+
+    Another release can move what the adapter relies on (the replay buffer's per-sample ``Experience`` layout, where
+    the CLI takes the policy actor class from, ``PolicyModelActor.fit``) without any error, which would leave the
+    advantages unreshaped or misaligned.
+    """
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
+        try:
+            version = dist_version("openrlhf")
+        except PackageNotFoundError:
+            raise OpenRLHFVersionError(f"OpenRLHF is not installed; the adapter needs openrlhf=={TESTED_OPENRLHF} "
+                                       f'(pip install "oar-verl[openrlhf]")') from None
+    if allow_untested is None:
+        allow_untested = os.environ.get(ALLOW_UNTESTED_ENV, "0") == "1"
+    base = version.split("+")[0]
+    if base == TESTED_OPENRLHF:
+        return version
+    message = (f"OpenRLHF {version} is installed; the OAR adapter is tested with OpenRLHF {TESTED_OPENRLHF} only "
+               f'(pip install "oar-verl[openrlhf]" installs it)')
+    if not allow_untested:
+        raise OpenRLHFVersionError(f"{message}; set {ALLOW_UNTESTED_ENV}=1 to run on {version} anyway and check that "
+                                   "the oar/* metrics appear in the logs")
+    warnings.warn(f"{message}; running anyway ({ALLOW_UNTESTED_ENV}=1)", stacklevel=2)
+    return version
+
+
+# Loss forms of OpenRLHF 0.11.2 (`--actor.policy_loss_type`, openrlhf/models/loss.py PolicyLoss) whose gradient a
+# per-token reshaping that keeps every sequence's advantage mass cannot change, with the reason.
+INVARIANT_LOSSES = {
+    "gspo": "OpenRLHF's GSPO uses one ratio per sequence, s = exp(mean_t log(pi/pi_old)), and the per-sample mean of "
+            "-min(s * A_t, clip(s) * A_t): with A_t = w_t * A and w_t > 0 every token of a row takes the same branch, "
+            "so the loss is -min(s, clip(s)) * A * mean_t(w_t) = -min(s, clip(s)) * A, exactly GRPO's, whatever the "
+            "weights; OAR would cost its attribution passes and change nothing (verl's GSPO differs: its token ratio "
+            "exp(log_prob - sg(log_prob) + sg(seq_mean)) carries each token's own gradient, so there OAR matters). "
+            "Use --actor.policy_loss_type ppo",
+}
+
+
+def check_policy_loss(args) -> None:
+    """Refuse a ``--actor.policy_loss_type`` under which OAR cannot change the gradient (:data:`INVARIANT_LOSSES`)."""
+    from oar_verl.openrlhf.train_ppo_ray import OpenRLHFArgsError
+
+    loss = getattr(args.actor, "policy_loss_type", "ppo")
+    if loss in INVARIANT_LOSSES:
+        raise OpenRLHFArgsError(f"--actor.policy_loss_type={loss}: OAR's token weights cannot change this loss's "
+                                f"gradient. {INVARIANT_LOSSES[loss]}")
+
+
+class NotOARActorError(RuntimeError):
+    """OpenRLHF built or runs its policy actor group with a class that is not OAR's."""
+
+
+def is_policy_actor_class(actor_type: Any, base: type) -> bool:
+    """Whether a Ray actor class (or a plain class) is OpenRLHF's policy actor or derives from it."""
+    cls = getattr(actor_type, "__ray_actor_class__", actor_type)
+    return isinstance(cls, type) and issubclass(cls, base)
+
+
+def _is_oar_instance(actor) -> bool:  # runs inside each policy actor (ray's __ray_call__)
+    from oar_verl.openrlhf.actor import OARPolicyModelActorImpl
+
+    return isinstance(actor, OARPolicyModelActorImpl)
+
+
+def check_group_runs_oar(handles: list) -> None:
+    """At the policy group's first ``fit``: ask every actor, in its own process, whether it is OAR's actor."""
+    import ray
+
+    found = ray.get([h.__ray_call__.remote(_is_oar_instance) for h in handles])
+    if not all(found):
+        raise NotOARActorError(f"the first fit of the policy actor group: {found.count(False)} of {len(found)} actors "
+                               "are not OAR's actor, so OAR would not run. Refusing.")
+    print(f"[oar] first fit: all {len(found)} policy actors are OAR's", flush=True)
+
+
+def guard_actor_groups() -> None:
+    """Wrap OpenRLHF's ``RayActorGroup`` so that its policy group must be OAR's (call before its CLI module runs).
+
+    * when a group is built: a group of OpenRLHF's ``PolicyModelActor`` (or a subclass) that is not OAR's is refused
+      before any actor starts (e.g. an OpenRLHF whose CLI takes the class from elsewhere than
+      ``openrlhf.trainer.ray.ppo_actor``, where the entry point swaps it);
+    * OAR's policy group becomes an :class:`oar_verl.openrlhf.actor.OARPolicyGroup`, which travels as such to the
+      process that calls ``fit`` (OpenRLHF's trainer is a Ray actor) and there, at the first ``fit``, asks every actor
+      whether it is OAR's (:func:`check_group_runs_oar`).
+
+    Both raise :class:`NotOARActorError`. Idempotent.
+    """
+    from openrlhf.trainer.ray.launcher import RayActorGroup
+
+    from oar_verl.openrlhf.actor import OARPolicyGroup, OARPolicyModelActorImpl
+
+    if getattr(RayActorGroup, "_oar_guarded", False):
+        return
+    base = OARPolicyModelActorImpl.__bases__[0]  # OpenRLHF's own policy actor (the module attribute may be swapped)
+    init = RayActorGroup.__init__
+
+    def guarded_init(self, num_nodes, num_gpus_per_node, ray_actor_type, *args, **kwargs):
+        policy = is_policy_actor_class(ray_actor_type, base)
+        if policy and not is_policy_actor_class(ray_actor_type, OARPolicyModelActorImpl):
+            cls = getattr(ray_actor_type, "__ray_actor_class__", ray_actor_type)
+            raise NotOARActorError(f"OpenRLHF is building its policy actor group from {cls.__module__}."
+                                   f"{cls.__qualname__}, not OAR's actor: the entry point's swap of "
+                                   "openrlhf.trainer.ray.ppo_actor.PolicyModelActor did not reach OpenRLHF's CLI, "
+                                   "so this run would be plain OpenRLHF under an OAR name. Refusing.")
+        init(self, num_nodes, num_gpus_per_node, ray_actor_type, *args, **kwargs)
+        if policy and type(self) is RayActorGroup:
+            self.__class__ = OARPolicyGroup  # pickled by its module path: the check goes wherever the group goes
+
+    RayActorGroup.__init__ = guarded_init
+    RayActorGroup._oar_guarded = True
