@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from oar_verl.core.attribution import pass_limits, run_attribution
+from oar_verl.core.attribution import module_backend, pass_limits, run_attribution
+from oar_verl.core.collectives import max_over_ranks
 from oar_verl.core.config import OARConfig
-from oar_verl.core.gating import TokenWeights, oar_token_weights
-from oar_verl.core.metrics import oar_metrics
+from oar_verl.core.gating import TokenWeights
 from oar_verl.core.preprocess import prepare_attribution
-from oar_verl.core.selection import rows_to_reshape, sequence_advantage
+from oar_verl.core.reshape import attribution_rows, reshape_advantages
 
 __all__ = ["ItemRows", "assign_reshaped", "item_rows", "reshape_replay_buffer"]
 
@@ -78,15 +78,6 @@ def _pad_float(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
-def _max_over_ranks(value: int, device: torch.device) -> int:
-    """The max of an int over the default process group (the data-parallel ranks); the value itself without one."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.long, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t[0])
-
-
 _SUMS = ("adv_mass_before", "adv_mass_after", "reshaped_tokens")
 _PER_ITEM = ("reshaped_seq_frac", "attributed_seq_frac", "fallback_seq_frac")
 _PER_ATTRIBUTED = ("span_found_frac", "answer_probe_frac")
@@ -99,7 +90,7 @@ def _reduce_metrics(metrics: dict[str, float], counts: dict[str, float], device:
     by the rows they are fractions of, row/token statistics weighted by reshaped rows, min/max as min/max.
 
     Args:
-        metrics: this rank's :func:`oar_verl.core.metrics.oar_metrics` (same keys on every rank).
+        metrics: this rank's :meth:`oar_verl.core.reshape.Reshaped.metrics` (same keys on every rank).
         counts: this rank's ``items``, ``attributed`` and ``reshaped`` row counts.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -200,7 +191,7 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
         max_tokens: the token budget of one pass from the trainer's settings (``cfg.max_token_len_per_gpu`` wins).
         checkpointing: the actor's gradient checkpointing.
         device: where the model runs (default: its first parameter's device).
-        align: rounds -> rounds every rank runs (default: max over the default process group).
+        align: passes -> passes every rank runs (default: max over the default process group).
 
     Returns:
         ReshapeResult.
@@ -208,22 +199,20 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
     if device is None:
         device = next(model.parameters()).device
     device = torch.device(device)
-    align = align or (lambda n: _max_over_ranks(n, device))
+    align = align or (lambda n: max_over_ranks(n, device))
     rows = item_rows(items)
     width = max((len(a) for a in rows.actions), default=0)
     action = _pad_float([a.double() for a in rows.actions], width).bool()
     base = _response_field(items, "advantages", rows)
     base_ret = _response_field(items, "returns", rows) if all(it.returns is not None for it in items) else None
-    seq_adv = sequence_advantage(base, action)
     has_action = action.any(-1)
-    wanted = (rows_to_reshape(seq_adv, cfg.apply_to) if cfg.skip_zero_advantage else torch.ones_like(has_action))
-    wanted &= has_action
+    wanted = attribution_rows(base, action, cfg, has_action)
     sel = wanted.nonzero().flatten()
     importance = torch.zeros(len(items), width, dtype=torch.float64)
     reasoning = torch.zeros(len(items), width, dtype=torch.bool)
     found = torch.zeros(len(items), dtype=torch.bool)
     probe = torch.zeros(len(items), dtype=torch.bool)
-    if _max_over_ranks(len(sel), device) > 0:  # every rank takes part as soon as one has a row to attribute
+    if max_over_ranks(len(sel), device) > 0:  # every rank takes part as soon as one has a row to attribute
         run = sel if len(sel) else has_action.nonzero().flatten()[:1]  # filler: one own row, result discarded
         if len(run) == 0:
             raise RuntimeError("oar: this rank's replay buffer has no generated token to run the aligned "
@@ -234,14 +223,15 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
                                        [rows.responses[i] for i in run.tolist()], tokenizer, cfg, global_step,
                                        ground_truths=truths, device=device)
         lengths = prepared.batch.attention_mask.sum(-1)
-        longest = _max_over_ranks(int(lengths.max()), device)
+        longest = max_over_ranks(int(lengths.max()), device)
         limits = pass_limits(cfg, max(max_tokens or 0, longest) or None)
         was_training = model.training
         model.eval()  # eval numerics (no dropout) for the attribution passes
         try:
-            result = run_attribution(model, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
-                                     seeds=prepared.seeds, limits=limits, checkpointing=checkpointing, align=align,
+            backend = module_backend(model, cfg, limits=limits, checkpointing=checkpointing, align=align,
                                      pad_id=tokenizer.pad_token_id or 0)
+            result = run_attribution(backend, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
+                                     seeds=prepared.seeds)
         finally:
             model.train(was_training)
         if len(sel):
@@ -253,15 +243,13 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
             probe[sel] = prepared.answer_probe.bool()
     attributed = torch.zeros(len(items), dtype=torch.bool)
     attributed[sel] = True
-    tw = oar_token_weights(importance, reasoning & action, action, cfg.tau, cfg.beta, cfg.floor,
-                           reshape_rows=wanted & attributed)
-    w = tw.weights.double()
-    adv = base * w
-    assign_reshaped(items, rows, adv, base_ret * w if base_ret is not None else None)
-    metrics = oar_metrics(tw, base, adv, action, span_found=found[attributed], answer_probe=probe[attributed])
+    res = reshape_advantages(base, importance, reasoning & action, action, cfg, attributed=attributed,
+                             base_returns=base_ret)
+    assign_reshaped(items, rows, res.advantages, res.returns)
+    metrics = res.metrics(span_found=found[attributed], answer_probe=probe[attributed])
     metrics["oar/attributed_seq_frac"] = float(attributed.float().mean()) if len(items) else 0.0
     metrics["oar/global_step"] = float(global_step)
     counts = {"items": float(len(items)), "attributed": float(attributed.sum()),
-              "reshaped": float(tw.reshaped.any(-1).sum())}
+              "reshaped": float(res.token_weights.reshaped.any(-1).sum())}
     metrics = _reduce_metrics(metrics, counts, device)
-    return ReshapeResult(tw, base, adv, attributed, importance, metrics)
+    return ReshapeResult(res.token_weights, base, res.advantages, attributed, importance, metrics)

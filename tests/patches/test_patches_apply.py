@@ -34,4 +34,4 @@ def test_openrlhf_patch_applies_compiles_and_parses():
     proc = subprocess.run(["bash", str(OPENRLHF_CHECK), str(OPENRLHF_PYTHON)], capture_output=True, text=True,
                           timeout=600)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "SMOKE openrlhf/0001 OK" in out, out[-5000:]
+    assert proc.returncode == 0 and "SMOKE openrlhf/0001 OK" in out and "SMOKE openrlhf/0002 OK" in out, out[-5000:]
