@@ -69,6 +69,25 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
 OARPolicyModelActor = ray.remote(num_gpus=1)(OARPolicyModelActorImpl)
 
 
+class NotOARActorError(RuntimeError):
+    """OpenRLHF built or runs its policy actor group with a class that is not OAR's."""
+
+
+def _is_oar_instance(actor) -> bool:  # runs inside each policy actor (ray's __ray_call__)
+    return isinstance(actor, OARPolicyModelActorImpl)
+
+
+def check_group_runs_oar(handles: list) -> None:
+    """At the policy group's first ``fit``: ask every actor, in its own process, whether it is OAR's actor."""
+    import ray
+
+    found = ray.get([h.__ray_call__.remote(_is_oar_instance) for h in handles])
+    if not all(found):
+        raise NotOARActorError(f"the first fit of the policy actor group: {found.count(False)} of {len(found)} actors "
+                               "are not OAR's actor, so OAR would not run. Refusing.")
+    print(f"[oar] first fit: all {len(found)} policy actors are OAR's", flush=True)
+
+
 class OARPolicyGroup(RayActorGroup):
     """OpenRLHF's actor group of OAR's policy actors (:func:`oar_verl.openrlhf.checks.guard_actor_groups` gives the
     group this class): at its first ``fit`` every actor is asked whether it runs OAR's ``fit``."""
@@ -77,8 +96,6 @@ class OARPolicyGroup(RayActorGroup):
 
     def async_run_method(self, method_name, *args, **kwargs):
         if method_name == "fit" and not self._oar_checked:
-            from oar_verl.openrlhf.checks import check_group_runs_oar
-
             check_group_runs_oar(self._actor_handlers)
             self._oar_checked = True
         return super().async_run_method(method_name, *args, **kwargs)

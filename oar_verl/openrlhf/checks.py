@@ -19,8 +19,8 @@ TESTED_OPENRLHF = "0.11.2"  # the release the adapter is tested against (tests/o
 ALLOW_UNTESTED_ENV = "OAR_OPENRLHF_ALLOW_UNTESTED"
 
 
-class OpenRLHFVersionError(SystemExit):
-    """OpenRLHF outside the tested release (exit status 2)."""
+class OpenRLHFArgsError(SystemExit):
+    """An OpenRLHF flag OAR cannot be sound with (exit status 2, like argparse)."""
 
     def __init__(self, message: str):
         super().__init__(2)
@@ -28,6 +28,10 @@ class OpenRLHFVersionError(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+class OpenRLHFVersionError(OpenRLHFArgsError):
+    """OpenRLHF outside the tested release (exit status 2)."""
 
 
 def check_openrlhf_version(version: str | None = None, *, allow_untested: bool | None = None) -> str:
@@ -75,7 +79,6 @@ INVARIANT_LOSSES = {
 
 def check_policy_loss(args) -> None:
     """Refuse a ``--actor.policy_loss_type`` under which OAR cannot change the gradient (:data:`INVARIANT_LOSSES`)."""
-    from oar_verl.openrlhf.train_ppo_ray import OpenRLHFArgsError
 
     loss = getattr(args.actor, "policy_loss_type", "ppo")
     if loss in INVARIANT_LOSSES:
@@ -83,31 +86,10 @@ def check_policy_loss(args) -> None:
                                 f"gradient. {INVARIANT_LOSSES[loss]}")
 
 
-class NotOARActorError(RuntimeError):
-    """OpenRLHF built or runs its policy actor group with a class that is not OAR's."""
-
-
 def is_policy_actor_class(actor_type: Any, base: type) -> bool:
     """Whether a Ray actor class (or a plain class) is OpenRLHF's policy actor or derives from it."""
     cls = getattr(actor_type, "__ray_actor_class__", actor_type)
     return isinstance(cls, type) and issubclass(cls, base)
-
-
-def _is_oar_instance(actor) -> bool:  # runs inside each policy actor (ray's __ray_call__)
-    from oar_verl.openrlhf.actor import OARPolicyModelActorImpl
-
-    return isinstance(actor, OARPolicyModelActorImpl)
-
-
-def check_group_runs_oar(handles: list) -> None:
-    """At the policy group's first ``fit``: ask every actor, in its own process, whether it is OAR's actor."""
-    import ray
-
-    found = ray.get([h.__ray_call__.remote(_is_oar_instance) for h in handles])
-    if not all(found):
-        raise NotOARActorError(f"the first fit of the policy actor group: {found.count(False)} of {len(found)} actors "
-                               "are not OAR's actor, so OAR would not run. Refusing.")
-    print(f"[oar] first fit: all {len(found)} policy actors are OAR's", flush=True)
 
 
 def guard_actor_groups() -> None:
@@ -118,13 +100,13 @@ def guard_actor_groups() -> None:
       ``openrlhf.trainer.ray.ppo_actor``, where the entry point swaps it);
     * OAR's policy group becomes an :class:`oar_verl.openrlhf.actor.OARPolicyGroup`, which travels as such to the
       process that calls ``fit`` (OpenRLHF's trainer is a Ray actor) and there, at the first ``fit``, asks every actor
-      whether it is OAR's (:func:`check_group_runs_oar`).
+      whether it is OAR's (:func:`oar_verl.openrlhf.actor.check_group_runs_oar`).
 
-    Both raise :class:`NotOARActorError`. Idempotent.
+    Both raise :class:`oar_verl.openrlhf.actor.NotOARActorError`. Idempotent.
     """
     from openrlhf.trainer.ray.launcher import RayActorGroup
 
-    from oar_verl.openrlhf.actor import OARPolicyGroup, OARPolicyModelActorImpl
+    from oar_verl.openrlhf.actor import NotOARActorError, OARPolicyGroup, OARPolicyModelActorImpl
 
     if getattr(RayActorGroup, "_oar_guarded", False):
         return

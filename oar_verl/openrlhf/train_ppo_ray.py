@@ -29,7 +29,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from oar_verl.core.config import OARConfig, OARConfigError
-from oar_verl.openrlhf.checks import OpenRLHFVersionError, check_openrlhf_version, check_policy_loss
+from oar_verl.openrlhf.checks import (OpenRLHFArgsError, OpenRLHFVersionError, check_openrlhf_version,  # noqa: F401
+                                      check_policy_loss)
 
 FLAG_PREFIX = "--oar"
 OUTCOME_ESTIMATORS = ("group_norm", "rloo", "reinforce_baseline", "dr_grpo", "flash_reinforce", "reinforce")
@@ -37,17 +38,6 @@ OUTCOME_ESTIMATORS = ("group_norm", "rloo", "reinforce_baseline", "dr_grpo", "fl
 UNSUPPORTED = {"dump_every": "token dumps are written by the verl trainer only; keep --oar.dump_every=0",
                "dump_dir": "token dumps are written by the verl trainer only",
                "base_estimator": "the base advantage is OpenRLHF's own --algo.advantage.estimator"}
-
-
-class OpenRLHFArgsError(SystemExit):
-    """An OpenRLHF flag OAR cannot be sound with (exit status 2, like argparse)."""
-
-    def __init__(self, message: str):
-        super().__init__(2)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
 
 
 def _value(text: str) -> Any:
