@@ -29,7 +29,7 @@ def wheel_venv(tmp: Path) -> Path:
     wheels = tmp / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
                     str(ROOT)], check=True, capture_output=True, timeout=600)
-    venv = tmp / "fresh venv"
+    venv = tmp / "fresh-venv"  # Ray starts its workers through a shell with the interpreter's path unquoted
     subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(venv)],
                    check=True, timeout=300)
     python = venv / "bin" / "python"
