@@ -185,6 +185,19 @@ def mean_sd(x) -> str:
     return f"{x.mean():.3f} ± {x.std(ddof=1) if len(x) > 1 else 0.0:.3f}" if len(x) else "n/a"
 
 
+def finish_figure(fig, axes, path) -> None:
+    """Grid and legend on every axis, tight layout, saved to ``path`` (parents made) at the studies' resolution."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------------------------------

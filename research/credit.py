@@ -41,7 +41,7 @@ from oar_verl.cpu import last_digit as credit_task
 from oar_verl.cpu import last_digit_reward
 from oar_verl.cpu.last_digit import validate
 from research import REPO, task
-from research.common import bootstrap_ci, nanmean, permutation_p, progress
+from research.common import bootstrap_ci, finish_figure, nanmean, permutation_p, progress
 
 METHODS = ("grpo", "oar_g", "oar_p", "fisher", "entropy")
 DEFAULT_METHODS = ("grpo", "oar_g", "oar_p", "entropy")  # the study's protocol; fisher on request (--methods)
@@ -436,13 +436,7 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
         axes[1].plot(np.arange(1, ent.shape[1] + 1), ent.mean(0), color=COLORS[m], label=LABELS[m])
     axes[0].set(xlabel="step", ylabel="validation success (T = 1)", title="last-digit task: mean, 95 % CI band")
     axes[1].set(xlabel="step", ylabel="policy entropy (nats/token)", title="entropy of the rollouts")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_figure(fig, axes, path)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

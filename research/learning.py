@@ -38,7 +38,7 @@ import numpy as np
 
 from oar_verl.cpu import tiny_assets, tiny_lm, tokenizers, warm_cache
 from research import REPO, digit_sum_reward, task
-from research.common import nanmean, permutation_p
+from research.common import finish_figure, nanmean, permutation_p
 from research.common import progress
 from oar_verl.cpu.launcher import (cpu_env, main_ppo_overrides, new_ray_temp_dir, read_metrics,
                                           run_main_ppo)
@@ -307,13 +307,7 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
     axes[1].set_xlabel("training step")
     axes[2].set_title("policy entropy (actor/entropy)")
     axes[2].set_xlabel("training step")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_figure(fig, axes, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,8 +170,9 @@ class MegatronBackend:
             for i, b in enumerate(p.rows.tolist()):  # real rows only: the top-up rows get no noise
                 mask[i, :rows.n[b]] = rows.reasoning[b]
             clean = out.detach()
-            leaf = clean.clone()
-            if hook.noise is not None:
+            if hook.noise is None:
+                leaf = clean.clone()
+            else:
                 noise = torch.zeros(mbs, s_full, out.shape[-1], dtype=out.dtype, device=out.device)
                 noise[mask.to(out.device)] = hook.noise(k, *reasoning_slots(mask), out.shape[-1]).to(out.device,
                                                                                                        out.dtype)
@@ -179,7 +180,7 @@ class MegatronBackend:
                 if chunked:
                     s_loc = out.shape[0]
                     noise = noise[tp_rank * s_loc:(tp_rank + 1) * s_loc]
-                leaf = leaf + noise
+                leaf = clean + noise  # a new tensor already: no clone of the clean output first
             leaf.requires_grad_(True)
 
             def project(grad, clean=clean, k=k):
