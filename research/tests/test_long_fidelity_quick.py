@@ -1,0 +1,45 @@
+"""The long-row fidelity study's quick mode: a random tiny model samples its rows, every compared method is scored,
+timed against the training step and measured by the library's fidelity metric; the cache makes a second run resume
+without recomputing. Structure and bounds are checked, the numbers of a random model mean nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ARGS = ["--model", "tiny", "--rows", "2", "--tokens", "40", "--chunk", "1", "--methods", "oar_g,fisher_k1",
+        "--draws", "2", "--random", "1"]
+
+
+def _run(out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "research.long_fidelity", *ARGS, "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def test_long_fidelity_study_quick(tmp_path):
+    proc = _run(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "tiny_40"
+    rows = json.loads((run / "rows.json").read_text())
+    assert len(rows) == 2 and all(30 <= len(r["response"]) <= 40 for r in rows)  # the model's own 3/4..1 × cap
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rows"] == 2 and set(summary["methods"]) == {"oar_g", "fisher_k1"}
+    for name, e in summary["methods"].items():
+        assert e["cost"] > 0 and math.isfinite(e["cost"])
+        assert 0.0 <= e["mass"]["mean"] <= 1.0
+        for stat in ("naopc", "suppression"):
+            assert e[stat]["rows"] + e[stat]["undefined"] == 2
+            if e[stat]["rows"]:
+                assert e[stat]["lo"] <= e[stat]["mean"] <= e[stat]["hi"]
+    assert "naopc_minus_oar_g" in summary["methods"]["fisher_k1"]
+    chunks = sorted(run.glob("chunk_*.json"))
+    assert len(chunks) == 2
+    stamp = [c.stat().st_mtime_ns for c in chunks]
+    again = _run(tmp_path)  # resumes: rows and chunks come from the cache
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert [c.stat().st_mtime_ns for c in chunks] == stamp
+    assert json.loads((run / "summary.json").read_text()) == summary
