@@ -1,6 +1,8 @@
-"""The deletion metric of :mod:`oar_verl.core.fidelity` inside the training step, written once over the backend
-interface (:mod:`oar_verl.core.backend`), so that it runs on every engine (a Hugging Face module, Ulysses, Megatron)
-with the data-parallel rank alignment of the attribution methods (docs/fidelity.md, "Logged while training").
+"""The fidelity deletion metric inside the training step, on every backend.
+
+The metric of :mod:`oar_verl.core.fidelity`, written once over the backend interface (:mod:`oar_verl.core.backend`),
+so that it runs on every engine (a Hugging Face module, Ulysses, Megatron) with the data-parallel rank alignment of
+the attribution methods (docs/fidelity.md, "Logged while training").
 
 Per row and ranking r (the method's importance, J seeded random rankings: :func:`~oar_verl.core.fidelity.
 random_scores`) and fraction f, the row's top ⌈f·R⌉ reasoning tokens under r are replaced **jointly** by the mask
@@ -19,6 +21,7 @@ sets per row, N perturbed rows.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import torch
@@ -29,10 +32,11 @@ from oar_verl.core.fidelity import (FRACTIONS, bottom_removal, random_scores, ra
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.memory import PassKind
 
-__all__ = ["FIELDS", "deletion_metrics", "removal_sets", "rows_of"]
+__all__ = ["FIELDS", "RANDOM_RANKINGS", "deletion_metrics", "due", "removal_sets", "rows_of", "step_fidelity", "step_metrics"]
 
 # the per-row results, in the order deletion_metrics returns them
 FIELDS = ("aopc", "aopc_random", "gain", "suppression")
+RANDOM_RANKINGS = 4  # J of the in-step measurement: the offline report's default
 
 
 def rows_of(batch: AttributionBatch, rows: torch.Tensor) -> AttributionBatch:
@@ -143,3 +147,69 @@ def _summary(shift: torch.Tensor, F: int, J: int, min_gap: float, passes: int) -
             "gain": suppression_ratio(aopc[0], rand, min_gap),  # the same guarded ratio: method over random
             "suppression": suppression_ratio(bottom, rand_s, min_gap),
             "passes": torch.full_like(rand, float(passes))}
+
+
+def due(cfg, global_step: int) -> bool:
+    """Whether the step measures fidelity: ``fidelity_every`` > 0 and the step a multiple of it."""
+    return cfg.fidelity_every > 0 and global_step % cfg.fidelity_every == 0
+
+
+def step_fidelity(backend: AttributionBackend, batch: AttributionBatch, importance: torch.Tensor, cfg,
+                  global_step: int, *, token: int | None, min_gap: float = 0.0) -> dict[str, torch.Tensor]:
+    """A rank's fidelity measurement of a training step: on a :func:`due` step, :func:`deletion_metrics` of the first
+    ``cfg.fidelity_rows`` rows with reasoning tokens (the attribution's own importance, the mask token,
+    :data:`~oar_verl.core.fidelity.FRACTIONS`, J = :data:`RANDOM_RANKINGS` rankings seeded by ``cfg.seed``, S's share
+    = ``cfg.tau``: the share the gating suppresses), timed.
+
+    Args:
+        backend, batch (B, L), importance (B, L): as the attribution ran them. cfg: OARConfig.
+        global_step: the training step. token: the mask token (the attribution's). min_gap: as
+            :func:`deletion_metrics`.
+
+    Returns:
+        :data:`FIELDS`, ``passes`` and ``seconds`` (this rank's time measuring), each (B,) float64 on the CPU: NaN on
+        the rows not measured, everywhere on a step not due. A rank whose rows have no reasoning tokens measures
+        nothing but runs the passes the other ranks run.
+    """
+    B = batch.input_ids.shape[0]
+    out = {k: torch.full((B,), float("nan"), dtype=torch.float64) for k in FIELDS + ("passes", "seconds")}
+    if not due(cfg, global_step):
+        return out
+    if token is None:
+        raise ValueError(f"{cfg.prefix}.fidelity_every needs a mask token: set {cfg.prefix}.mask_token_id (the "
+                         "tokenizer has no pad token)")
+    start = time.perf_counter()
+    has = batch.reasoning_mask.bool().any(-1).nonzero().squeeze(1)[:cfg.fidelity_rows]  # host sync, once per step
+    rows = has if has.numel() else torch.zeros(min(B, 1), dtype=torch.long, device=has.device)  # fillers only
+    got = deletion_metrics(backend, rows_of(batch, rows), importance[rows], token=token,
+                           random_rankings=RANDOM_RANKINGS, seed=cfg.seed, suppress_fraction=cfg.tau,
+                           min_gap=min_gap)
+    for k, v in got.items():
+        out[k][rows.cpu()] = v.double().cpu()  # on the CPU: the device work is done when the clock stops
+    out["seconds"][:] = time.perf_counter() - start
+    return out
+
+
+def step_metrics(values: dict[str, torch.Tensor], prefix: str = "oar/fidelity/") -> dict[str, float]:
+    """Scalars for the trainer's logger from the per-row values of :func:`step_fidelity` (gathered over the ranks).
+
+    Args:
+        values: ``aopc``, ``aopc_random``, ``suppression`` (N,) (NaN: not measured / undefined).
+
+    Returns:
+        ``aopc``, ``aopc_random``, ``suppression``: means over the rows where each is defined; ``gain``: mean AOPC
+        over mean random AOPC (a ratio of means: stable when one row's random AOPC is tiny; NaN if that is not
+        positive); ``rows``: rows measured; ``suppression_undefined``: measured rows whose S had a too small random
+        denominator. Empty when no row was measured.
+    """
+    aopc = values["aopc"].double()
+    measured = ~aopc.isnan()
+    n = int(measured.sum())
+    if n == 0:
+        return {}
+    mean = {k: float(values[k].double().nanmean()) for k in ("aopc", "aopc_random", "suppression")}
+    rand = mean["aopc_random"]
+    return {**{prefix + k: v for k, v in mean.items()},
+            prefix + "gain": mean["aopc"] / rand if rand > 0 else float("nan"),
+            prefix + "rows": float(n),
+            prefix + "suppression_undefined": float((values["suppression"].double().isnan() & measured).sum())}
