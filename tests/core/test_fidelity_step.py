@@ -85,3 +85,26 @@ def test_errors(lm64, case):
         deletion_metrics(backend, batch, scores, token=MASK, fractions=(0.0,))
     with pytest.raises(ValueError, match="random_rankings"):
         deletion_metrics(backend, batch, scores, token=MASK, random_rankings=0)
+
+
+def test_step_fidelity_measures_the_first_rows_on_due_steps(lm64, case):
+    from oar_verl.core.config import OARConfig
+    from oar_verl.core.fidelity_step import step_fidelity, step_metrics
+
+    batch, scores, _ = case
+    cfg = OARConfig(fidelity_every=5, fidelity_rows=2, seed=3, tau=0.4)
+    backend = ModuleBackend(lm64, PassLimits(64))
+    off = step_fidelity(backend, batch, scores, cfg, 7, token=MASK)
+    assert all(v.isnan().all() for v in off.values()) and step_metrics(off) == {}
+    on = step_fidelity(backend, batch, scores, cfg, 10, token=MASK)
+    first = rows_of(batch, torch.tensor([0, 1]))
+    ref = deletion_metrics(backend, first, scores[:2], token=MASK, random_rankings=4, seed=3, suppress_fraction=0.4)
+    for k in ("aopc", "aopc_random", "suppression"):
+        torch.testing.assert_close(on[k][:2], ref[k].cpu(), equal_nan=True)
+        assert on[k][2:].isnan().all()
+    assert (on["seconds"] > 0).all()
+    m = step_metrics(on)
+    assert m["oar/fidelity/rows"] == 2.0
+    assert m["oar/fidelity/gain"] == pytest.approx(m["oar/fidelity/aopc"] / m["oar/fidelity/aopc_random"])
+    with pytest.raises(ValueError, match="mask_token_id"):
+        step_fidelity(backend, batch, scores, cfg, 10, token=None)
