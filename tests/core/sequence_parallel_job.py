@@ -1,8 +1,8 @@
 """Sharded attribution on 2 gloo ranks (a sequence-parallel group), for test_sequence_parallel.py.
 
 usage: python -m torch.distributed.run --nproc_per_node 2 sequence_parallel_job.py OUT_DIR
-Each rank writes OUT_DIR/rank{R}.pt with its OAR-G (one and three noise draws) and OAR-P importance (every rank
-holds the whole result).
+Each rank writes OUT_DIR/rank{R}.pt with its OAR-G (one and three noise draws), OAR-P and fisher importance and the
+in-step fidelity metric (every rank holds the whole result).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.probes import ProbeKind
 from oar_verl.core.backend_ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.config import OARConfig
+from oar_verl.core.fidelity_step import FIELDS, deletion_metrics
 from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import oar_g
 from oar_verl.core.perturbation import mask_blocks, oar_p
@@ -53,6 +54,13 @@ def batch(kind: int):
                                    torch.full((B,), kind))
 
 
+def fidelity_of(backend, b) -> torch.Tensor:
+    """(4, B) :data:`oar_verl.core.fidelity_step.FIELDS` of a fixed random ranking, on any backend."""
+    scores = torch.rand(b.input_ids.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = deletion_metrics(backend, b, scores, token=0, fractions=(0.2, 0.5), random_rankings=2, seed=4)
+    return torch.stack([got[k] for k in FIELDS])
+
+
 def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -78,6 +86,8 @@ def main(out_dir: str) -> None:
                 b, OARConfig(mode="gradient", noise_samples=3), limits, shards)
             # the fisher mode: clean-point gradients of the top 2 outcomes, projected on e_mask - e_t
             results[(int(kind), tokens, "f")] = fisher(backend, b, 0, outcomes=2)[0]
+            # the in-step fidelity metric of a fixed ranking (its removal sets packed as masked copies)
+            results[(int(kind), tokens, "fid")] = fidelity_of(backend, b)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

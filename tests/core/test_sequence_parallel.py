@@ -3,7 +3,8 @@
 verl's Ulysses path wraps the CUDA flash-attention kernel, which cannot run on CPU; the ranks here use
 ``oar_verl.cpu.ulysses_attention`` (the same all-to-alls, through verl's own Ulysses utilities, around sdpa), so this
 checks the sharding itself: packing, shards, probe positions on either rank, the probe sums over the group, OAR-G's
-noise and gradient through the all-to-all, and the gathered scores.
+noise and gradient through the all-to-all, and the gathered scores; and the in-step fidelity metric (its removal
+sets run as masked copies) on the sharded backend.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
                                    samples=3 if method == "g3" else 1)
         elif method == "f":
             ref = fisher(ModuleBackend(lm, PassLimits(10**6)), b, 0, outcomes=2)[0]
+        elif method == "fid":
+            ref = job.fidelity_of(ModuleBackend(lm, PassLimits(10**6)), b)
         else:
             ref = run_p(lm, b, 0, PassLimits(10**6), prefix_cache=False)
         assert ref.abs().sum() > 0
