@@ -60,6 +60,8 @@ def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
             ref = job.fidelity_of(ModuleBackend(lm, PassLimits(10**6)), b)
         else:
             ref = run_p(lm, b, 0, PassLimits(10**6), prefix_cache=False)
-        assert ref.abs().sum() > 0
-        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-12, msg=f"{key}")
-        torch.testing.assert_close(ranks[1][key], got, rtol=0, atol=0)  # every rank holds the same result
+        # the fidelity ratios are NaN where AS-Joint's signed random shift is not positive
+        nan_ok = method == "fid"
+        assert ref.abs().nansum() > 0 and (nan_ok or not ref.isnan().any())
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-12, equal_nan=nan_ok, msg=f"{key}")
+        torch.testing.assert_close(ranks[1][key], got, rtol=0, atol=0, equal_nan=nan_ok)  # every rank holds the same
