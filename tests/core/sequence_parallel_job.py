@@ -20,12 +20,11 @@ from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.probes import ProbeKind
 from oar_verl.core.backend_ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.config import OARConfig
-from oar_verl.core.fidelity_step import FIELDS, deletion_metrics
 from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import oar_g
 from oar_verl.core.perturbation import mask_blocks, oar_p
 from oar_verl.cpu import ulysses_attention
-from oar_helpers import count_passes
+from oar_helpers import count_passes, fidelity_of
 
 
 def model(attn: str):
@@ -52,13 +51,6 @@ def batch(kind: int):
     answer = (cols_r >= (r_len - 2)[:, None]) & response_mask.bool()
     return build_attribution_batch(prompts, prompt_mask, responses, response_mask, reasoning, answer,
                                    torch.full((B,), kind))
-
-
-def fidelity_of(backend, b) -> torch.Tensor:
-    """(4, B) :data:`oar_verl.core.fidelity_step.FIELDS` of a fixed random ranking, on any backend."""
-    scores = torch.rand(b.input_ids.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    got = deletion_metrics(backend, b, scores, token=0, fractions=(0.2, 0.5), random_rankings=2, seed=4)
-    return torch.stack([got[k] for k in FIELDS])
 
 
 def main(out_dir: str) -> None:

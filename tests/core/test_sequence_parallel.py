@@ -21,7 +21,7 @@ from oar_verl.core.backend_hf import ModuleBackend
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import sequence_seeds
-from oar_helpers import run_p, run_g
+from oar_helpers import fidelity_of, run_g, run_p
 
 JOB = Path(__file__).with_name("sequence_parallel_job.py")
 
@@ -57,7 +57,7 @@ def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
         elif method == "f":
             ref = fisher(ModuleBackend(lm, PassLimits(10**6)), b, 0, outcomes=2)[0]
         elif method == "fid":
-            ref = job.fidelity_of(ModuleBackend(lm, PassLimits(10**6)), b)
+            ref = fidelity_of(ModuleBackend(lm, PassLimits(10**6)), b)
         else:
             ref = run_p(lm, b, 0, PassLimits(10**6), prefix_cache=False)
         # the fidelity ratios are NaN where AS-Joint's signed random shift is not positive
