@@ -32,7 +32,8 @@ from oar_verl.core.fidelity import (FRACTIONS, bottom_removal, random_scores, ra
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.memory import PassKind
 
-__all__ = ["FIELDS", "RANDOM_RANKINGS", "deletion_metrics", "due", "removal_sets", "rows_of", "step_fidelity", "step_metrics"]
+__all__ = ["FIELDS", "RANDOM_RANKINGS", "deletion_metrics", "due", "removal_sets", "rows_of", "step_fidelity",
+           "step_metrics"]
 
 # the per-row results, in the order deletion_metrics returns them
 FIELDS = ("aopc", "aopc_random", "gain", "suppression")
@@ -68,7 +69,7 @@ def _replacement(p: Pass, token: int) -> Pass:
 
 
 def deletion_metrics(backend: AttributionBackend, batch: AttributionBatch, importance: torch.Tensor, *, token: int,
-                     fractions: Sequence[float] = FRACTIONS, random_rankings: int = 4, seed: int = 0,
+                     fractions: Sequence[float] = FRACTIONS, random_rankings: int = RANDOM_RANKINGS, seed: int = 0,
                      suppress_fraction: float = 0.4, min_gap: float = 0.0) -> dict[str, torch.Tensor]:
     """Per-row deletion metric of ``importance`` on any backend (see the module docstring).
 
@@ -89,8 +90,8 @@ def deletion_metrics(backend: AttributionBackend, batch: AttributionBatch, impor
         ``aopc``, ``aopc_random`` (B,) float64: mean over f of the shift under the method's / the random rankings'
         removal (random: also the mean over J); ``gain`` = aopc / aopc_random and ``suppression`` = shift(the method's
         bottom share) / shift(random share of the same size) (:func:`~oar_verl.core.fidelity.suppression_ratio`);
-        NaN on rows without reasoning tokens and below ``min_gap``; ``passes``: (B,) the perturbation passes this rank
-        needed (before alignment), the same on every row.
+        NaN on rows without reasoning tokens and below ``min_gap``; ``passes``: (B,) the passes this rank needed
+        (clean and perturbed, before alignment), the same on every row.
     """
     fractions = tuple(float(f) for f in fractions)
     if not fractions or any(not 0.0 < f <= 1.0 for f in fractions):

@@ -58,7 +58,8 @@ def core_reference(model_dir, res):
 
 def check_fidelity(model_dir, res):
     """Each rank's ``oar_fidelity_*`` (fidelity_rows=1: its first row with reasoning tokens) equal the core's
-    step_fidelity on its rows, NaN on its other row; the ranks' pass counts differ (aligned by filler passes, or the call would hang)."""
+    step_fidelity on its rows, NaN on its other row; the ranks' pass counts differ (aligned by filler passes, or the
+    call would hang)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from oar_verl.core.fidelity import default_min_gap
