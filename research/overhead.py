@@ -8,6 +8,15 @@ skipped).
 
 usage: python -m research.overhead [--steps 8] [--rollout-n 4] [--batch 8] [--trainer-mode sync|colocate_async]
                                     [--out outputs/benchmarks]
+
+``--fidelity`` measures instead, in this process and side by side on the same rows of one model, the fidelity metric
+logged while training (:func:`oar_verl.core.fidelity_step.step_fidelity`: ``fidelity_rows`` rows of the rank's batch)
+against one training forward+backward over the rank's batch (full logits, parameter gradients) and against the
+attribution of that batch (OAR-G, OAR-P), and prints its share of a step when logged every ``--every`` steps (the step
+counted as the fwd+bwd plus the attribution only, no rollout and one PPO epoch: an upper bound on the share):
+
+    python -m research.overhead --fidelity [--device cpu|cuda] [--shape cpu-small|qwen2.5-1.5b] [--rows 8]
+                                [--prompt 64] [--reasoning 192] [--answer 8] [--fidelity-rows 4] [--every 10]
 """
 
 from __future__ import annotations
@@ -36,8 +45,73 @@ def median_after_first(metrics: list[dict], key: str) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def fidelity_share(args) -> dict:
+    """Seconds of the in-step fidelity metric, one training fwd+bwd and the attribution, on the same rows."""
+    import torch
+
+    from oar_verl.core.budget import PassLimits
+    from oar_verl.core.config import OARConfig
+    from oar_verl.core.fidelity import default_min_gap
+    from oar_verl.core.fidelity_step import RANDOM_RANKINGS, step_fidelity
+    from oar_verl.core.gradient import sequence_seeds
+    from research.attribution import build_model, make_batch, sync, timed
+    from research.common import oar_g_importance, oar_p_importance
+
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_model(args.shape, args.device, dtype)
+    _, batch = make_batch(args.rows, args.prompt, args.reasoning, args.answer, model.config.vocab_size, args.device)
+    limits = PassLimits(args.tokens)
+    seeds = sequence_seeds(0, 0, torch.arange(args.rows)).to(args.device)
+    micro = max(1, args.tokens // batch.input_ids.shape[1])
+
+    def train_step():  # the actor update's compute on the same rows: full logits, parameter gradients
+        for s in range(0, args.rows, micro):
+            out = model(input_ids=batch.input_ids[s:s + micro], attention_mask=batch.attention_mask[s:s + micro])
+            torch.log_softmax(out.logits.float(), -1).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    for p in model.parameters():
+        p.requires_grad_(True)
+    t_train = timed(train_step, args.device)
+    importance = oar_g_importance(model, batch, 1e-3, seeds, limits)
+    t_g = timed(lambda: oar_g_importance(model, batch, 1e-3, seeds, limits), args.device)
+    t_p = timed(lambda: oar_p_importance(model, batch, 0, limits), args.device) if args.with_oar_p else float("nan")
+    cfg = OARConfig(fidelity_every=1, fidelity_rows=args.fidelity_rows)
+    from oar_verl.core.attribution import module_backend
+
+    def fidelity():
+        with torch.no_grad():
+            return step_fidelity(module_backend(model, cfg, limits=limits), batch, importance, cfg, 0, token=0,
+                                 min_gap=default_min_gap(model))
+
+    t_f = timed(fidelity, args.device)
+    sync(args.device)
+    got = fidelity()
+    F = 5
+    return {"device": args.device, "shape": args.shape, "rows": args.rows, "L": int(batch.input_ids.shape[1]),
+            "R": args.reasoning, "fidelity_rows": args.fidelity_rows, "J": RANDOM_RANKINGS,
+            "row_forwards": args.fidelity_rows * (1 + (1 + RANDOM_RANKINGS) * (F + 1)),
+            "train_fwd_bwd_s": t_train, "oar_g_s": t_g, "oar_p_s": t_p, "fidelity_s": t_f,
+            "fidelity_over_train": t_f / t_train, "fidelity_over_oar_g": t_f / t_g,
+            "fidelity_over_oar_p": t_f / t_p,
+            f"share_every_{args.every}_oar_g": t_f / args.every / (t_train + t_g),
+            f"share_every_{args.every}_oar_p": t_f / args.every / (t_train + t_p),
+            "aopc": float(got["aopc"].nanmean()), "aopc_random": float(got["aopc_random"].nanmean())}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fidelity", action="store_true", help="the in-step fidelity metric's cost (see above)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shape", default="cpu-small")
+    ap.add_argument("--rows", type=int, default=8, help="--fidelity: the rank's batch")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--reasoning", type=int, default=192)
+    ap.add_argument("--answer", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=16384, help="--fidelity: the pass budget")
+    ap.add_argument("--fidelity-rows", type=int, default=4)
+    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--with-oar-p", action="store_true", help="--fidelity: also time OAR-P (R copies per row)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rollout-n", type=int, default=4)
@@ -48,6 +122,17 @@ def main() -> int:
                     help="verl's V1 trainer mode, for GRPO and OAR alike (separate_async needs a GPU weight-sync "
                          "backend: see README)")
     args = ap.parse_args()
+    if args.fidelity:
+        r = fidelity_share(args)
+        print(f"\n# in-step fidelity cost — {date.today()} — {r['device']}, shape {r['shape']}, {r['rows']} rows of "
+              f"L={r['L']} (R={r['R']}), fidelity on {r['fidelity_rows']} rows (J={r['J']}, F=5: "
+              f"{r['row_forwards']} row-forwards)")
+        for k, v in r.items():
+            print(f"{k:>28}: {v:.4f}" if isinstance(v, float) else f"{k:>28}: {v}")
+        out = Path(args.out).resolve() / "overhead_fidelity"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"fidelity_{r['device']}_{r['shape']}.json").write_text(json.dumps(r, indent=1))
+        return 0
 
     out = Path(args.out).resolve() / ("overhead" if args.trainer_mode == "sync" else f"overhead_{args.trainer_mode}")
     shutil.rmtree(out, ignore_errors=True)

@@ -36,7 +36,7 @@ class OARConfigError(ValueError):
 
 
 # The groups of `algorithm.oar.*`, in the order docs/config.md and the trainer YAML list them.
-GROUPS = ("method", "gating", "probe", "OAR-G noise", "OAR-P cost", "budgets", "dumps")
+GROUPS = ("method", "gating", "probe", "OAR-G noise", "OAR-P cost", "budgets", "dumps", "fidelity")
 
 
 def _key(default: Any, group: str, help: str) -> Any:  # noqa: A002  (TRL's name for the same metadata)
@@ -154,6 +154,15 @@ class OARConfig:
     dump_dir: str | None = _key(None, "dumps",
                                 "Where the dumps go; null = `<trainer.default_local_dir>/oar_dumps`.")
     dump_groups: int = _key(2, "dumps", "Prompt groups (all their rollouts) per dump; >= 1.")
+    fidelity_every: int = _key(0, "fidelity",
+                               "Every this-many steps, measure the fidelity of that step's attribution with the "
+                               "deletion metric (docs/fidelity.md, \"Logged while training\"; `oar/fidelity/*`); 0 = "
+                               "never, >= 0. Cost per measured row: one clean forward and (1 + 4 random rankings) x "
+                               "(5 fractions + 1) = 30 forwards of the row with tokens masked, independent of its "
+                               "length, packed under the attribution's token budget.")
+    fidelity_rows: int = _key(4, "fidelity",
+                              "Rows measured per data-parallel rank on a measured step: the first this-many attributed "
+                              "rows with reasoning tokens; >= 1.")
     prefix: str = field(default=DEFAULT_PREFIX, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -214,6 +223,8 @@ class OARConfig:
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):
             raise OARConfigError(f"{p}.dump_dir must be a path string or null, got {self.dump_dir!r}")
         _integer(p, "dump_groups", self.dump_groups, lo=1)
+        _integer(p, "fidelity_every", self.fidelity_every, lo=0)
+        _integer(p, "fidelity_rows", self.fidelity_rows, lo=1)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None, prefix: str = DEFAULT_PREFIX) -> OARConfig:

@@ -7,7 +7,11 @@ CONFIG_KEY = "oar_config"
 STEP_KEY = "oar_global_step"
 GROUND_TRUTH_KEY = "oar_ground_truth"
 
+# the step's fidelity measurement (oar_verl.core.fidelity_step.step_fidelity), per row as oar_fidelity_<name>: NaN
+# on rows not measured and on steps not due; ``seconds`` is the rank's time measuring
+FIDELITY_FIELDS = ("aopc", "aopc_random", "suppression", "seconds")
+
 # what compute_token_importance returns: per row (nested, response-aligned) and per sequence
 OUTPUT_FIELDS = ("token_importance", "oar_reasoning_mask", "oar_answer_mask", "oar_span_found", "oar_answer_probe",
                  "oar_passes", "oar_copies", "oar_refined", "oar_params_fingerprint",
-                 "oar_log_prob_params_fingerprint")
+                 "oar_log_prob_params_fingerprint") + tuple(f"oar_fidelity_{k}" for k in FIDELITY_FIELDS)

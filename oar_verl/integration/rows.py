@@ -5,11 +5,12 @@ Pure tensor functions (no verl import), so row selection and assembly are unit-t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from oar_verl.integration.fields import FIDELITY_FIELDS
 from oar_verl.integration.handoff import EstimatorInputs
 
 
@@ -86,6 +87,8 @@ class StepAttribution:
         copies: (B,) OAR-P masked copies run per row, -1 where not attributed or not counted.
         refined: (B,) reasoning tokens per row with a token-level OAR-P score, -1 where not attributed or not
             counted.
+        fidelity: name -> (N,) float64 per attributed row, the worker's ``oar_fidelity_<name>`` fields
+            (:data:`~oar_verl.integration.fields.FIDELITY_FIELDS`; NaN: not measured); empty when none came back.
     """
 
     estimator_inputs: EstimatorInputs
@@ -98,6 +101,7 @@ class StepAttribution:
     policy_match: torch.Tensor
     copies: torch.Tensor
     refined: torch.Tensor
+    fidelity: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: BatchRows,
@@ -120,7 +124,9 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
     passes = torch.full((len(rows),), -1.0)
     match = torch.full((len(rows),), float("nan"))
     copies, refined = torch.full((B,), -1.0), torch.full((B,), -1.0)
+    fidelity = {}
     if out is not None and len(rows):
+        fidelity = {k: out[f"oar_fidelity_{k}"].double() for k in FIDELITY_FIELDS if f"oar_fidelity_{k}" in out}
         passes = out["oar_passes"].float() if "oar_passes" in out else passes
         if "oar_params_fingerprint" in out:
             logp = out["oar_log_prob_params_fingerprint"].double()
@@ -136,4 +142,4 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
     base_adv, base_ret = base if base is not None else (None, None)
     inputs = EstimatorInputs(importance, reasoning & batch.response_mask.bool(), attributed, batch.response_mask,
                              batch.scores if base is not None else None, base_adv, base_ret)
-    return StepAttribution(inputs, rows, answer, found, probe, batch, passes, match, copies, refined)
+    return StepAttribution(inputs, rows, answer, found, probe, batch, passes, match, copies, refined, fidelity)

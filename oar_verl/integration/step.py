@@ -22,7 +22,9 @@ which reads, in order:
 6. **advantage** -- verl's advantage step runs with the handoff open (:mod:`oar_verl.integration.handoff`): the
    ``oar`` estimator takes the importance and the base advantage and reshapes it (:mod:`~oar_verl.integration.
    estimator`);
-7. **report** -- ``oar/*`` metrics of what the estimator did, and the token dump when one is due.
+7. **report** -- ``oar/*`` metrics of what the estimator did, the fidelity of the step's attribution when one is due
+   (``oar/fidelity/*``, ``timing_s/oar_fidelity``; measured by the workers in step 4), and the token dump when one is
+   due.
 
 The trainers (``trainer_v1``, ``trainer_legacy``) only adapt verl's batch to :class:`TrainerIO`.
 """
@@ -37,6 +39,8 @@ import torch
 from verl.utils.profiler import marked_timer
 
 from oar_verl.core.config import OARConfig
+from oar_verl.core.fidelity_step import due as fidelity_due
+from oar_verl.core.fidelity_step import step_metrics
 from oar_verl.core.reshape import attribution_rows
 from oar_verl.integration import dumps, handoff
 from oar_verl.integration.estimator import base_advantage
@@ -44,6 +48,7 @@ from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
 from oar_verl.integration.rows import BatchRows, StepAttribution, assemble, select_rows
 
 TIMER = "oar"  # -> timing_s/oar (verl times the attribution call inside its old-log-prob pass)
+FIDELITY_TIMER = "oar_fidelity"  # -> timing_s/oar_fidelity: the slowest rank's fidelity measurement (within oar's)
 
 
 class TrainerIO(Protocol):
@@ -83,7 +88,11 @@ class OARStep:
             base = self.base_advantage(batch)
             rows = select_rows(self.wanted(batch, base), batch.eligible, io.dp_size())
             out = io.compute_importance(rows, self.worker_options(global_step)) if len(rows) else None
-            return assemble(out, rows, batch, base)
+            att = assemble(out, rows, batch, base)
+        seconds = att.fidelity.get("seconds")
+        if fidelity_due(self.cfg, global_step) and seconds is not None and not bool(seconds.isnan().all()):
+            timing_raw[FIDELITY_TIMER] = float(seconds.nan_to_num(0.0).max())  # measured inside the workers
+        return att
 
     @contextlib.contextmanager
     def advantage(self, att: StepAttribution, global_step: int, metrics: dict) -> Iterator[StepAttribution]:
@@ -130,6 +139,8 @@ class OARStep:
         if len(att.policy_match) and not bool(att.policy_match.isnan().any()):
             # 1: every rank attributed with exactly the weights its old-log-prob pass used (docs/verl.md)
             metrics["oar/policy_matches_old_log_prob"] = float(att.policy_match.min())
+        if fidelity_due(self.cfg, global_step) and att.fidelity:  # docs/fidelity.md, "Logged while training"
+            metrics.update(step_metrics(att.fidelity))
         if dumps.due(self.cfg, global_step) and att.batch.responses is not None and len(att.rows):
             dumps.dump_step(self.cfg, global_step, att, result, self.tokenizer, self.default_local_dir)
         return metrics

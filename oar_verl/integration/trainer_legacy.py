@@ -25,7 +25,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from oar_verl.integration.guard import uses_oar
 from oar_verl.integration.rows import BatchRows
 from oar_verl.integration.startup import validate_oar_setup
-from oar_verl.integration.step import TIMER, OARStep
+from oar_verl.integration.step import OARStep
 from oar_verl.integration.fields import OUTPUT_FIELDS
 from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
 
@@ -86,7 +86,9 @@ class OARRayPPOTrainer(RayPPOTrainer):
             self._close_oar_step()
         output = super()._update_actor(batch)
         if self._oar_metrics:
-            output.meta_info["metrics"].update({**self._oar_metrics, f"timing_s/{TIMER}": self._oar_timing[TIMER]})
+            # timing_s/oar, and timing_s/oar_fidelity on a step that measured fidelity
+            output.meta_info["metrics"].update({**self._oar_metrics,
+                                                **{f"timing_s/{k}": v for k, v in self._oar_timing.items()}})
             self._oar_metrics = {}
         return output
 

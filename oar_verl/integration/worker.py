@@ -24,11 +24,13 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from oar_verl.core.attribution import run_attribution
 from oar_verl.core.config import OARConfig
+from oar_verl.core.fidelity import default_min_gap
+from oar_verl.core.fidelity_step import step_fidelity
 from oar_verl.core.preprocess import prepare_attribution
 from oar_verl.integration.actor_budget import actor_token_budget
 from oar_verl.integration.backends import ENGINE_BACKENDS
 from oar_verl.core.collectives import max_over_ranks
-from oar_verl.integration.fields import CONFIG_KEY, GROUND_TRUTH_KEY, STEP_KEY
+from oar_verl.integration.fields import CONFIG_KEY, FIDELITY_FIELDS, GROUND_TRUTH_KEY, STEP_KEY
 
 logger = logging.getLogger("oar_verl")
 
@@ -102,7 +104,9 @@ class TokenImportanceMixin:
             ``oar_copies`` / ``oar_refined``: OAR-P's masked copies and reasoning tokens scored at token level per
             row (-1 for OAR-G),
             ``oar_params_fingerprint`` / ``oar_log_prob_params_fingerprint``: :func:`params_fingerprint` now and at
-            the last ``compute_log_prob`` (NaN if none ran since the last attribution).
+            the last ``compute_log_prob`` (NaN if none ran since the last attribution),
+            ``oar_fidelity_*`` (:data:`~oar_verl.integration.fields.FIDELITY_FIELDS`): the step's fidelity per
+            measured row, NaN elsewhere and on steps not due (``fidelity_every``).
         """
         cfg = _config(json.dumps(tu.get(data, CONFIG_KEY), sort_keys=True))
         step = int(tu.get(data, STEP_KEY, default=0))
@@ -126,6 +130,10 @@ class TokenImportanceMixin:
             kind.eval_numerics(engine)
             result = run_attribution(backend, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
                                      seeds=prepared.seeds)
+            # the step's fidelity, every rank alike (fillers align the pass counts); NaN when not due
+            gap = default_min_gap(engine.module[0] if isinstance(engine.module, (list, tuple)) else engine.module)
+            fidelity = step_fidelity(backend, prepared.batch, result.importance, cfg, step,
+                                     token=prepared.mask_token_id, min_gap=gap)
         if not engine.is_mp_src_rank_with_outputs():
             return None
         lens, spans = prepared.response_lengths, prepared.spans
@@ -141,6 +149,7 @@ class TokenImportanceMixin:
             "oar_params_fingerprint": torch.full((len(lens),), fingerprint, dtype=torch.float64),
             "oar_log_prob_params_fingerprint": torch.full((len(lens),), float("nan") if log_prob_fingerprint is None
                                                           else log_prob_fingerprint, dtype=torch.float64),
+            **{f"oar_fidelity_{k}": fidelity[k] for k in FIDELITY_FIELDS},
         }, batch_size=[len(lens)]).cpu()
 
 

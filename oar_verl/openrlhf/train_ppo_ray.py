@@ -37,7 +37,13 @@ OUTCOME_ESTIMATORS = ("group_norm", "rloo", "reinforce_baseline", "dr_grpo", "fl
 # OAR options with no meaning or no implementation in the OpenRLHF adapter
 UNSUPPORTED = {"dump_every": "token dumps are written by the verl trainer only; keep --oar.dump_every=0",
                "dump_dir": "token dumps are written by the verl trainer only",
-               "base_estimator": "the base advantage is OpenRLHF's own --algo.advantage.estimator"}
+               "base_estimator": "the base advantage is OpenRLHF's own --algo.advantage.estimator",
+               "fidelity_every": "the fidelity logged while training is measured by the verl trainer only (the offline "
+                                 "oar_verl.core.fidelity.fidelity_report works on any Hugging Face model); keep "
+                                 "--oar.fidelity_every=0",
+               "fidelity_rows": "the fidelity logged while training is measured by the verl trainer only"}
+# keys whose "off" value is accepted: an explicit never
+_OFF = {"dump_every": 0, "fidelity_every": 0}
 
 
 def _value(text: str) -> Any:
@@ -79,7 +85,7 @@ def split_oar_flags(argv: Sequence[str]) -> tuple[dict[str, Any], list[str], boo
 def oar_config(values: dict[str, Any]) -> OARConfig:
     """The validated OARConfig of ``--oar.*`` values (errors name the flag and the allowed values)."""
     for key, why in UNSUPPORTED.items():
-        if key in values and not (key == "dump_every" and values[key] == 0):
+        if key in values and not (key in _OFF and values[key] == _OFF[key]):
             raise OpenRLHFArgsError(f"{FLAG_PREFIX}.{key}: not available with OpenRLHF ({why})")
     try:
         return OARConfig.from_mapping(values, prefix=FLAG_PREFIX)

@@ -48,3 +48,14 @@ def count_passes(batch, cfg: OARConfig, limits, shards=None) -> int:
         return len(oar_p_passes(backend, batch, mask_blocks(batch.reasoning_mask, cfg.mask_span), 0))
     draws = cfg.noise_samples if cfg.mode == "gradient" else cfg.fisher_outcomes
     return len(plan_draws(backend, batch, draws, PassKind.INPUT_GRADIENT)[1])
+
+
+def fidelity_of(backend, batch, mask_token_id: int = 0) -> torch.Tensor:
+    """(4, B) :data:`oar_verl.core.fidelity_step.FIELDS` of the in-step fidelity metric of a fixed random ranking (a
+    function of the local row index and the columns) on any backend, its removal sets run as masked copies."""
+    from oar_verl.core.fidelity_step import FIELDS, deletion_metrics
+
+    scores = torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = deletion_metrics(backend, batch, scores, token=mask_token_id, fractions=(0.2, 0.5), random_rankings=2,
+                           seed=4)
+    return torch.stack([got[k].cpu() for k in FIELDS])

@@ -1,8 +1,8 @@
 """Sharded attribution on 2 gloo ranks (a sequence-parallel group), for test_sequence_parallel.py.
 
 usage: python -m torch.distributed.run --nproc_per_node 2 sequence_parallel_job.py OUT_DIR
-Each rank writes OUT_DIR/rank{R}.pt with its OAR-G (one and three noise draws) and OAR-P importance (every rank
-holds the whole result).
+Each rank writes OUT_DIR/rank{R}.pt with its OAR-G (one and three noise draws), OAR-P and fisher importance and the
+in-step fidelity metric (every rank holds the whole result).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import oar_g
 from oar_verl.core.perturbation import mask_blocks, oar_p
 from oar_verl.cpu import ulysses_attention
-from oar_helpers import count_passes
+from oar_helpers import count_passes, fidelity_of
 
 
 def model(attn: str):
@@ -78,6 +78,8 @@ def main(out_dir: str) -> None:
                 b, OARConfig(mode="gradient", noise_samples=3), limits, shards)
             # the fisher mode: clean-point gradients of the top 2 outcomes, projected on e_mask - e_t
             results[(int(kind), tokens, "f")] = fisher(backend, b, 0, outcomes=2)[0]
+            # the in-step fidelity metric of a fixed ranking (its removal sets packed as masked copies)
+            results[(int(kind), tokens, "fid")] = fidelity_of(backend, b)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -89,7 +89,9 @@ def _check_oar_run(name, run, steps, dump_dir=None):
                               "algorithm.oar.segment_min_tokens=1", "algorithm.oar.segment_max_tokens=4",
                               "algorithm.oar.refine_share=0.3", "algorithm.rollout_correction.bypass_mode=true",
                               "actor_rollout_ref.rollout.calculate_log_probs=true"]),
-    ("oar_g_colocate_async", ["algorithm.oar.mode=gradient", "trainer.v1.trainer_mode=colocate_async"]),
+    # ... and the fidelity of OAR-G's attribution measured on every step (docs/fidelity.md, "Logged while training")
+    ("oar_g_colocate_async", ["algorithm.oar.mode=gradient", "trainer.v1.trainer_mode=colocate_async",
+                              "algorithm.oar.fidelity_every=1"]),
     ("oar_g_legacy", ["algorithm.oar.mode=gradient", "trainer.use_v1=false"]),
 ])
 def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
@@ -104,6 +106,16 @@ def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
         assert len(perturbed) == len([m for m in run.metrics if m["oar/attributed_seq_frac"] > 0])
     else:
         assert not perturbed
+    fidelity = [m for m in run.metrics if "oar/fidelity/aopc" in m]
+    if "algorithm.oar.fidelity_every=1" in extra:  # every step that attributed measured its fidelity
+        assert len(fidelity) == len([m for m in run.metrics if m["oar/attributed_seq_frac"] > 0]) > 0
+        for m in fidelity:
+            print({k: v for k, v in m.items() if "fidelity" in k})
+            assert m["oar/fidelity/rows"] >= 1 and m["timing_s/oar_fidelity"] > 0
+            assert all(math.isfinite(m[f"oar/fidelity/{k}"]) for k in ("aopc", "aopc_random", "gain"))
+            assert m["oar/fidelity/aopc"] >= 0 and "oar/fidelity/suppression" in m
+    else:
+        assert not fidelity and not any("timing_s/oar_fidelity" in m for m in run.metrics)
     if "auto" in name:  # long rows were refined only in part: fewer copies than reasoning tokens
         assert any(0 < m["oar/refined_share"] < 1 for m in perturbed), [m.get("oar/refined_share") for m in perturbed]
         print({m["step"]: (m["oar/perturbation_copies"], m["oar/refined_share"]) for m in perturbed})

@@ -84,6 +84,11 @@ def test_assemble_scatters_worker_rows_into_the_batch():
     assert att.found.tolist() == [False, True, False, False]
     assert att.answer_probe.tolist() == [False, True, False, False]
     assert est.base_advantages is base[0] and est.token_level_rewards is scores
+    assert att.fidelity == {}  # no fidelity fields came back
+    nan = float("nan")
+    fid = {"oar_fidelity_aopc": torch.tensor([0.5, nan]), "oar_fidelity_seconds": torch.tensor([2.0, 2.0])}
+    att = assemble({**out, **fid}, rows, batch, base)
+    assert set(att.fidelity) == {"aopc", "seconds"} and att.fidelity["aopc"][0] == 0.5
     # nothing attributed: all zeros, no base handed on when there is none
     empty = assemble(None, torch.zeros(0, dtype=torch.long), batch, None)
     assert not empty.estimator_inputs.attributed.any() and empty.estimator_inputs.base_advantages is None

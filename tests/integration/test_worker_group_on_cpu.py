@@ -56,6 +56,37 @@ def core_reference(model_dir, res):
     return ref, prepared.spans, rounds, result
 
 
+def check_fidelity(model_dir, res):
+    """Each rank's ``oar_fidelity_*`` (fidelity_rows=1: its first row with reasoning tokens) equal the core's
+    step_fidelity on its rows, NaN on its other row; the ranks' pass counts differ (aligned by filler passes, or the
+    call would hang)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from oar_verl.core.fidelity import default_min_gap
+    from oar_verl.core.fidelity_step import step_fidelity
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    cfg = OARConfig.from_mapping(res["config"])
+    assert cfg.fidelity_every == 1 and cfg.fidelity_rows == 1
+    ref, passes = {}, []
+    for r in range(2):  # rank r holds rows [2r, 2r + 2)
+        half = prepare_attribution(res["prompts"][2 * r: 2 * r + 2], res["responses"][2 * r: 2 * r + 2], tok, cfg, 3)
+        backend = module_backend(model, cfg)
+        imp = run_attribution(backend, half.batch, cfg, mask_token_id=half.mask_token_id, seeds=half.seeds).importance
+        got = step_fidelity(backend, half.batch, imp, cfg, 3, token=half.mask_token_id, min_gap=default_min_gap(model))
+        passes.append(float(got["passes"][0]))
+        for k, v in got.items():
+            ref[k] = torch.cat([ref[k], v]) if k in ref else v
+    assert passes[0] != passes[1], passes
+    for k in ("aopc", "aopc_random", "suppression"):
+        got = res["fidelity"][k]
+        assert got.isnan().tolist() == ref[k].isnan().tolist(), (k, got, ref[k])
+        assert [int((~got[2 * r: 2 * r + 2].isnan()).sum()) for r in range(2)] == [1, 1]  # one row per rank
+        torch.testing.assert_close(got, ref[k], rtol=1e-2, atol=1e-6, equal_nan=True, msg=k)
+    assert (res["fidelity"]["seconds"] > 0).all()
+
+
 def padded(rows):
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged).to_padded_tensor(0.0)
 
@@ -88,6 +119,8 @@ def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
         assert two["refined"].tolist() == result.refined.float().tolist()
         if mode == "hierarchical":  # part of every long row refined, in fewer copies than tokens
             assert (two["refined"] < result.reasoning).any() and (two["copies"] < result.reasoning).any()
+    if mode == "gradient":  # the step's fidelity, measured by each rank on its first row, equals the core's
+        check_fidelity(tiny_assets.model_dir, two)
     if mode == "gradient":  # one rank (under the same budget): same result (noise is seeded per sequence, not rank)
         one = run_job(tiny_assets.model_dir, tmp_path, 1, mode)
         torch.testing.assert_close(padded(one["token_importance"]), got, rtol=2e-3,

@@ -31,7 +31,7 @@ from verl.single_controller.ray.base import create_colocated_worker_cls
 from verl.utils import tensordict_utils as tu
 
 from oar_verl.core.config import OARConfig
-from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
+from oar_verl.integration.fields import CONFIG_KEY, FIDELITY_FIELDS, STEP_KEY
 from oar_verl.integration.worker import OARActorRolloutRefWorker
 
 # Rank 0 gets the first half of the batch: short responses there, long ones on rank 1.
@@ -96,7 +96,9 @@ def main() -> None:
         policy = {"mode": "perturbation", "perturbation": "hierarchical", "segment_min_tokens": 1,
                   "segment_max_tokens": 4, "refine_share": 0.3} if mode == "hierarchical" else \
             {"mode": "gradient", "noise_samples": 3} if mode == "gradient_k3" else {"mode": mode}
-        oar = OARConfig(**policy, probe="as_mean", max_token_len_per_gpu=BUDGET, target=target)
+        # OAR-G also measures the step's fidelity (the first row of each rank: the ranks need different pass counts)
+        fidelity = {"fidelity_every": 1, "fidelity_rows": 1} if mode == "gradient" else {}
+        oar = OARConfig(**policy, **fidelity, probe="as_mean", max_token_len_per_gpu=BUDGET, target=target)
         # verl's RL datasets store the ground truth with every sample; target=reference reads it from there
         tu.assign_non_tensor(data, reward_model=[{"ground_truth": g, "style": "rule"} for g in GROUND_TRUTHS])
         logp_data = data.clone()
@@ -113,6 +115,7 @@ def main() -> None:
                     "answer_probe": out["oar_answer_probe"].clone(),
                     "rounds": out["oar_passes"].clone(), "copies": out["oar_copies"].clone(),
                     "refined": out["oar_refined"].clone(),
+                    "fidelity": {k: out[f"oar_fidelity_{k}"].clone() for k in FIDELITY_FIELDS},
                     "log_probs_before": [t.clone() for t in before.unbind()],
                     "log_probs_after": [t.clone() for t in after.unbind()]}, out_file)
     finally:

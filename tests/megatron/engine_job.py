@@ -22,11 +22,13 @@ from pathlib import Path
 
 os.environ.setdefault("VERL_PLATFORM", "cpu")
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "core"))  # oar_helpers
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import cpu_shims  # noqa: E402  (test-only)
+from oar_helpers import fidelity_of  # noqa: E402  (test-only)
 
 import oar_verl.cpu.platform  # noqa: E402,F401  (verl "cpu" platform, gloo)
 
@@ -125,6 +127,13 @@ def main(spec_path: str) -> None:
 
     if rec is not None:
         rec.remove()
+    # the in-step fidelity metric of a fixed ranking through the engine's backend (ranks aligned by fillers)
+    fcfg = OARConfig(probe="as_mean")
+    fbatch = build_attribution_batch(sel["prompts"], sel["prompt_mask"], sel["responses"], sel["response_mask"],
+                                     sel["reasoning"], sel["answer"], probe_kinds(fcfg, 0, len(rows)))
+    with engine.eval_mode():
+        fid = fidelity_of(MegatronBackend(engine, pass_limits(fcfg)), fbatch, int(spec["mask_token_id"]))
+    fid = fid if engine.is_mp_src_rank_with_outputs() else None
     lp_after = log_probs()
     checks = {
         "embedding_chunked": None if emb is None else any(o != i for o, i in shapes),
@@ -150,7 +159,7 @@ def main(spec_path: str) -> None:
         object.__setattr__(engine.engine_config, "context_parallel_size", 1)
 
     out = Path(spec["out_dir"]) / f"rank{rank}.pt"
-    torch.save({"cases": results, "src": engine.is_mp_src_rank_with_outputs(), "dp_rank": dp_rank,
+    torch.save({"cases": results, "fidelity": fid, "src": engine.is_mp_src_rank_with_outputs(), "dp_rank": dp_rank,
                 "rows": rows, "seconds": seconds, "checks": checks,
                 "tp_rank": mpu.get_tensor_model_parallel_rank(), "pp_rank": mpu.get_pipeline_model_parallel_rank()},
                out)

@@ -169,10 +169,34 @@ def compare(assets, ranks, rtol, label):
             stats[case["name"]].append((float(err.max()), rel, float((err / ref.abs().clamp(min=1e-30))
                                                                      [batch.reasoning_mask].max())))
             assert rel < rtol, f"{label}/{case['name']}: max|diff| {float(err.max()):.3g} = {rel:.3g} of max|ref|"
+        compare_fidelity(assets, res, rows, label)
     print(f"[{label}] max abs diff / (max abs diff ÷ max |ref|) / max elementwise rel diff:")
     for k, v in stats.items():
         print(f"   {k:14s} " + " | ".join(f"{a:.2e} / {r:.2e} / {e:.2e}" for a, r, e in v))
     return covered
+
+
+def compare_fidelity(assets, res, rows, label, rtol=1e-2):
+    """The in-step fidelity metric through the engine (``oar_helpers.fidelity_of``) equals the core's on the Hugging
+    Face model: AOPC of the ranking and of random rankings, gain and S, row by row."""
+    from oar_helpers import fidelity_of
+
+    from oar_verl.core.backend_hf import ModuleBackend
+    from oar_verl.core.budget import PassLimits
+
+    reference(assets, rows, CASES[0])  # loads the fp32 model
+    x = {k: v[rows] for k, v in assets["inputs"].items()}
+    cfg = OARConfig(probe="as_mean")
+    batch = build_attribution_batch(x["prompts"], x["prompt_mask"], x["responses"], x["response_mask"],
+                                    x["reasoning"], x["answer"], probe_kinds(cfg, 0, len(rows)))
+    ref = fidelity_of(ModuleBackend(_HF[torch.float32], PassLimits(10**6)), batch, assets["pad"])
+    got = res["fidelity"]
+    assert got.shape == ref.shape and bool((got.isnan() == ref.isnan()).all()), (got, ref)
+    ok = ~ref.isnan()
+    assert bool(ok[0].all()) and float(ref[0].abs().min()) > 0, "vacuous fidelity comparison"
+    rel = float(((got - ref).abs()[ok]).max() / ref.abs()[ok].max())
+    print(f"[{label}] fidelity (aopc, aopc_random, gain, S) max abs diff ÷ max |ref|: {rel:.2e}")
+    assert rel < rtol, f"{label}/fidelity: {got} vs {ref}"
 
 
 def check_side_effects(ranks):

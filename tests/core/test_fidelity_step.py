@@ -1,0 +1,110 @@
+"""The in-step deletion metric (oar_verl.core.fidelity_step) over the backend interface equals the offline fidelity
+report's mask-operator curves on a tiny float64 Qwen2, whatever the budget and the rank alignment."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from oar_verl.core.backend_hf import ModuleBackend
+from oar_verl.core.budget import PassLimits
+from oar_verl.core.fidelity import fidelity_report
+from oar_verl.core.fidelity_step import deletion_metrics, removal_sets, rows_of
+from oar_verl.core.layout import build_attribution_batch
+from oar_verl.core.probes import ProbeKind
+
+MASK = 0
+KINDS = torch.tensor([ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT, ProbeKind.AS_MEAN,
+                      ProbeKind.LT_LOGITS])
+FR = (0.1, 0.2, 0.5)
+
+
+def make(make_batch, B=5, T=14, seed=11):
+    return build_attribution_batch(*make_batch(B=B, P=4, T=T, seed=seed), KINDS[:B].clone())
+
+
+@pytest.fixture(scope="module")
+def case(lm64, make_batch):
+    batch = make(make_batch)
+    scores = torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rep = fidelity_report(lm64, batch, {"m": scores}, mask_token_id=MASK, operators=("mask",), fractions=FR,
+                          random_rankings=3, limits=PassLimits(64), seed=3, resamples=10, min_gap=0.0)
+    return batch, scores, rep
+
+
+@pytest.mark.parametrize("tokens,prefix_cache,align_to", [(64, True, 0), (10**6, False, 0), (40, True, 50)])
+def test_equals_the_offline_mask_report(lm64, case, tokens, prefix_cache, align_to):
+    batch, scores, rep = case
+    backend = ModuleBackend(lm64, PassLimits(tokens), prefix_cache=prefix_cache, align=lambda n: max(n, align_to))
+    got = deletion_metrics(backend, batch, scores, token=MASK, fractions=FR, random_rankings=3, seed=3,
+                           suppress_fraction=0.4)
+    m = rep.methods["m"]
+    tol = dict(rtol=1e-7, atol=1e-12, equal_nan=True)
+    torch.testing.assert_close(got["aopc"], m.aopc[0], **tol)  # measure 0: kl
+    torch.testing.assert_close(got["aopc_random"], rep.random_aopc[0], **tol)
+    torch.testing.assert_close(got["suppression"], m.suppression[0], **tol)
+    torch.testing.assert_close(got["gain"], m.aopc[0] / rep.random_aopc[0], **tol)
+    assert torch.isfinite(got["aopc"]).all() and (got["aopc"] > 0).any()
+
+
+def test_removal_sets_and_cost(lm64, case):
+    batch, scores, _ = case
+    J, F = 2, len(FR)
+    sets = removal_sets(batch, scores, fractions=FR, random_rankings=J, seed=0, suppress_fraction=0.4)
+    assert sets.shape == ((1 + J) * (F + 1), *batch.input_ids.shape)
+    assert not (sets & ~batch.reasoning_mask).any()  # reasoning tokens only
+    r = batch.reasoning_mask.sum(-1)
+    assert (sets.sum(-1)[0] == torch.ceil(FR[0] * r - 1e-9)).all()
+    calls = []
+    backend = ModuleBackend(lm64, PassLimits(10**6), align=lambda n: calls.append(n) or n)
+    out = deletion_metrics(backend, batch, scores, token=MASK, fractions=FR, random_rankings=J)
+    # one clean pass and one pass of every perturbed row under an unlimited budget: independent of R
+    assert calls == [2] and (out["passes"] == 2).all()
+
+
+def test_rows_without_reasoning_are_nan_and_fill(lm64, make_batch, case):
+    batch, scores, _ = case
+    empty = rows_of(batch, torch.tensor([0, 1]))
+    empty = type(empty)(**{**empty.__dict__, "reasoning_mask": torch.zeros_like(empty.reasoning_mask)})
+    backend = ModuleBackend(lm64, PassLimits(64), align=lambda n: max(n, 3))  # other ranks run 3 passes
+    seen = []
+    run = backend.run
+    backend.run = lambda b, passes, on_probe, hook=None: seen.append(len(passes)) or run(b, passes, on_probe, hook)
+    out = deletion_metrics(backend, empty, scores[:2], token=MASK, fractions=FR, random_rankings=2)
+    assert seen == [3]  # fillers only
+    for k in ("aopc", "aopc_random", "gain", "suppression"):
+        assert all(math.isnan(float(v)) for v in out[k])
+
+
+def test_errors(lm64, case):
+    batch, scores, _ = case
+    backend = ModuleBackend(lm64, PassLimits(64))
+    with pytest.raises(ValueError, match="fractions"):
+        deletion_metrics(backend, batch, scores, token=MASK, fractions=(0.0,))
+    with pytest.raises(ValueError, match="random_rankings"):
+        deletion_metrics(backend, batch, scores, token=MASK, random_rankings=0)
+
+
+def test_step_fidelity_measures_the_first_rows_on_due_steps(lm64, case):
+    from oar_verl.core.config import OARConfig
+    from oar_verl.core.fidelity_step import step_fidelity, step_metrics
+
+    batch, scores, _ = case
+    cfg = OARConfig(fidelity_every=5, fidelity_rows=2, seed=3, tau=0.4)
+    backend = ModuleBackend(lm64, PassLimits(64))
+    off = step_fidelity(backend, batch, scores, cfg, 7, token=MASK)
+    assert all(v.isnan().all() for v in off.values()) and step_metrics(off) == {}
+    on = step_fidelity(backend, batch, scores, cfg, 10, token=MASK)
+    first = rows_of(batch, torch.tensor([0, 1]))
+    ref = deletion_metrics(backend, first, scores[:2], token=MASK, random_rankings=4, seed=3, suppress_fraction=0.4)
+    for k in ("aopc", "aopc_random", "suppression"):
+        torch.testing.assert_close(on[k][:2], ref[k].cpu(), equal_nan=True)
+        assert on[k][2:].isnan().all()
+    assert (on["seconds"] > 0).all()
+    m = step_metrics(on)
+    assert m["oar/fidelity/rows"] == 2.0
+    assert m["oar/fidelity/gain"] == pytest.approx(m["oar/fidelity/aopc"] / m["oar/fidelity/aopc_random"])
+    with pytest.raises(ValueError, match="mask_token_id"):
+        step_fidelity(backend, batch, scores, cfg, 10, token=None)
