@@ -16,7 +16,9 @@ from oar_verl.core.perturbation import mask_blocks, oar_p_passes
 def run_p(model, batch, mask_token_id: int, limits, *, prefix_cache: bool = True, mask_span: int = 1,
           align_to: int = 0, **options) -> torch.Tensor:
     """(B, L) OAR-P importance (exact unless ``options`` say otherwise) through run_attribution; ``align_to``: run at
-    least that many passes (the data-parallel alignment of a rank with less to do)."""
+    least that many passes (the data-parallel alignment of a rank with less to do). The mask is the token
+    ``mask_token_id`` (``mask=pad``, the run-time token) unless ``options`` name another operator."""
+    options.setdefault("mask", "pad")
     cfg = OARConfig(mode="perturbation", prefix_cache=prefix_cache, mask_span=mask_span, **options)
     backend = module_backend(model, cfg, limits=limits, align=lambda n: max(n, align_to))
     return run_attribution(backend, batch, cfg, mask_token_id=mask_token_id).importance
