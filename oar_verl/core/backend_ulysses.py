@@ -98,6 +98,8 @@ def _pack(batch: AttributionBatch, p: Pass, shards: SequenceShards, pad_id: int)
     if replaced is not None:
         ids = p.replacement.input_ids(ids, replaced, rows)
     tokens = ids[slot_of, col]
+    # the packed positions whose embedding output an embedding operator replaces
+    at_embedding = replaced[slot_of, col] if replaced is not None and p.replacement.embedding else None
     positions = batch.position_ids[rows][slot_of, col]
     n = tokens.shape[0]
     total = -(-n // shards.size) * shards.size
@@ -110,9 +112,8 @@ def _pack(batch: AttributionBatch, p: Pass, shards: SequenceShards, pad_id: int)
     slot = torch.cat([slot_of, minus])
     col = torch.cat([col, minus])
     lo, hi = shards.rank * total // shards.size, (shards.rank + 1) * total // shards.size
-    at_embedding = None
-    if replaced is not None and p.replacement.embedding:  # the local shard's replaced positions (padding: none)
-        at_embedding = torch.cat([replaced[slot_of, col], replaced.new_zeros(pad)])[lo:hi][None]
+    if at_embedding is not None:  # this shard's part (the padding is never replaced)
+        at_embedding = torch.cat([at_embedding, at_embedding.new_zeros(pad)])[lo:hi][None]
     return _Packed(tokens[lo:hi][None], positions[lo:hi][None], row, col, slot, lo, hi, at_embedding)
 
 
