@@ -48,7 +48,7 @@ from oar_verl.core.probes import ProbeOutput, outcome_shift
 
 @dataclass(frozen=True, eq=False)
 class Replacement:
-    """What replaces a copy's masked tokens (``algorithm.oar.mask``, :mod:`oar_verl.core.mask_token`), built once per
+    """What replaces a copy's masked tokens (``algorithm.oar.mask``, :mod:`oar_verl.core.mask_operator`), built once per
     batch. Exactly one of:
 
     Attributes:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from oar_verl.core.answer_patterns import BUILTIN_PATTERNS, compile_answer_pattern
-from oar_verl.core.mask_token import DEFAULT_MASK, MASK_OPERATORS
+from oar_verl.core.mask_operator import DEFAULT_MASK, MASK_OPERATORS
 from oar_verl.core.policies import POLICIES as PERTURBATION_POLICIES
 from oar_verl.core.segments import SEGMENT_SPLITS, compile_segment_split
 

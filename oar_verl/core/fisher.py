@@ -33,7 +33,7 @@ from oar_verl.core.backend import (AttributionBackend, EmbeddingHook, Pass, Repl
                                    plan_draws, with_fillers)
 from oar_verl.core.gradient import embedding_projection
 from oar_verl.core.layout import AttributionBatch
-from oar_verl.core.mask_token import TOKEN_OPERATORS, mask_replacement, replacement_embedding
+from oar_verl.core.mask_operator import TOKEN_OPERATORS, mask_replacement, replacement_embedding
 from oar_verl.core.memory import PassKind
 from oar_verl.core.methods import AttributionResult, MethodInputs, method, require
 from oar_verl.core.perturbation import as_replacement

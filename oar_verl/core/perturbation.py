@@ -2,7 +2,7 @@
 over the backend interface (:mod:`oar_verl.core.backend`).
 
 For every reasoning position t, replace y_t by the mask (length unchanged; ``algorithm.oar.mask``: a token, the zero or
-mean embedding, or a token resampled from the row, :mod:`oar_verl.core.mask_token`) and score
+mean embedding, or a token resampled from the row, :mod:`oar_verl.core.mask_operator`) and score
 I_t = KL(P_clean ‖ P^(t)) (or φ_clean − φ^(t) with AS-Joint). Full-vocabulary logits are computed only at the probe
 positions, and the masked copies stream through the model in passes packed under a token budget
 (:mod:`oar_verl.core.budget`: a copy holds its whole row, so a pass of c copies of an n-token row holds c × n tokens),
@@ -114,7 +114,7 @@ def oar_p(backend: AttributionBackend, batch: AttributionBatch, blocks: torch.Te
         blocks: (B, L) long block id of every token to perturb, -1 elsewhere (:func:`mask_blocks`, or a segment
             layout); one masked copy per block.
         mask: what replaces a copy's block: a token id, or a :class:`~oar_verl.core.backend.Replacement`
-            (``algorithm.oar.mask``, :func:`oar_verl.core.mask_token.mask_replacement`).
+            (``algorithm.oar.mask``, :func:`oar_verl.core.mask_operator.mask_replacement`).
 
     Returns:
         ((B, L) float32 importance: every token of a block gets its copy's score, 0 off the blocks; the passes this

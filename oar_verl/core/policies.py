@@ -28,7 +28,7 @@ import torch
 
 from oar_verl.core.backend import AttributionBackend
 from oar_verl.core.layout import AttributionBatch
-from oar_verl.core.mask_token import TOKEN_OPERATORS, mask_replacement
+from oar_verl.core.mask_operator import TOKEN_OPERATORS, mask_replacement
 from oar_verl.core.methods import AttributionResult, MethodInputs, method, require
 from oar_verl.core.perturbation import block_copies, mask_blocks, oar_p
 

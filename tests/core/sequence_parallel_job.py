@@ -22,7 +22,7 @@ from oar_verl.core.backend_ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.config import OARConfig
 from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import oar_g
-from oar_verl.core.mask_token import mask_replacement
+from oar_verl.core.mask_operator import mask_replacement
 from oar_verl.core.perturbation import mask_blocks, oar_p
 from oar_verl.cpu import ulysses_attention
 from oar_helpers import count_passes

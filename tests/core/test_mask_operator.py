@@ -15,7 +15,8 @@ from oar_verl.core.budget import PassLimits
 from oar_verl.core.config import OARConfigError
 from oar_verl.core.fisher import fisher
 from oar_verl.core.layout import build_attribution_batch, with_segments
-from oar_verl.core.mask_token import (check_mask_token, mask_replacement, resample_ids, unsafe_mask_reason)
+from oar_verl.core.mask_operator import mask_replacement, resample_ids
+from oar_verl.core.mask_token import check_mask_token, unsafe_mask_reason
 from oar_verl.core.probes import ProbeKind
 from oar_verl.cpu.tokenizers import IM_END, IM_START, PAD_TOKEN, train_tiny_bpe
 from oar_helpers import run_p

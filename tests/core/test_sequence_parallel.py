@@ -20,7 +20,7 @@ from oar_verl.core.backend_hf import ModuleBackend
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import sequence_seeds
-from oar_verl.core.mask_token import mask_replacement
+from oar_verl.core.mask_operator import mask_replacement
 from oar_helpers import run_p, run_g
 
 JOB = Path(__file__).with_name("sequence_parallel_job.py")
