@@ -23,7 +23,7 @@ from oar_verl.cpu.progress import progress  # noqa: F401  (the product's warm st
 def oar_p_importance(model, batch, mask_token_id: int, limits, *, prefix_cache: bool = True,
                      mask_span: int = 1) -> torch.Tensor:
     """(B, L) exact (or ``mask_span``-block) OAR-P importance on a Hugging Face module."""
-    cfg = OARConfig(mode="perturbation", prefix_cache=prefix_cache, mask_span=mask_span)
+    cfg = OARConfig(mode="perturbation", prefix_cache=prefix_cache, mask_span=mask_span, mask="pad")  # the given id
     return run_attribution(module_backend(model, cfg, limits=limits), batch, cfg,
                            mask_token_id=mask_token_id).importance
 
@@ -39,7 +39,7 @@ def oar_g_importance(model, batch, noise_std: float, seeds: torch.Tensor, limits
 def fisher_importance(model, batch, mask_token_id: int, limits, *, outcomes: int = 1,
                       checkpointing: bool = True) -> torch.Tensor:
     """(B, L) ``mode=fisher`` importance (``outcomes`` kept) on a Hugging Face module."""
-    cfg = OARConfig(mode="fisher", fisher_outcomes=outcomes)
+    cfg = OARConfig(mode="fisher", fisher_outcomes=outcomes, mask="pad")  # e_mask: the given id's embedding
     return run_attribution(module_backend(model, cfg, limits=limits, checkpointing=checkpointing), batch, cfg,
                            mask_token_id=mask_token_id).importance
 

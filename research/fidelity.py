@@ -96,7 +96,7 @@ def oar_scores(model, batch: task.VerlBatch, spans, *, mode: str, probe: str, ma
                noise_samples: int = 1) -> tuple[torch.Tensor, float, float]:
     """(B, T) importance, seconds and peak extra MiB (:func:`research.attribution.measure`) of one OAR run."""
     cfg = OARConfig(mode=mode, probe=probe, seed=seed, chunk_size=chunk_size, micro_batch_size=micro_batch_size,
-                    mask_span=mask_span, noise_samples=noise_samples)
+                    mask_span=mask_span, noise_samples=noise_samples, mask="pad")  # the given mask_token_id
     B = batch.prompts.shape[0]
     seeds = sequence_seeds(cfg.seed, 0, torch.arange(B)) if mode == "gradient" else None
     out = {}

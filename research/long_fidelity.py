@@ -171,7 +171,7 @@ def _own_answer(m: Loaded, prompt: list[int], response: list[int], conclude: lis
     return hit.group(1) if hit else None
 
 
-def make_rows(m: Loaded, n: int, tokens: int, cache: Path, log, batch: int = 4) -> list[dict]:
+def make_rows(m: Loaded, n: int, tokens: int, cache: Path, log, batch: int = 8) -> list[dict]:
     """n rows {prompt, response, answer}, generated ``batch`` at a time and cached (resumable)."""
     rows = json.loads(cache.read_text()) if cache.exists() else []
     rng = random.Random(len(rows) * 7919 + 1)
@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "outputs" / "long_fidelity"))
     ap.add_argument("--docs", action="store_true", help="print the markdown table for research/docs")
     a = ap.parse_args(argv)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if "OMP_NUM_THREADS" not in os.environ:  # a shared machine: OMP_NUM_THREADS=1 wastes no time spinning
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
     methods = [x for x in a.methods.split(",") if x]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:

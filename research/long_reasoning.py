@@ -105,7 +105,7 @@ def policies(shares=SHARES) -> list[tuple[str, dict]]:
 def score(model, batch: task.VerlBatch, spans, segments: torch.Tensor, mask_id: int, options: dict,
           copies: int = 16) -> tuple[AttributionResult, float]:
     """One policy's OAR-P on a verl-layout batch (AS-Mean probe); (result with response-aligned importance, s)."""
-    cfg = OARConfig(mode="perturbation", probe="as_mean", chunk_size=copies, **options)
+    cfg = OARConfig(mode="perturbation", probe="as_mean", chunk_size=copies, mask="pad", **options)  # mask_id
     kinds = torch.full((batch.prompts.shape[0],), int(ProbeKind.AS_MEAN))
     att = with_segments(build_attribution_batch(batch.prompts, batch.prompt_mask, batch.responses,
                                                 batch.response_mask, spans.reasoning_mask, spans.answer_mask, kinds),
@@ -375,7 +375,7 @@ def cost_point(shape: str, length: int, splits: list[str], device: str, dtype: t
     for entry in point["policies"].values():
         entry["cheaper_than_exact"] = exact["seconds"] / entry["seconds"]
     if validate:  # the segment policy (first split) in full, against its estimate
-        cfg = OARConfig(mode="perturbation", perturbation="segment")
+        cfg = OARConfig(mode="perturbation", perturbation="segment", mask="pad")
         measured, _ = measure(lambda: run_attribution(module_backend(model, cfg, limits=limits), batch, cfg, mask_token_id=0),
                                       device)
         point["segment_measured_seconds"] = measured

@@ -21,6 +21,7 @@ The interface, as a method sees it::
         -> per pass: None, or (n, [K,] L) scores     each pass is a forward and K backwards from the loss on_probe
                                                     returns, scored by the hook in batch columns
     embedding(token_id) -> (H,)                     a token's input embedding as the embedding module outputs it
+    mean_embedding() -> (H,)                        the mean of the embedding table's rows, as the module outputs it
     table(size) -> ProbeTable                       a store of clean probes in this backend's probe form
     shift(clean, probe, joint) -> (b,)              KL(P_clean ‖ P) or φ_clean − φ, in that form
     share(x) -> x                                   a result of the probe-reading ranks, on every rank
@@ -45,6 +46,38 @@ from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.probes import ProbeOutput, outcome_shift
 
 
+@dataclass(frozen=True, eq=False)
+class Replacement:
+    """What replaces a copy's masked tokens (``algorithm.oar.mask``, :mod:`oar_verl.core.mask_operator`), built once per
+    batch. Exactly one of:
+
+    Attributes:
+        token: one token id for every replaced position (``pad``, ``token``): ``input_ids`` change.
+        ids: (B, L) long per-position replacement ids in batch columns (``resample``): ``input_ids`` change.
+        vector: (H,) the input-embedding output of every replaced position (``zero``, ``mean``), with ``embedding``;
+            None on ranks that hold no embedding (Megatron's later pipeline stages).
+        embedding: the embedding output is replaced (a forward hook on the input embedding), not the ids.
+    """
+
+    token: int | None = None
+    ids: torch.Tensor | None = None
+    vector: torch.Tensor | None = None
+    embedding: bool = False
+
+    def input_ids(self, ids: torch.Tensor, replaced: torch.Tensor, rows: torch.Tensor, lo: int = 0) -> torch.Tensor:
+        """(n, s) ``ids`` (n, s) of batch ``rows`` (n,) in columns [lo, lo + s) with the ``replaced`` (n, s) positions
+        swapped for the replacement token; unchanged for an embedding operator (its hook does the swap)."""
+        if self.embedding:
+            return ids
+        if self.ids is not None:
+            return torch.where(replaced, self.ids[rows][:, lo:lo + ids.shape[1]].to(ids.device), ids)
+        return ids.masked_fill(replaced, self.token)
+
+    def at_embedding(self, out: torch.Tensor, replaced: torch.Tensor) -> torch.Tensor:
+        """(..., H) embedding output ``out`` with the ``replaced`` (...) bool positions set to the vector."""
+        return torch.where(replaced.to(out.device)[..., None], self.vector.to(out.device, out.dtype), out)
+
+
 @dataclass(frozen=True)
 class Pass:
     """One forward (or, under an :class:`EmbeddingHook`, forward + backward) over some rows of the batch.
@@ -53,7 +86,7 @@ class Pass:
         rows: (n,) long batch rows, repeats allowed (OAR-P's copies of a row, a gradient method's draws).
         first: (n,) long first replaced column of each copy (OAR-P), with ``blocks``; None: the clean rows.
         blocks: (B, L) long block layout the copies replace (shared by every pass, never copied per pass).
-        token: the token id that replaces the tokens of a copy's block (with ``first``).
+        replacement: what replaces the tokens of a copy's block (with ``first``).
         cache: "keep": a one-row clean pass whose key/value cache the following "reuse" passes continue (copies of
             that row, recomputing only the columns from their first replaced one); None otherwise.
         filler: run only so that every data-parallel rank issues the same collectives; results are dropped.
@@ -62,7 +95,7 @@ class Pass:
     rows: torch.Tensor
     first: torch.Tensor | None = None
     blocks: torch.Tensor | None = None
-    token: int | None = None
+    replacement: Replacement | None = None
     cache: str | None = None
     filler: bool = False
 
@@ -124,6 +157,8 @@ class AttributionBackend(Protocol):
             hook: EmbeddingHook | None = None) -> list[torch.Tensor | None]: ...
 
     def embedding(self, token_id: int) -> torch.Tensor | None: ...
+
+    def mean_embedding(self) -> torch.Tensor | None: ...
 
     def table(self, size: int) -> ProbeTable: ...
 

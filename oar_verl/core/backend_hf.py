@@ -81,17 +81,23 @@ class ModuleBackend(DenseProbes):
     def embedding(self, token_id: int) -> torch.Tensor:
         return embedding_row(self.model, token_id)
 
-    def _inputs(self, batch: AttributionBatch, p: Pass) -> tuple[int, int, dict]:
+    def mean_embedding(self) -> torch.Tensor:
+        return embedding_mean(self.model)
+
+    def _inputs(self, batch: AttributionBatch, p: Pass) -> tuple[int, int, dict, torch.Tensor | None]:
+        """The pass's model inputs in its column window [lo, hi), and the (n, hi - lo) replaced positions (None: a
+        clean pass)."""
         lo, hi = column_window(batch.attention_mask, p.rows)
         inputs = batch.model_inputs(p.rows, lo, hi)
         replaced = p.replaced()
         if replaced is not None:
-            inputs["input_ids"] = inputs["input_ids"].masked_fill(replaced[:, lo:hi], p.token)
-        return lo, hi, inputs
+            replaced = replaced[:, lo:hi]
+            inputs["input_ids"] = p.replacement.input_ids(inputs["input_ids"], replaced, p.rows, lo)
+        return lo, hi, inputs, replaced
 
     @torch.no_grad()
     def _forward(self, batch: AttributionBatch, p: Pass, i: int, on_probe: OnProbe) -> None:
-        lo, hi, inputs = self._inputs(batch, p)
+        lo, hi, inputs, replaced = self._inputs(batch, p)
         spec = batch.probe.index(p.rows).columns(lo, hi)
         keep = probe_keep_positions(spec)
         if p.cache == "keep":
@@ -99,12 +105,14 @@ class ModuleBackend(DenseProbes):
             self._cache = (int(p.rows[0]), out.past_key_values)
             logits = out.logits
         elif p.cache == "reuse":
-            logits = self._suffix_logits(p, lo, inputs, keep)
+            logits = self._suffix_logits(p, lo, inputs, replaced, keep)
         else:
-            logits = logits_at(self.model, keep, **inputs)
+            with embedding_replaced(self.model, p, replaced):
+                logits = logits_at(self.model, keep, **inputs)
         on_probe(i, probe_from_logits(logits, spec.logit_weight[:, keep], spec.target_ids[:, keep], spec.joint))
 
-    def _suffix_logits(self, p: Pass, lo: int, inputs: dict, keep: torch.Tensor) -> torch.Tensor:
+    def _suffix_logits(self, p: Pass, lo: int, inputs: dict, replaced: torch.Tensor, keep: torch.Tensor
+                       ) -> torch.Tensor:
         """Copies of the cached row recompute only the columns from their first masked one, on the clean prefix."""
         row, cache = self._cache or (None, None)
         if row != int(p.rows[0]):
@@ -113,15 +121,19 @@ class ModuleBackend(DenseProbes):
         if int(keep.min()) < t0:  # a probe position before the masked tokens: cannot come from the suffix
             raise ValueError("prefix_cache needs every probe position after the perturbed tokens")
         c = p.rows.shape[0]
-        return self.model(input_ids=inputs["input_ids"][:, t0:], attention_mask=inputs["attention_mask"],
-                          position_ids=inputs["position_ids"][:, t0:], past_key_values=shared_prefix_cache(cache, t0, c),
-                          logits_to_keep=keep - t0, use_cache=True).logits
+        with embedding_replaced(self.model, p, replaced[:, t0:]):  # the suffix's own columns
+            return self.model(input_ids=inputs["input_ids"][:, t0:], attention_mask=inputs["attention_mask"],
+                              position_ids=inputs["position_ids"][:, t0:],
+                              past_key_values=shared_prefix_cache(cache, t0, c), logits_to_keep=keep - t0,
+                              use_cache=True).logits
 
     def _backward(self, batch: AttributionBatch, p: Pass, i: int, on_probe: OnProbe, hook: EmbeddingHook
                   ) -> torch.Tensor:
         """One backward pass: (n, [K,] L) float32 scores of the hook's projection in the rows' columns (0 outside
         the pass's column window)."""
-        lo, hi, inputs = self._inputs(batch, p)
+        lo, hi, inputs, replaced = self._inputs(batch, p)
+        if replaced is not None and p.replacement.embedding:
+            raise NotImplementedError("a backward pass over copies whose embedding output is replaced")
         spec = batch.probe.index(p.rows).columns(lo, hi)
         mask = batch.reasoning_mask[p.rows, lo:hi]
         keep = probe_keep_positions(spec)
@@ -148,6 +160,32 @@ def embedding_row(model: torch.nn.Module, token_id: int) -> torch.Tensor:
         table = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
         row = table[token_id].detach().clone()
     return row * getattr(emb, "embed_scale", 1.0)
+
+
+def embedding_mean(model: torch.nn.Module) -> torch.Tensor:
+    """(H,) the mean of the input-embedding table's rows as the embedding module outputs them (with a scaled
+    embedding's ``embed_scale``), accumulated in float32 at least; an FSDP2-sharded table is gathered once."""
+    emb = model.get_input_embeddings()
+    weight = emb.weight
+    with torch.no_grad():
+        table = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+        mean = table.to(torch.promote_types(table.dtype, torch.float32)).mean(0)
+    return (mean * getattr(emb, "embed_scale", 1.0)).to(table.dtype)
+
+
+@contextlib.contextmanager
+def embedding_replaced(model: torch.nn.Module, p: Pass, replaced: torch.Tensor | None) -> Iterator[None]:
+    """For the duration, the input embedding's output (n, s, H) has the ``replaced`` (n, s) positions set to the pass's
+    replacement vector (an embedding operator's copies); nothing otherwise."""
+    if replaced is None or not p.replacement.embedding:
+        yield
+        return
+    handle = model.get_input_embeddings().register_forward_hook(
+        lambda module, args, out: p.replacement.at_embedding(out, replaced))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def embedding_scores(model: torch.nn.Module, mask: torch.Tensor, noise: Callable[[int], torch.Tensor] | None,

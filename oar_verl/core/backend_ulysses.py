@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from oar_verl.core.backend import DenseProbes, EmbeddingHook, OnProbe, Pass, frozen_parameters
-from oar_verl.core.backend_hf import embedding_row, embedding_scores, layer_checkpointing
+from oar_verl.core.backend_hf import (embedding_mean, embedding_replaced, embedding_row, embedding_scores,
+                                     layer_checkpointing)
 from oar_verl.core.budget import AttributionMemoryError, PassLimits, pack_lengths
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.probes import ProbeOutput
@@ -73,6 +74,8 @@ class _Packed:
         row / col: (n_total,) the batch row and column of every packed position (-1 on the padding).
         slot: (n_total,) which packed row (0..rows-1) every position belongs to (-1 on the padding).
         lo, hi: this rank's shard as [lo, hi) in packed positions.
+        replaced: (1, n_local) bool this shard's positions whose embedding output the pass's replacement sets (an
+            embedding operator's copies); None otherwise.
     """
 
     input_ids: torch.Tensor
@@ -82,6 +85,7 @@ class _Packed:
     slot: torch.Tensor
     lo: int
     hi: int
+    replaced: torch.Tensor | None = None
 
 
 def _pack(batch: AttributionBatch, p: Pass, shards: SequenceShards, pad_id: int) -> _Packed:
@@ -92,8 +96,10 @@ def _pack(batch: AttributionBatch, p: Pass, shards: SequenceShards, pad_id: int)
     ids = batch.input_ids[rows]
     replaced = p.replaced()
     if replaced is not None:
-        ids = ids.masked_fill(replaced, p.token)
+        ids = p.replacement.input_ids(ids, replaced, rows)
     tokens = ids[slot_of, col]
+    # the packed positions whose embedding output an embedding operator replaces
+    at_embedding = replaced[slot_of, col] if replaced is not None and p.replacement.embedding else None
     positions = batch.position_ids[rows][slot_of, col]
     n = tokens.shape[0]
     total = -(-n // shards.size) * shards.size
@@ -106,7 +112,9 @@ def _pack(batch: AttributionBatch, p: Pass, shards: SequenceShards, pad_id: int)
     slot = torch.cat([slot_of, minus])
     col = torch.cat([col, minus])
     lo, hi = shards.rank * total // shards.size, (shards.rank + 1) * total // shards.size
-    return _Packed(tokens[lo:hi][None], positions[lo:hi][None], row, col, slot, lo, hi)
+    if at_embedding is not None:  # this shard's part (the padding is never replaced)
+        at_embedding = torch.cat([at_embedding, at_embedding.new_zeros(pad)])[lo:hi][None]
+    return _Packed(tokens[lo:hi][None], positions[lo:hi][None], row, col, slot, lo, hi, at_embedding)
 
 
 def _probe(model: torch.nn.Module, batch: AttributionBatch, packed: _Packed, n_slots: int,
@@ -183,10 +191,12 @@ class UlyssesBackend(DenseProbes):
         for i, p in enumerate(passes):
             packed = _pack(batch, p, self.shards, self.pad_id)
             if hook is None:
-                with torch.no_grad():
+                with torch.no_grad(), embedding_replaced(self.model, p, packed.replaced):
                     on_probe(i, _probe(self.model, batch, packed, len(p.rows), self.shards))
                 out.append(None)
                 continue
+            if packed.replaced is not None:
+                raise NotImplementedError("a backward pass over copies whose embedding output is replaced")
             with frozen_parameters(self.model), layer_checkpointing(self.model, self.checkpointing):
                 scores = self._scores(batch, p, packed, i, on_probe, hook)  # ([K,] n_total)
             full = scores.new_zeros(p.rows.shape[0], *scores.shape[:-1], batch.input_ids.shape[1])
@@ -197,6 +207,9 @@ class UlyssesBackend(DenseProbes):
 
     def embedding(self, token_id: int) -> torch.Tensor:
         return embedding_row(self.model, token_id)
+
+    def mean_embedding(self) -> torch.Tensor:
+        return embedding_mean(self.model)
 
     def _scores(self, batch: AttributionBatch, p: Pass, packed: _Packed, i: int, on_probe: OnProbe,
                 hook: EmbeddingHook) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from oar_verl.core.answer_patterns import BUILTIN_PATTERNS, compile_answer_pattern
+from oar_verl.core.mask_operator import DEFAULT_MASK, MASK_OPERATORS
 from oar_verl.core.policies import POLICIES as PERTURBATION_POLICIES
 from oar_verl.core.segments import SEGMENT_SPLITS, compile_segment_split
 
@@ -104,8 +105,18 @@ class OARConfig:
                                 "per outcome). 1 keeps only the top outcome: first-order attribution patching of its "
                                 "log-probability (docs/method.md §11). Measured fidelity and cost: "
                                 "research/docs/faithfulness.md.")
-    mask_token_id: int | None = _key(None, "OAR-P cost",
-                                     "OAR-P: the replacement token id, >= 0; null = the tokenizer's pad token.")
+    mask: str = _key(DEFAULT_MASK, "method",
+                     "What replaces a masked token (OAR-P's copies; `fisher`'s embedding move): `mean` (the input-"
+                     "embedding output set to the mean of the embedding table's rows), `zero` (set to the zero "
+                     "vector), `resample` (a token drawn, seeded, from the same row's own reasoning tokens: the "
+                     "policy's empirical marginal, not the model's conditional; not with `fisher`), `pad` (the "
+                     "tokenizer's pad token) or `token` (`mask_token_id`). `pad` / `token` are refused at start-up "
+                     "when the token is an EOS, appears in the chat template or is another special token "
+                     "(docs/method.md §3). Ignored by OAR-G.")
+    mask_token_id: int | None = _key(None, "method",
+                                     "The replacement token id with `mask=token`, >= 0 (a plain token; refused at "
+                                     "start-up if it is an EOS, end-of-turn or other special token); must be null "
+                                     "with any other `mask`.")
     max_token_len_per_gpu: int | None = _key(None, "budgets",
                                              "Token budget of one attribution pass (rows x columns it holds), >= 1; "
                                              "null = the actor's own (`log_prob_max_token_len_per_gpu` for OAR-P / "
@@ -187,8 +198,18 @@ class OARConfig:
         _integer(p, "seed", self.seed, lo=0)
         _integer(p, "noise_samples", self.noise_samples, lo=1)
         _integer(p, "fisher_outcomes", self.fisher_outcomes, lo=1)
+        _choice(p, "mask", self.mask, MASK_OPERATORS)
         if self.mask_token_id is not None:
             _integer(p, "mask_token_id", self.mask_token_id, lo=0)
+        if self.mask == "token" and self.mask_token_id is None:
+            raise OARConfigError(f"{p}.mask=token needs {p}.mask_token_id (a plain token id); or choose {p}.mask="
+                                 f"{'|'.join(m for m in MASK_OPERATORS if m != 'token')}")
+        if self.mask != "token" and self.mask_token_id is not None:
+            raise OARConfigError(f"{p}.mask_token_id={self.mask_token_id} is used only with {p}.mask=token (got "
+                                 f"{p}.mask={self.mask!r}); set {p}.mask=token or drop {p}.mask_token_id")
+        if self.mode == "fisher" and self.mask == "resample":
+            raise OARConfigError(f"{p}.mask=resample is not allowed with {p}.mode=fisher (fisher linearises a move to "
+                                 f"one embedding); choose {p}.mask={'|'.join(m for m in MASK_OPERATORS if m != 'resample')}")
         for key in ("max_token_len_per_gpu", "chunk_size"):
             if getattr(self, key) is not None:
                 _integer(p, key, getattr(self, key), lo=1)

@@ -5,10 +5,10 @@ so that it runs on every engine (a Hugging Face module, Ulysses, Megatron) with 
 the attribution methods (docs/fidelity.md, "Logged while training").
 
 Per row and ranking r (the method's importance, J seeded random rankings: :func:`~oar_verl.core.fidelity.
-random_scores`) and fraction f, the row's top ⌈f·R⌉ reasoning tokens under r are replaced **jointly** by the mask
-token, and the outcome shift KL(P_clean ‖ P_perturbed) (φ_clean − φ on AS-Joint rows) is read; plus the method's
+random_scores`) and fraction f, the row's top ⌈f·R⌉ reasoning tokens under r are replaced **jointly** by the run's
+mask operator (``algorithm.oar.mask``: :mod:`oar_verl.core.mask_operator`), and the outcome shift KL(P_clean ‖ P_perturbed) (φ_clean − φ on AS-Joint rows) is read; plus the method's
 bottom ⌈s·R⌉ and each random ranking's top ⌈s·R⌉ (s = ``suppress_fraction``) for the suppression ratio S. Only the
-``mask`` operator and no "best" ranking: no NAOPC here (the offline :func:`~oar_verl.core.fidelity.fidelity_report`
+run's own operator and no "best" ranking: no NAOPC here (the offline :func:`~oar_verl.core.fidelity.fidelity_report`
 has the four operators and the best rankings).
 
 Each perturbed row is a :class:`~oar_verl.core.backend.Pass` row of an *expanded batch*: the B rows, then one copy of
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from oar_verl.core.backend import AttributionBackend, Pass, first_row, with_fillers
+from oar_verl.core.backend import AttributionBackend, Pass, Replacement, first_row, with_fillers
 from oar_verl.core.fidelity import (FRACTIONS, bottom_removal, random_scores, ranks_from_scores, suppression_ratio,
                                     top_removal)
 from oar_verl.core.layout import AttributionBatch
@@ -62,14 +62,16 @@ def removal_sets(batch: AttributionBatch, importance: torch.Tensor, *, fractions
     return torch.stack(tops + [bottom] + rand_s)
 
 
-def _replacement(p: Pass, token: int) -> Pass:
-    """The pass with its replaced tokens set to ``token``: the one place the in-step metric says how a removed token
-    is replaced (the run's mask operator is expected to plug in here)."""
-    return dataclasses.replace(p, token=token)
+def _expanded(replacement: Replacement, rows: torch.Tensor) -> Replacement:
+    """The run's replacement (``algorithm.oar.mask``) on the expanded batch whose row i is batch row ``rows[i]``:
+    per-position ids (``resample``) follow their rows; a token or an embedding vector is the same for every row."""
+    if replacement.ids is None:
+        return replacement
+    return dataclasses.replace(replacement, ids=replacement.ids[rows.to(replacement.ids.device)])
 
 
-def deletion_metrics(backend: AttributionBackend, batch: AttributionBatch, importance: torch.Tensor, *, token: int,
-                     fractions: Sequence[float] = FRACTIONS, random_rankings: int = RANDOM_RANKINGS, seed: int = 0,
+def deletion_metrics(backend: AttributionBackend, batch: AttributionBatch, importance: torch.Tensor, *,
+                     replacement: Replacement, fractions: Sequence[float] = FRACTIONS, random_rankings: int = RANDOM_RANKINGS, seed: int = 0,
                      suppress_fraction: float = 0.4, min_gap: float = 0.0) -> dict[str, torch.Tensor]:
     """Per-row deletion metric of ``importance`` on any backend (see the module docstring).
 
@@ -79,7 +81,8 @@ def deletion_metrics(backend: AttributionBackend, batch: AttributionBatch, impor
         batch: AttributionBatch (B, L), B >= 1.
         importance: (B, L) the method's scores in full-sequence columns (only the reasoning tokens' order matters;
             ties: the earlier token first; NaN ranks last).
-        token: the mask token that replaces the removed tokens.
+        replacement: what replaces the removed tokens (the run's mask operator,
+            :func:`~oar_verl.core.mask_operator.mask_replacement` of this batch).
         fractions: F fractions in (0, 1] of the deletion curve. random_rankings: J >= 1. seed: the random rankings'
             seed (a row's ranking depends on the seed and the row's content only).
         suppress_fraction: the bottom share s of S, in (0, 1].
@@ -109,13 +112,15 @@ def deletion_metrics(backend: AttributionBackend, batch: AttributionBatch, impor
     measured = batch.reasoning_mask.bool().any(-1)
     clean_rows = measured.nonzero().squeeze(1)
     # the expanded batch: the B rows (clean passes, and the row filler passes repeat), then the N perturbed rows
-    expanded = rows_of(batch, torch.cat([torch.arange(B, device=dev), src]))
+    sources = torch.cat([torch.arange(B, device=dev), src])
+    expanded = rows_of(batch, sources)
+    replacement = _expanded(replacement, sources)
     blocks = torch.cat([torch.zeros(B, L, dtype=torch.long, device=dev), flat[entry].long()])  # (B + N, L)
     first = blocks.argmax(-1)  # a perturbed row's first removed column: its block is exactly the removal set
     pert = torch.arange(B, B + entry.shape[0], device=dev)
     kind = PassKind.FORWARD
     own = ([Pass(clean_rows[p]) for p in backend.plan(expanded, clean_rows, kind)]
-           + [_replacement(Pass(pert[p], first[pert[p]], blocks), token) for p in backend.plan(expanded, pert, kind)])
+           + [Pass(pert[p], first[pert[p]], blocks, replacement) for p in backend.plan(expanded, pert, kind)])
     passes = with_fillers(own, backend.align(len(own)), Pass(first_row(expanded), filler=True), expanded)
     table = backend.table(B)
     shifts = torch.zeros(entry.shape[0], dtype=torch.float64, device=dev)
@@ -156,15 +161,16 @@ def due(cfg, global_step: int) -> bool:
 
 
 def step_fidelity(backend: AttributionBackend, batch: AttributionBatch, importance: torch.Tensor, cfg,
-                  global_step: int, *, token: int | None, min_gap: float = 0.0) -> dict[str, torch.Tensor]:
+                  global_step: int, *, replacement: Replacement | None, min_gap: float = 0.0) -> dict[str, torch.Tensor]:
     """A rank's fidelity measurement of a training step: on a :func:`due` step, :func:`deletion_metrics` of the first
-    ``cfg.fidelity_rows`` rows with reasoning tokens (the attribution's own importance, the mask token,
+    ``cfg.fidelity_rows`` rows with reasoning tokens (the attribution's own importance, the run's mask operator,
     :data:`~oar_verl.core.fidelity.FRACTIONS`, J = :data:`RANDOM_RANKINGS` rankings seeded by ``cfg.seed``, S's share
     = ``cfg.tau``: the share the gating suppresses), timed.
 
     Args:
         backend, batch (B, L), importance (B, L): as the attribution ran them. cfg: OARConfig.
-        global_step: the training step. token: the mask token (the attribution's). min_gap: as
+        global_step: the training step. replacement: the run's mask operator on ``batch``
+            (:func:`~oar_verl.core.mask_operator.mask_replacement`; None only on a step not :func:`due`). min_gap: as
             :func:`deletion_metrics`.
 
     Returns:
@@ -176,13 +182,11 @@ def step_fidelity(backend: AttributionBackend, batch: AttributionBatch, importan
     out = {k: torch.full((B,), float("nan"), dtype=torch.float64) for k in FIELDS + ("passes", "seconds")}
     if not due(cfg, global_step):
         return out
-    if token is None:
-        raise ValueError(f"{cfg.prefix}.fidelity_every needs a mask token: set {cfg.prefix}.mask_token_id (the "
-                         "tokenizer has no pad token)")
     start = time.perf_counter()
     has = batch.reasoning_mask.bool().any(-1).nonzero().squeeze(1)[:cfg.fidelity_rows]  # host sync, once per step
     rows = has if has.numel() else torch.zeros(min(B, 1), dtype=torch.long, device=has.device)  # fillers only
-    got = deletion_metrics(backend, rows_of(batch, rows), importance[rows], token=token,
+    got = deletion_metrics(backend, rows_of(batch, rows), importance[rows],
+                           replacement=_expanded(replacement, rows),
                            random_rankings=RANDOM_RANKINGS, seed=cfg.seed, suppress_fraction=cfg.tau,
                            min_gap=min_gap)
     for k, v in got.items():

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import torch
 
-from oar_verl.core.backend import (AttributionBackend, EmbeddingHook, Pass, collect, first_row, plan_draws,
-                                   with_fillers)
+from oar_verl.core.backend import (AttributionBackend, EmbeddingHook, Pass, Replacement, collect, first_row,
+                                   plan_draws, with_fillers)
 from oar_verl.core.gradient import embedding_projection
 from oar_verl.core.layout import AttributionBatch
+from oar_verl.core.mask_operator import TOKEN_OPERATORS, mask_replacement, replacement_embedding
 from oar_verl.core.memory import PassKind
 from oar_verl.core.methods import AttributionResult, MethodInputs, method, require
+from oar_verl.core.perturbation import as_replacement
 
 
 def fisher_importance(projections: torch.Tensor, weights: torch.Tensor, joint: torch.Tensor) -> torch.Tensor:
@@ -52,14 +54,15 @@ def fisher_importance(projections: torch.Tensor, weights: torch.Tensor, joint: t
     return torch.where(joint[:, None], -projections[:, 0], quadratic).float()
 
 
-def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: int, outcomes: int
+def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: int | Replacement, outcomes: int
            ) -> tuple[torch.Tensor, int]:
     """Second-order masking scores of every reasoning token, on any backend (see the module docstring).
 
     Args:
         backend: the model runtime.
         batch: AttributionBatch (B, L); B >= 1 when other data-parallel ranks run more passes.
-        mask_token_id: the token whose embedding e_mask the swap moves to.
+        mask_token_id: the token whose embedding e_mask the swap moves to, or a
+            :class:`~oar_verl.core.backend.Replacement` (``algorithm.oar.mask``: e_mask the zero or mean vector).
         outcomes: K >= 1 most likely outcomes of each row's probe kept in the Fisher sum (``fisher_outcomes``).
 
     Returns:
@@ -96,7 +99,8 @@ def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: 
         losses = torch.where(joint[:, None], phi, logp)
         return losses if columns > 1 else losses[:, 0]  # one loss per row where each outcome has its own pass
 
-    mask_embedding = backend.embedding(mask_token_id)  # (H,); None where no embedding lives (Megatron's later stages)
+    # (H,); None where no embedding lives (Megatron's later stages)
+    mask_embedding = replacement_embedding(backend, as_replacement(mask_token_id))
     hook = EmbeddingHook(lambda grad, clean: embedding_projection(grad, clean, mask_embedding), outputs=columns)
     shape = (B * K // columns, columns, L) if columns > 1 else (B * K, L)
     projections = collect(backend.run(batch, passes, loss, hook), packs, shape, device).view(B, K, L)
@@ -108,6 +112,9 @@ def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: 
 @method("fisher")
 def run_fisher(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
     """``mode=fisher``: :func:`fisher` with ``fisher_outcomes`` of the configuration."""
-    mask = require(inputs.mask_token_id, f"{cfg.prefix}.mode=fisher needs a mask token",
-                   f"set {cfg.prefix}.mask_token_id or give the tokenizer a pad token")
+    if cfg.mask in TOKEN_OPERATORS:
+        require(inputs.mask_token_id, f"{cfg.prefix}.mode=fisher needs a mask token",
+                f"set {cfg.prefix}.mask=token and {cfg.prefix}.mask_token_id, give the tokenizer a pad token, or use "
+                f"{cfg.prefix}.mask=mean|zero")
+    mask = mask_replacement(backend, batch, cfg.mask, inputs.mask_token_id, inputs.seeds)
     return AttributionResult(*fisher(backend, batch, mask, cfg.fisher_outcomes))

@@ -1,7 +1,8 @@
 """OAR-P: counterfactual masking (docs/method.md §3, with the official code's memory blow-up fixed, §7), written once
 over the backend interface (:mod:`oar_verl.core.backend`).
 
-For every reasoning position t, replace y_t by the mask token (length unchanged) and score
+For every reasoning position t, replace y_t by the mask (length unchanged; ``algorithm.oar.mask``: a token, the zero or
+mean embedding, or a token resampled from the row, :mod:`oar_verl.core.mask_operator`) and score
 I_t = KL(P_clean ‖ P^(t)) (or φ_clean − φ^(t) with AS-Joint). Full-vocabulary logits are computed only at the probe
 positions, and the masked copies stream through the model in passes packed under a token budget
 (:mod:`oar_verl.core.budget`: a copy holds its whole row, so a pass of c copies of an n-token row holds c × n tokens),
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from oar_verl.core.backend import AttributionBackend, Pass, first_row, with_fillers
+from oar_verl.core.backend import AttributionBackend, Pass, Replacement, first_row, with_fillers
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.memory import PassKind
 
@@ -72,19 +73,25 @@ def masked_copies(reasoning_mask: torch.Tensor, span: int,
     return rows, cols, blocks
 
 
-def oar_p_passes(backend: AttributionBackend, batch: AttributionBatch, blocks: torch.Tensor, mask_token_id: int
-                 ) -> list[Pass]:
+def as_replacement(mask: int | Replacement) -> Replacement:
+    """A mask token id as the :class:`~oar_verl.core.backend.Replacement` that swaps it in (a Replacement as is)."""
+    return mask if isinstance(mask, Replacement) else Replacement(token=int(mask))
+
+
+def oar_p_passes(backend: AttributionBackend, batch: AttributionBatch, blocks: torch.Tensor,
+                 mask: int | Replacement) -> list[Pass]:
     """The passes OAR-P runs on ``batch`` for a block layout (B, L) (one copy per block, its block replaced by
-    ``mask_token_id``), before rank alignment.
+    ``mask``: a token id or a :class:`~oar_verl.core.backend.Replacement`), before rank alignment.
 
     With the backend's prefix cache: per row with copies, its clean pass (cache kept), then its copies in passes that
     reuse the cache. Without: the clean rows packed, then every copy packed in order.
     """
     src, first = block_copies(blocks)
+    mask = as_replacement(mask)
     if not backend.prefix_cache:
         rows = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
         return ([Pass(rows[p]) for p in backend.plan(batch, rows, PassKind.FORWARD)]
-                + [Pass(src[p], first[p], blocks, mask_token_id)
+                + [Pass(src[p], first[p], blocks, mask)
                    for p in backend.plan(batch, src, PassKind.FORWARD, ordered=True)])
     passes = []
     row_ids, counts = torch.unique_consecutive(src, return_counts=True)
@@ -92,12 +99,12 @@ def oar_p_passes(backend: AttributionBackend, batch: AttributionBatch, blocks: t
     for b, s, n in zip(row_ids.tolist(), offsets, counts.tolist()):  # per row with copies, never per copy
         passes.append(Pass(row_ids.new_tensor([b]), cache="keep"))
         idx = torch.arange(s, s + n, device=src.device)
-        passes += [Pass(src[idx[p]], first[idx[p]], blocks, mask_token_id, cache="reuse")
+        passes += [Pass(src[idx[p]], first[idx[p]], blocks, mask, cache="reuse")
                    for p in backend.plan(batch, src[idx], PassKind.FORWARD_CACHED, ordered=True)]
     return passes
 
 
-def oar_p(backend: AttributionBackend, batch: AttributionBatch, blocks: torch.Tensor, mask_token_id: int
+def oar_p(backend: AttributionBackend, batch: AttributionBatch, blocks: torch.Tensor, mask: int | Replacement
           ) -> tuple[torch.Tensor, int]:
     """OAR-P importance of every token of a block layout, on any backend.
 
@@ -106,14 +113,15 @@ def oar_p(backend: AttributionBackend, batch: AttributionBatch, blocks: torch.Te
         batch: AttributionBatch (B, L); B >= 1 when other data-parallel ranks run more passes.
         blocks: (B, L) long block id of every token to perturb, -1 elsewhere (:func:`mask_blocks`, or a segment
             layout); one masked copy per block.
-        mask_token_id: the token that replaces a copy's block.
+        mask: what replaces a copy's block: a token id, or a :class:`~oar_verl.core.backend.Replacement`
+            (``algorithm.oar.mask``, :func:`oar_verl.core.mask_operator.mask_replacement`).
 
     Returns:
         ((B, L) float32 importance: every token of a block gets its copy's score, 0 off the blocks; the passes this
         rank needed before alignment). Non-finite model outputs propagate as
         NaN/inf; the gating turns such rows into uniform weights.
     """
-    own = oar_p_passes(backend, batch, blocks, mask_token_id)
+    own = oar_p_passes(backend, batch, blocks, mask)
     passes = with_fillers(own, backend.align(len(own)), Pass(first_row(batch), filler=True), batch)
     importance = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
     table = backend.table(batch.input_ids.shape[0])

@@ -16,6 +16,7 @@ from oar_verl.core.attribution import METHODS, probe_kinds
 from oar_verl.core.config import OARConfig
 from oar_verl.core.gradient import sequence_seeds
 from oar_verl.core.layout import AttributionBatch, build_attribution_batch, build_reference_responses, with_segments
+from oar_verl.core.mask_token import check_mask_token
 from oar_verl.core.segments import reasoning_segments
 from oar_verl.core.spans import AnswerSpans, locate_answer_spans
 
@@ -30,7 +31,8 @@ class PreparedAttribution:
         batch: AttributionBatch (B, L): each prompt followed by its response, or with ``target=reference`` by the
             response's reasoning + the conclusion text + the ground-truth answer.
         seeds: (B,) int64 OAR-G noise seeds, from (seed, step, the row's content).
-        mask_token_id: OAR-P's replacement token (None when neither the config nor the tokenizer has one).
+        mask_token_id: the replacement token of ``mask=pad`` / ``mask=token`` (:func:`oar_verl.core.mask_token.
+            check_mask_token`); None with the other operators.
         spans: AnswerSpans (B, T) of the responses themselves (what the estimator reshapes and the dumps show).
         response_lengths: (B,) tokens of each response.
     """
@@ -110,6 +112,8 @@ def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[tor
 
     Raises:
         ValueError: ``target=reference`` without one ground truth per row.
+        OARConfigError: ``mask=pad`` / ``mask=token`` with an unsafe token (an EOS, end-of-turn or other special
+            token; :func:`oar_verl.core.mask_token.unsafe_mask_reason`).
     """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     prompt_ids, prompt_mask = pad_rows(prompts, pad_id, left=True)
@@ -133,5 +137,5 @@ def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[tor
         batch = with_segments(batch, segments)
     seeds = sequence_seeds(cfg.seed, global_step, row_fingerprints(prompt_ids, prompt_mask, response_ids,
                                                                     response_mask)).to(device)
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.pad_token_id
+    mask_id = check_mask_token(cfg, tokenizer)  # pad / token: vetted (not an EOS or end-of-turn marker); else None
     return PreparedAttribution(batch, seeds, mask_id, spans, [len(r) for r in responses])

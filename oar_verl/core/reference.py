@@ -20,7 +20,7 @@ import torch
 
 from oar_verl.core.probes import ProbeKind
 
-__all__ = ["Outcome", "outcome", "shift", "oar_p", "oar_p_segments", "oar_p_hierarchical", "oar_g", "fisher",
+__all__ = ["Outcome", "outcome", "shift", "mask_vector", "oar_p", "oar_p_segments", "oar_p_hierarchical", "oar_g", "fisher",
            "token_weights", "batch_oar_p", "batch_oar_g", "batch_fisher"]
 
 
@@ -64,11 +64,25 @@ def shift(clean: Outcome, perturbed: Outcome) -> torch.Tensor:
     return (clean.logp.exp() * (clean.logp - perturbed.logp)).sum()
 
 
+def mask_vector(model: torch.nn.Module, mask: int | str) -> torch.Tensor:
+    """(H,) float64 the embedding a masked token moves to (``algorithm.oar.mask``): a token id's embedding, ``"zero"``
+    the zero vector, ``"mean"`` the mean over the vocabulary of what the embedding module outputs (so with a scaled
+    embedding's ``embed_scale``)."""
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        if mask == "mean":
+            return embed(torch.arange(embed.weight.shape[0])[None])[0].double().mean(0)
+        if mask == "zero":
+            return torch.zeros(embed.weight.shape[-1], dtype=torch.float64)
+        return embed(torch.tensor([[int(mask)]]))[0, 0].double()
+
+
 def oar_p(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int], kind: ProbeKind,
-          mask_token_id: int, span: int = 1, copies_per_forward: int | None = 1,
+          mask_token_id: int | str, span: int = 1, copies_per_forward: int | None = 1,
           blocks: list[list[int]] | None = None) -> torch.Tensor:
     """OAR-P of one sequence (docs/method.md §3): mask each block of ``span`` consecutive reasoning tokens with the
-    mask token (length unchanged) and score the block by the outcome shift; every token of a block gets its score.
+    mask token (length unchanged), or set their input-embedding output to the zero / mean vector, and score the block
+    by the outcome shift; every token of a block gets its score.
 
     Args:
         model: causal LM (eval mode).
@@ -76,7 +90,7 @@ def oar_p(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answe
         reasoning: reasoning positions.
         answer: answer positions.
         kind: the probe.
-        mask_token_id: the replacement token.
+        mask_token_id: the replacement token id, or ``"zero"`` / ``"mean"`` (:func:`mask_vector`).
         span: reasoning tokens masked together (1 = exact OAR-P).
         copies_per_forward: masked copies per forward pass; None = all of them in one batch, as the official code
             runs them (full [copies, L, V] logits: the naive baseline's memory).
@@ -88,25 +102,32 @@ def oar_p(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answe
     importance = torch.zeros(len(ids), dtype=torch.float64)
     if blocks is None:
         blocks = [reasoning[k: k + span] for k in range(0, len(reasoning), span)]
+    at_embedding = isinstance(mask_token_id, str)
     copies = []
-    for block in blocks:
-        masked = ids.clone()
-        masked[block] = mask_token_id
-        copies.append(masked)
+    with torch.no_grad():
+        clean_embeddings = model.get_input_embeddings()(ids[None])[0] if at_embedding else None
+        for block in blocks:
+            if at_embedding:  # the copy's input embeddings, its block set to the vector
+                masked = clean_embeddings.clone()
+                masked[block] = mask_vector(model, mask_token_id).to(masked.dtype)
+            else:
+                masked = ids.clone()
+                masked[block] = mask_token_id
+            copies.append(masked)
     per_forward = copies_per_forward or max(len(copies), 1)
     with torch.no_grad():
         clean = outcome(model(ids[None]).logits[0], ids, kind, reasoning, answer)
         for start in range(0, len(copies), per_forward):
             chunk = torch.stack(copies[start: start + per_forward])
-            logits = model(chunk).logits
-            for k, row in enumerate(chunk):
-                score = shift(clean, outcome(logits[k], row, kind, reasoning, answer))
+            logits = model(inputs_embeds=chunk).logits if at_embedding else model(chunk).logits
+            for k in range(chunk.shape[0]):
+                score = shift(clean, outcome(logits[k], ids, kind, reasoning, answer))
                 importance[blocks[start + k]] = score.double()
     return importance
 
 
 def oar_p_segments(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int],
-                   kind: ProbeKind, mask_token_id: int, segments: list[list[int]]) -> torch.Tensor:
+                   kind: ProbeKind, mask_token_id: int | str, segments: list[list[int]]) -> torch.Tensor:
     """Segment-level OAR-P of one sequence (docs/method.md §8): one masked copy per segment; each of a segment's n
     tokens gets s / n of its score s. Returns (L,) float64, 0 off the segments."""
     scores = oar_p(model, ids, reasoning, answer, kind, mask_token_id, blocks=segments)
@@ -117,7 +138,7 @@ def oar_p_segments(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[in
 
 
 def oar_p_hierarchical(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int],
-                       kind: ProbeKind, mask_token_id: int, segments: list[list[int]],
+                       kind: ProbeKind, mask_token_id: int | str, segments: list[list[int]],
                        refine_share: float) -> torch.Tensor:
     """Hierarchical OAR-P of one sequence (docs/method.md §8): segment scores; then, segments by score (highest
     first), refine each while the refined ones so far hold fewer than ``refine_share`` × the segments' tokens; refined
@@ -183,10 +204,10 @@ def oar_g(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answe
 
 
 def fisher(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int], kind: ProbeKind,
-           mask_token_id: int, outcomes: int) -> torch.Tensor:
+           mask_token_id: int | str, outcomes: int) -> torch.Tensor:
     """Second-order masking scores of one sequence (docs/method.md §11).
 
-    δ_t = e_mask − e_t. Distribution probes: the ``outcomes`` most likely answers v of the clean distribution p, and
+    δ_t = e_mask − e_t, e_mask the mask token's embedding or the zero / mean vector (:func:`mask_vector`). Distribution probes: the ``outcomes`` most likely answers v of the clean distribution p, and
     I_t = ½ Σ_v p_v ⟨∂ log p_v / ∂e_t, δ_t⟩², one gradient of log p_v (all tokens at once) per kept v. AS-Joint:
     I_t = −⟨∂φ/∂e_t, δ_t⟩.
 
@@ -199,7 +220,7 @@ def fisher(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answ
     embed = model.get_input_embeddings()
     with torch.no_grad():
         embeddings = embed(ids[None])
-        delta = embed(torch.tensor([[mask_token_id]]))[0, 0].double() - embeddings[0].double()  # (L, H)
+        delta = mask_vector(model, mask_token_id) - embeddings[0].double()  # (L, H)
     leaf = embeddings.clone().requires_grad_(True)
     read = outcome(model(inputs_embeds=leaf).logits[0], ids, kind, reasoning, answer)
     if read.phi is not None:
@@ -245,7 +266,7 @@ def _row(prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_
 
 
 def batch_oar_p(model, prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask, kind: ProbeKind,
-                mask_token_id: int, span: int = 1, copies_per_forward: int | None = 1) -> torch.Tensor:
+                mask_token_id: int | str, span: int = 1, copies_per_forward: int | None = 1) -> torch.Tensor:
     """(B, T) float64 response-aligned OAR-P of a verl-layout batch (left-padded prompts (B, P), right-padded
     responses (B, T), (B, T) masks), row by row with :func:`oar_p`."""
     out = torch.zeros(responses.shape, dtype=torch.float64)
@@ -270,7 +291,7 @@ def batch_oar_g(model, prompts, prompt_mask, responses, response_mask, reasoning
 
 
 def batch_fisher(model, prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask, kind: ProbeKind,
-                 mask_token_id: int, outcomes: int) -> torch.Tensor:
+                 mask_token_id: int | str, outcomes: int) -> torch.Tensor:
     """(B, T) float64 response-aligned second-order masking scores of a verl-layout batch, row by row with
     :func:`fisher`."""
     out = torch.zeros(responses.shape, dtype=torch.float64)

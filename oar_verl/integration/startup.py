@@ -9,6 +9,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from oar_verl.core.config import OARConfig, OARConfigError
+from oar_verl.core.mask_token import check_model_mask_token
 from oar_verl.integration.backends import ENGINE_BACKENDS
 from oar_verl.integration.estimator import OARSetupError, read_oar_config
 
@@ -18,6 +19,8 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
 
     Raises:
         OARConfigError: an invalid ``algorithm.oar.*`` value (the message names the key and the allowed range).
+        OARConfigError: with ``mask=pad`` / ``mask=token``, a mask token that is an EOS, an end-of-turn marker or
+            another special token of the model's tokenizer (:func:`validate_mask_token`).
         OARSetupError: a verl setting OAR cannot run with: an actor strategy other than FSDP/FSDP2/Megatron, a
             Megatron layout the attribution does not support, or rollout-correction bypass mode on the legacy trainer
             (whose bypass path skips the pass OAR attributes in).
@@ -40,4 +43,16 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
         raise OARSetupError("algorithm.rollout_correction.bypass_mode=true with trainer.use_v1=false: the legacy "
                             "trainer's bypass path skips the old-log-prob step that OAR attributes in; use the V1 "
                             "trainer (trainer.use_v1=true), which supports bypass mode, or set bypass_mode=false")
+    validate_mask_token(cfg, config)
     return cfg
+
+
+def validate_mask_token(cfg: OARConfig, config: DictConfig, tokenizer=None) -> int | None:
+    """Refuse an unsafe OAR-P / fisher mask token (``mask=pad`` / ``mask=token``) before the first rollout: an EOS of
+    the tokenizer or of the model's generation config, a token of the chat template, another special token
+    (:func:`oar_verl.core.mask_token.unsafe_mask_reason`). ``tokenizer``: the trainer's own; None loads it from a local
+    ``actor_rollout_ref.model`` path (a remote one is checked once the trainer has its tokenizer)."""
+    model = config.actor_rollout_ref.get("model", None) or {}
+    return check_model_mask_token(cfg, model.get("path", None), tokenizer,
+                                  tokenizer_path=model.get("tokenizer_path", None),
+                                  trust_remote_code=bool(model.get("trust_remote_code", False)))

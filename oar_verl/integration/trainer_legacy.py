@@ -24,7 +24,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 
 from oar_verl.integration.guard import uses_oar
 from oar_verl.integration.rows import BatchRows
-from oar_verl.integration.startup import validate_oar_setup
+from oar_verl.integration.startup import validate_mask_token, validate_oar_setup
 from oar_verl.integration.step import OARStep
 from oar_verl.integration.fields import OUTPUT_FIELDS
 from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
@@ -64,6 +64,8 @@ class OARRayPPOTrainer(RayPPOTrainer):
     def __init__(self, config, *args, **kwargs):
         cfg = validate_oar_setup(config) if uses_oar(config) else None
         super().__init__(config, *args, **kwargs)
+        if cfg is not None:  # the trainer's own tokenizer, before the first rollout
+            validate_mask_token(cfg, config, self.tokenizer)
         self.oar_step = None if cfg is None else OARStep(cfg, config.algorithm, self.tokenizer,
                                                          config.trainer.get("default_local_dir"))
         self._oar_open: contextlib.ExitStack | None = None  # the step opened for the current batch

@@ -30,7 +30,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from oar_verl.integration.guard import uses_oar
 from oar_verl.integration.rows import BatchRows
-from oar_verl.integration.startup import validate_oar_setup
+from oar_verl.integration.startup import validate_mask_token, validate_oar_setup
 from oar_verl.integration.step import OARStep
 from oar_verl.integration.fields import OUTPUT_FIELDS
 from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
@@ -113,6 +113,7 @@ class OARTrainerMixin:
     def on_init_end(self):
         super().on_init_end()
         if self.oar_config is not None:  # the tokenizer exists from here on
+            validate_mask_token(self.oar_config, self.config, self.tokenizer)  # before the first rollout
             self.oar_step = OARStep(self.oar_config, self.config.algorithm, self.tokenizer,
                                     self.config.trainer.get("default_local_dir"))
 

@@ -25,7 +25,8 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from oar_verl.core.attribution import run_attribution
 from oar_verl.core.config import OARConfig
 from oar_verl.core.fidelity import default_min_gap
-from oar_verl.core.fidelity_step import step_fidelity
+from oar_verl.core.fidelity_step import due, step_fidelity
+from oar_verl.core.mask_operator import mask_replacement
 from oar_verl.core.preprocess import prepare_attribution
 from oar_verl.integration.actor_budget import actor_token_budget
 from oar_verl.integration.backends import ENGINE_BACKENDS
@@ -132,8 +133,10 @@ class TokenImportanceMixin:
                                      seeds=prepared.seeds)
             # the step's fidelity, every rank alike (fillers align the pass counts); NaN when not due
             gap = default_min_gap(engine.module[0] if isinstance(engine.module, (list, tuple)) else engine.module)
-            fidelity = step_fidelity(backend, prepared.batch, result.importance, cfg, step,
-                                     token=prepared.mask_token_id, min_gap=gap)
+            replacement = (mask_replacement(backend, prepared.batch, cfg.mask, prepared.mask_token_id, prepared.seeds)
+                           if due(cfg, step) else None)
+            fidelity = step_fidelity(backend, prepared.batch, result.importance, cfg, step, replacement=replacement,
+                                     min_gap=gap)
         if not engine.is_mp_src_rank_with_outputs():
             return None
         lens, spans = prepared.response_lengths, prepared.spans

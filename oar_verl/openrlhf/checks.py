@@ -86,6 +86,22 @@ def check_policy_loss(args) -> None:
                                 f"gradient. {INVARIANT_LOSSES[loss]}")
 
 
+def check_mask_token_flags(args, cfg) -> None:
+    """Refuse an unsafe OAR-P / fisher mask token (``--oar.mask=pad|token``: an EOS of the policy's tokenizer or
+    generation config, a chat-template token, another special token), naming the flag and how to override
+    (:func:`oar_verl.core.mask_token.check_model_mask_token`; a policy path that is not a local directory is checked
+    at the first step)."""
+    from oar_verl.core.config import OARConfigError
+    from oar_verl.core.mask_token import check_model_mask_token
+
+    actor = getattr(args, "actor", None)
+    try:
+        check_model_mask_token(cfg, getattr(actor, "model_name_or_path", None),
+                               trust_remote_code=bool(getattr(actor, "trust_remote_code", False)))
+    except OARConfigError as e:
+        raise OpenRLHFArgsError(str(e)) from e
+
+
 def is_policy_actor_class(actor_type: Any, base: type) -> bool:
     """Whether a Ray actor class (or a plain class) is OpenRLHF's policy actor or derives from it."""
     cls = getattr(actor_type, "__ray_actor_class__", actor_type)

@@ -30,7 +30,7 @@ from typing import Any
 
 from oar_verl.core.config import OARConfig, OARConfigError
 from oar_verl.openrlhf.checks import (OpenRLHFArgsError, OpenRLHFVersionError, check_openrlhf_version,  # noqa: F401
-                                      check_policy_loss)
+                                      check_mask_token_flags, check_policy_loss)
 
 FLAG_PREFIX = "--oar"
 OUTCOME_ESTIMATORS = ("group_norm", "rloo", "reinforce_baseline", "dr_grpo", "flash_reinforce", "reinforce")
@@ -126,6 +126,7 @@ def check_args(args, cfg: OARConfig) -> None:
     if cfg.target == "reference" and not getattr(args.data, "label_key", None):
         raise OpenRLHFArgsError("--oar.target=reference needs the ground truth of every sample: set --data.label_key")
     check_policy_loss(args)
+    check_mask_token_flags(args, cfg)
 
 
 def add_oar_arguments(parser: argparse.ArgumentParser) -> None:

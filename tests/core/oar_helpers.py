@@ -16,7 +16,9 @@ from oar_verl.core.perturbation import mask_blocks, oar_p_passes
 def run_p(model, batch, mask_token_id: int, limits, *, prefix_cache: bool = True, mask_span: int = 1,
           align_to: int = 0, **options) -> torch.Tensor:
     """(B, L) OAR-P importance (exact unless ``options`` say otherwise) through run_attribution; ``align_to``: run at
-    least that many passes (the data-parallel alignment of a rank with less to do)."""
+    least that many passes (the data-parallel alignment of a rank with less to do). The mask is the token
+    ``mask_token_id`` (``mask=pad``, the run-time token) unless ``options`` name another operator."""
+    options.setdefault("mask", "pad")
     cfg = OARConfig(mode="perturbation", prefix_cache=prefix_cache, mask_span=mask_span, **options)
     backend = module_backend(model, cfg, limits=limits, align=lambda n: max(n, align_to))
     return run_attribution(backend, batch, cfg, mask_token_id=mask_token_id).importance
@@ -53,9 +55,10 @@ def count_passes(batch, cfg: OARConfig, limits, shards=None) -> int:
 def fidelity_of(backend, batch, mask_token_id: int = 0) -> torch.Tensor:
     """(4, B) :data:`oar_verl.core.fidelity_step.FIELDS` of the in-step fidelity metric of a fixed random ranking (a
     function of the local row index and the columns) on any backend, its removal sets run as masked copies."""
+    from oar_verl.core.backend import Replacement
     from oar_verl.core.fidelity_step import FIELDS, deletion_metrics
 
     scores = torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    got = deletion_metrics(backend, batch, scores, token=mask_token_id, fractions=(0.2, 0.5), random_rankings=2,
+    got = deletion_metrics(backend, batch, scores, replacement=Replacement(token=mask_token_id), fractions=(0.2, 0.5), random_rankings=2,
                            seed=4)
     return torch.stack([got[k].cpu() for k in FIELDS])

@@ -22,6 +22,7 @@ from oar_verl.core.backend_ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.config import OARConfig
 from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import oar_g
+from oar_verl.core.mask_operator import mask_replacement
 from oar_verl.core.perturbation import mask_blocks, oar_p
 from oar_verl.cpu import ulysses_attention
 from oar_helpers import count_passes, fidelity_of
@@ -80,6 +81,12 @@ def main(out_dir: str) -> None:
             results[(int(kind), tokens, "f")] = fisher(backend, b, 0, outcomes=2)[0]
             # the in-step fidelity metric of a fixed ranking (its removal sets packed as masked copies)
             results[(int(kind), tokens, "fid")] = fidelity_of(backend, b)
+            # the embedding mask operators: each rank sets its own shard's replaced positions (OAR-P), and fisher
+            # moves to the zero vector
+            mean = mask_replacement(backend, b, "mean", None, None)
+            results[(int(kind), tokens, "p_mean")] = oar_p(backend, b, mask_blocks(b.reasoning_mask, 1), mean)[0]
+            zero = mask_replacement(backend, b, "zero", None, None)
+            results[(int(kind), tokens, "f_zero")] = fisher(backend, b, zero, outcomes=2)[0]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

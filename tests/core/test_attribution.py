@@ -182,8 +182,9 @@ def test_min_rounds_runs_extra_rounds(lm64, make_batch):
 
 def test_missing_mask_token_and_seeds_are_clear_errors(lm64, make_batch):
     rows = make_batch(B=2, P=3, T=4, seed=4)
-    with pytest.raises(ValueError, match="OAR-P needs a mask token: set algorithm.oar.mask_token_id"):
-        response_importance(lm64, *rows, OARConfig(mode="perturbation"), mask_token_id=None)
+    with pytest.raises(ValueError, match="OAR-P needs a mask token: set algorithm.oar.mask=token and "
+                                         "algorithm.oar.mask_token_id"):
+        response_importance(lm64, *rows, OARConfig(mode="perturbation", mask="pad"), mask_token_id=None)
     with pytest.raises(ValueError, match="OAR-G needs per-sequence noise seeds"):
         response_importance(lm64, *rows, OARConfig(mode="gradient"), seeds=None)
 

@@ -47,7 +47,15 @@ def test_probe_schedule():
     ({"noise_samples": 2.0}, r"algorithm\.oar\.noise_samples=2\.0 must be an integer >= 1"),
     ({"chunk_size": 0}, r"algorithm\.oar\.chunk_size=0 is out of range"),
     ({"micro_batch_size": True}, r"algorithm\.oar\.micro_batch_size=True must be an integer"),
-    ({"mask_token_id": -3}, r"algorithm\.oar\.mask_token_id=-3 is out of range"),
+    ({"mask": "token", "mask_token_id": -3}, r"algorithm\.oar\.mask_token_id=-3 is out of range"),
+    ({"mask": "eos"}, r"algorithm\.oar\.mask='eos' is not allowed; choose one of: mean, zero, resample, pad, token"),
+    ({"mask": "token"}, r"algorithm\.oar\.mask=token needs algorithm\.oar\.mask_token_id"),
+    ({"mask_token_id": 5}, r"algorithm\.oar\.mask_token_id=5 is used only with algorithm\.oar\.mask=token \(got "
+                           r"algorithm\.oar\.mask='mean'\)"),
+    ({"mask": "pad", "mask_token_id": 5}, r"algorithm\.oar\.mask_token_id=5 is used only with algorithm\.oar\.mask="
+                                          r"token"),
+    ({"mode": "fisher", "mask": "resample"}, r"algorithm\.oar\.mask=resample is not allowed with algorithm\.oar\."
+                                             r"mode=fisher .*choose algorithm\.oar\.mask=mean\|zero\|pad\|token"),
     ({"apply_to": "wrong"}, r"algorithm\.oar\.apply_to='wrong' is not allowed; choose one of: all, negative, positive"),
     ({"base_estimator": "oar"}, r"algorithm\.oar\.base_estimator cannot be 'oar'"),
     ({"answer_patterns": []}, r"algorithm\.oar\.answer_patterns must be a non-empty list"),

@@ -11,6 +11,7 @@ import torch
 from oar_verl.core.backend_hf import ModuleBackend
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.fidelity import fidelity_report
+from oar_verl.core.backend import Replacement
 from oar_verl.core.fidelity_step import deletion_metrics, removal_sets, rows_of
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.probes import ProbeKind
@@ -38,8 +39,8 @@ def case(lm64, make_batch):
 def test_equals_the_offline_mask_report(lm64, case, tokens, prefix_cache, align_to):
     batch, scores, rep = case
     backend = ModuleBackend(lm64, PassLimits(tokens), prefix_cache=prefix_cache, align=lambda n: max(n, align_to))
-    got = deletion_metrics(backend, batch, scores, token=MASK, fractions=FR, random_rankings=3, seed=3,
-                           suppress_fraction=0.4)
+    got = deletion_metrics(backend, batch, scores, replacement=Replacement(token=MASK), fractions=FR,
+                           random_rankings=3, seed=3, suppress_fraction=0.4)
     m = rep.methods["m"]
     tol = dict(rtol=1e-7, atol=1e-12, equal_nan=True)
     torch.testing.assert_close(got["aopc"], m.aopc[0], **tol)  # measure 0: kl
@@ -59,7 +60,8 @@ def test_removal_sets_and_cost(lm64, case):
     assert (sets.sum(-1)[0] == torch.ceil(FR[0] * r - 1e-9)).all()
     calls = []
     backend = ModuleBackend(lm64, PassLimits(10**6), align=lambda n: calls.append(n) or n)
-    out = deletion_metrics(backend, batch, scores, token=MASK, fractions=FR, random_rankings=J)
+    out = deletion_metrics(backend, batch, scores, replacement=Replacement(token=MASK), fractions=FR,
+                           random_rankings=J)
     # one clean pass and one pass of every perturbed row under an unlimited budget: independent of R
     assert calls == [2] and (out["passes"] == 2).all()
 
@@ -72,7 +74,8 @@ def test_rows_without_reasoning_are_nan_and_fill(lm64, make_batch, case):
     seen = []
     run = backend.run
     backend.run = lambda b, passes, on_probe, hook=None: seen.append(len(passes)) or run(b, passes, on_probe, hook)
-    out = deletion_metrics(backend, empty, scores[:2], token=MASK, fractions=FR, random_rankings=2)
+    out = deletion_metrics(backend, empty, scores[:2], replacement=Replacement(token=MASK), fractions=FR,
+                           random_rankings=2)
     assert seen == [3]  # fillers only
     for k in ("aopc", "aopc_random", "gain", "suppression"):
         assert all(math.isnan(float(v)) for v in out[k])
@@ -82,9 +85,9 @@ def test_errors(lm64, case):
     batch, scores, _ = case
     backend = ModuleBackend(lm64, PassLimits(64))
     with pytest.raises(ValueError, match="fractions"):
-        deletion_metrics(backend, batch, scores, token=MASK, fractions=(0.0,))
+        deletion_metrics(backend, batch, scores, replacement=Replacement(token=MASK), fractions=(0.0,))
     with pytest.raises(ValueError, match="random_rankings"):
-        deletion_metrics(backend, batch, scores, token=MASK, random_rankings=0)
+        deletion_metrics(backend, batch, scores, replacement=Replacement(token=MASK), random_rankings=0)
 
 
 def test_step_fidelity_measures_the_first_rows_on_due_steps(lm64, case):
@@ -94,11 +97,12 @@ def test_step_fidelity_measures_the_first_rows_on_due_steps(lm64, case):
     batch, scores, _ = case
     cfg = OARConfig(fidelity_every=5, fidelity_rows=2, seed=3, tau=0.4)
     backend = ModuleBackend(lm64, PassLimits(64))
-    off = step_fidelity(backend, batch, scores, cfg, 7, token=MASK)
+    off = step_fidelity(backend, batch, scores, cfg, 7, replacement=Replacement(token=MASK))
     assert all(v.isnan().all() for v in off.values()) and step_metrics(off) == {}
-    on = step_fidelity(backend, batch, scores, cfg, 10, token=MASK)
+    on = step_fidelity(backend, batch, scores, cfg, 10, replacement=Replacement(token=MASK))
     first = rows_of(batch, torch.tensor([0, 1]))
-    ref = deletion_metrics(backend, first, scores[:2], token=MASK, random_rankings=4, seed=3, suppress_fraction=0.4)
+    ref = deletion_metrics(backend, first, scores[:2], replacement=Replacement(token=MASK), random_rankings=4, seed=3,
+                           suppress_fraction=0.4)
     for k in ("aopc", "aopc_random", "suppression"):
         torch.testing.assert_close(on[k][:2], ref[k].cpu(), equal_nan=True)
         assert on[k][2:].isnan().all()
@@ -106,5 +110,26 @@ def test_step_fidelity_measures_the_first_rows_on_due_steps(lm64, case):
     m = step_metrics(on)
     assert m["oar/fidelity/rows"] == 2.0
     assert m["oar/fidelity/gain"] == pytest.approx(m["oar/fidelity/aopc"] / m["oar/fidelity/aopc_random"])
-    with pytest.raises(ValueError, match="mask_token_id"):
-        step_fidelity(backend, batch, scores, cfg, 10, token=None)
+    assert step_fidelity(backend, batch, scores, cfg, 7, replacement=None)["aopc"].isnan().all()  # not due: nothing
+
+
+@pytest.mark.parametrize("operator", ["mean", "zero", "resample"])
+def test_every_mask_operator_is_row_independent(lm64, case, operator):
+    """The run's operator replaces the removed tokens (an embedding vector, or resample's per-position ids following
+    their rows into the expanded batch): measuring rows together equals measuring them one by one."""
+    from oar_verl.core.gradient import sequence_seeds
+    from oar_verl.core.mask_operator import mask_replacement
+
+    batch, scores, _ = case
+    backend = ModuleBackend(lm64, PassLimits(64))
+    seeds = sequence_seeds(0, 0, torch.arange(batch.input_ids.shape[0]))
+    rep = mask_replacement(backend, batch, operator, None, seeds)
+    whole = deletion_metrics(backend, batch, scores, replacement=rep, fractions=FR, random_rankings=2)
+    assert torch.isfinite(whole["aopc"]).all() and (whole["aopc"] > 0).any()
+    for b in (1, 3):
+        row = torch.tensor([b])
+        one = mask_replacement(backend, rows_of(batch, row), operator, None, seeds[row])
+        got = deletion_metrics(backend, rows_of(batch, row), scores[row], replacement=one, fractions=FR,
+                               random_rankings=2)
+        for k in ("aopc", "aopc_random", "suppression"):
+            torch.testing.assert_close(got[k], whole[k][row], rtol=1e-5, atol=1e-9, equal_nan=True)

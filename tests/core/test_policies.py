@@ -62,7 +62,7 @@ def make(make_batch, kind, seed, B=4, P=5, T=12, max_len=4):
 
 def fast(model, batch, policy, prefix_cache=True, share=0.3, limits=None, exact_max_tokens=0, align=None):
     cfg = OARConfig(mode="perturbation", perturbation=policy, refine_share=share, prefix_cache=prefix_cache,
-                    exact_max_tokens=exact_max_tokens)
+                    exact_max_tokens=exact_max_tokens, mask="pad")  # the token MASK, as the references
     backend = module_backend(model, cfg, limits=limits or PassLimits(10**6, copies=3), align=align)
     return run_attribution(backend, batch, cfg, mask_token_id=MASK)
 

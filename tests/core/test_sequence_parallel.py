@@ -21,6 +21,7 @@ from oar_verl.core.backend_hf import ModuleBackend
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import sequence_seeds
+from oar_verl.core.mask_operator import mask_replacement
 from oar_helpers import fidelity_of, run_g, run_p
 
 JOB = Path(__file__).with_name("sequence_parallel_job.py")
@@ -37,7 +38,9 @@ def load_job():
 
 @pytest.mark.slow
 def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = str(Path(__file__).resolve().parents[2])  # the ranks import this checkout's oar_verl, not an installed one
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", "29517", str(JOB), str(tmp_path)], capture_output=True, text=True,
                           timeout=600, env=env)
@@ -58,6 +61,11 @@ def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
             ref = fisher(ModuleBackend(lm, PassLimits(10**6)), b, 0, outcomes=2)[0]
         elif method == "fid":
             ref = fidelity_of(ModuleBackend(lm, PassLimits(10**6)), b)
+        elif method == "f_zero":
+            whole = ModuleBackend(lm, PassLimits(10**6))
+            ref = fisher(whole, b, mask_replacement(whole, b, "zero", None, None), outcomes=2)[0]
+        elif method == "p_mean":
+            ref = run_p(lm, b, None, PassLimits(10**6), prefix_cache=False, mask="mean")
         else:
             ref = run_p(lm, b, 0, PassLimits(10**6), prefix_cache=False)
         # the fidelity ratios are NaN where AS-Joint's signed random shift is not positive

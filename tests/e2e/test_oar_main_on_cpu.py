@@ -183,6 +183,11 @@ BAD_CONFIGURATIONS = [
     ("trainer.v1.trainer_mode=dreamy", "trainer.v1.trainer_mode='dreamy' has no OAR trainer; choose one of: sync"),
     ("trainer.use_v1=false algorithm.rollout_correction.bypass_mode=true",
      "algorithm.rollout_correction.bypass_mode=true with trainer.use_v1=false"),
+    ("algorithm.oar.mode=perturbation algorithm.oar.mask=token",
+     "algorithm.oar.mask=token needs algorithm.oar.mask_token_id"),
+    # the tiny tokenizer's <|im_end|> (id 2): its eos and the chat template's end of turn
+    ("algorithm.oar.mode=perturbation algorithm.oar.mask=token algorithm.oar.mask_token_id=2",
+     "algorithm.oar.mask=token: the mask token 2 ('<|im_end|>', algorithm.oar.mask_token_id=2) is an end-of-sequence"),
 ]
 
 

@@ -64,6 +64,7 @@ def check_fidelity(model_dir, res):
 
     from oar_verl.core.fidelity import default_min_gap
     from oar_verl.core.fidelity_step import step_fidelity
+    from oar_verl.core.mask_operator import mask_replacement
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -74,7 +75,8 @@ def check_fidelity(model_dir, res):
         half = prepare_attribution(res["prompts"][2 * r: 2 * r + 2], res["responses"][2 * r: 2 * r + 2], tok, cfg, 3)
         backend = module_backend(model, cfg)
         imp = run_attribution(backend, half.batch, cfg, mask_token_id=half.mask_token_id, seeds=half.seeds).importance
-        got = step_fidelity(backend, half.batch, imp, cfg, 3, token=half.mask_token_id, min_gap=default_min_gap(model))
+        rep = mask_replacement(backend, half.batch, cfg.mask, half.mask_token_id, half.seeds)  # the run's operator
+        got = step_fidelity(backend, half.batch, imp, cfg, 3, replacement=rep, min_gap=default_min_gap(model))
         passes.append(float(got["passes"][0]))
         for k, v in got.items():
             ref[k] = torch.cat([ref[k], v]) if k in ref else v

@@ -9,7 +9,7 @@ produced silently wrong, non-causal numbers once: "it runs" proves nothing).
 Layouts: TP=PP=1 (one rank), TP=2, TP=2 with sequence parallelism, PP=2 (with a packed-sequence training layout, which
 attribution swaps for the padded one, and full activation recomputation), DP=2 with unequal work per rank (and the
 distributed optimizer), in fp32; and TP=PP=1 in bf16, the production dtype, against the bf16 error floor. Cases: OAR-P
-and OAR-G with every probe, OAR-G with K = 3 noise draws, OAR-P's segment, hierarchical and auto policies, and the
+(with the pad token and the mean embedding as the mask) and OAR-G with every probe, OAR-G with K = 3 noise draws, OAR-P's segment, hierarchical and auto policies, and the
 second-order (fisher) mode -- the core's methods run unchanged on the engine's backend.
 """
 
@@ -44,9 +44,13 @@ pytestmark = [
 ]
 
 CASES = [  # chunk / micro-batch sizes that do not divide the row and copy counts: filler rows are exercised
-    {"name": "p_lt", "oar": {"mode": "perturbation", "probe": "lt_logits", "chunk_size": 5, "micro_batch_size": 3}},
-    {"name": "p_mean", "oar": {"mode": "perturbation", "probe": "as_mean", "chunk_size": 8, "micro_batch_size": 2}},
-    {"name": "p_joint_span2", "oar": {"mode": "perturbation", "probe": "as_joint", "chunk_size": 4, "mask_span": 2}},
+    {"name": "p_lt", "oar": {"mode": "perturbation", "probe": "lt_logits", "chunk_size": 5, "micro_batch_size": 3,
+                             "mask": "pad"}},
+    # the embedding operator: the first stage's embedding output at the replaced positions set to the table's mean
+    {"name": "p_mean", "oar": {"mode": "perturbation", "probe": "as_mean", "chunk_size": 8, "micro_batch_size": 2,
+                               "mask": "mean"}},
+    {"name": "p_joint_span2", "oar": {"mode": "perturbation", "probe": "as_joint", "chunk_size": 4, "mask_span": 2,
+                                      "mask": "pad"}},
     {"name": "g_lt", "oar": {"mode": "gradient", "probe": "lt_logits", "micro_batch_size": 3}},
     {"name": "g_mean", "oar": {"mode": "gradient", "probe": "as_mean", "micro_batch_size": 2}},
     {"name": "g_joint", "oar": {"mode": "gradient", "probe": "as_joint", "micro_batch_size": 4}},
@@ -54,12 +58,13 @@ CASES = [  # chunk / micro-batch sizes that do not divide the row and copy count
     {"name": "g_k3", "oar": {"mode": "gradient", "probe": "as_mean", "noise_samples": 3, "micro_batch_size": 5}},
     {"name": "p_segment", "oar": {"mode": "perturbation", "probe": "as_mean", "perturbation": "segment"}},
     {"name": "p_hier", "oar": {"mode": "perturbation", "probe": "lt_logits", "perturbation": "hierarchical",
-                               "refine_share": 0.3, "chunk_size": 5}},
+                               "refine_share": 0.3, "chunk_size": 5, "mask": "pad"}},
     {"name": "p_auto", "oar": {"mode": "perturbation", "probe": "as_joint", "perturbation": "auto",
                                "exact_max_tokens": 10, "refine_share": 0.5}},
     # OAR-P's masking KL to second order: vocab-parallel top outcomes, gradients projected on e_mask - e_t
-    {"name": "f_mean", "oar": {"mode": "fisher", "probe": "as_mean", "fisher_outcomes": 3, "micro_batch_size": 5}},
-    {"name": "f_joint", "oar": {"mode": "fisher", "probe": "as_joint", "fisher_outcomes": 2}},
+    {"name": "f_mean", "oar": {"mode": "fisher", "probe": "as_mean", "fisher_outcomes": 3, "micro_batch_size": 5,
+                               "mask": "zero"}},
+    {"name": "f_joint", "oar": {"mode": "fisher", "probe": "as_joint", "fisher_outcomes": 2, "mask": "pad"}},
 ]
 B = 4
 # rows of each data-parallel rank; DP=2 gets one long-reasoning pair and one short one (unequal copy counts)
@@ -113,7 +118,9 @@ def run_layout(assets, name, *, nproc=1, tp=1, pp=1, sp=False, dtype="float32", 
     (out_dir / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_PLATFORM": "cpu", "OMP_NUM_THREADS": "1",
            "TORCH_COMPILE_DISABLE": "1", "TORCHINDUCTOR_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONWARNINGS": "ignore", "OAR_TEST_SP": "1" if sp else "0"}
+           "PYTHONWARNINGS": "ignore", "OAR_TEST_SP": "1" if sp else "0",
+           # the ranks import this checkout's oar_verl, not the one installed in the Megatron environment
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     env.pop("VIRTUAL_ENV", None)
     cmd = [str(PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), str(JOB), str(out_dir / "spec.json")]

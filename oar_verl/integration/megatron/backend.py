@@ -106,6 +106,13 @@ class MegatronBackend:
         emb = embedding_module(self.engine)
         return None if emb is None else _token_embedding(emb, int(token_id))
 
+    def mean_embedding(self) -> torch.Tensor | None:
+        """(H,) the mean of the word-embedding table's rows (the model's vocabulary, not Megatron's padding rows) on the
+        first pipeline stage (None on the others)."""
+        emb = embedding_module(self.engine)
+        hf = getattr(self.engine.model_config, "hf_config", None)
+        return None if emb is None else _mean_embedding(emb, getattr(hf, "vocab_size", None))
+
     def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe,
             hook: EmbeddingHook | None = None) -> list[torch.Tensor | None]:
         if hook is not None and hook.outputs != 1:
@@ -123,7 +130,8 @@ class MegatronBackend:
                 s0, n = rows.start[b], rows.n[b]
                 tokens = rows.ids[b]
                 if replaced is not None and j < p.rows.shape[0]:
-                    tokens = tokens.masked_fill(replaced[j, s0:s0 + n].cpu(), int(p.token))
+                    tokens = p.replacement.input_ids(tokens[None], replaced[j:j + 1, s0:s0 + n].cpu(),
+                                                     p.rows[j:j + 1], s0)[0]
                 src.append(b)
                 ids.append(tokens)
         src_t = torch.tensor(src, dtype=torch.long)
@@ -137,10 +145,52 @@ class MegatronBackend:
         probe_hook = ProbeHook(self.engine, rows, lambda slots: src_t[slots], on_micro_batch,
                                need_loss=hook is not None)
         td = engine_batch(ids, list(range(len(ids))), mbs, self.engine.engine_config.use_fused_kernels)
+        replaces = any(p.first is not None and p.replacement.embedding for p in passes)
         if hook is None:
-            run_engine(self.engine, td, probe_hook, forward_only=True)
+            emb = embedding_module(self.engine) if replaces else None
+            handle = None if emb is None else emb.register_forward_hook(
+                self._replacing_hook(passes, rows, ids, mbs), with_kwargs=True)
+            try:
+                run_engine(self.engine, td, probe_hook, forward_only=True)
+            finally:
+                if handle is not None:
+                    handle.remove()
             return [None] * len(passes)
+        if replaces:
+            raise NotImplementedError("a backward pass over copies whose embedding output is replaced")
         return self._backward_call(batch, passes, rows, ids, mbs, hook, td, probe_hook)
+
+    def _replacing_hook(self, passes: Sequence[Pass], rows: EngineRows, ids: list[torch.Tensor], mbs: int):
+        """A forward hook on the first stage's embedding that sets the embedding output ``[s, b, h]`` (``[s/tp, b, h]``
+        under sequence parallelism) of micro-batch k's replaced positions to pass k's replacement vector."""
+        from megatron.core import parallel_state as mpu
+
+        tp_rank = mpu.get_tensor_model_parallel_rank()
+        state = {"mb": 0}
+
+        def at_embedding(module, args, kwargs, out):
+            k = state["mb"]
+            state["mb"] += 1
+            p = passes[k]
+            input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            for i, x in enumerate(ids[k * mbs:(k + 1) * mbs]):  # the schedule must hand us micro-batch k
+                if not torch.equal(input_ids[i, :len(x)].cpu(), x):
+                    raise RuntimeError("OAR-P: embedding forward does not match the expected micro-batch order")
+            replaced = p.replaced()
+            if replaced is None or not p.replacement.embedding:
+                return out
+            replaced = replaced.cpu()
+            mask = torch.zeros(mbs, input_ids.shape[1], dtype=torch.bool)
+            for i, b in enumerate(p.rows.tolist()):  # real rows only: the top-up rows stay clean
+                s0, n = rows.start[b], rows.n[b]
+                mask[i, :n] = replaced[i, s0:s0 + n]
+            mask = mask.t()  # [s, b] like the embedding output
+            s_loc = out.shape[0]
+            if s_loc != mask.shape[0]:  # sequence-parallel chunk of this tensor-parallel rank
+                mask = mask[tp_rank * s_loc:(tp_rank + 1) * s_loc]
+            return p.replacement.at_embedding(out, mask)
+
+        return at_embedding
 
     def _backward_call(self, batch: AttributionBatch, passes: Sequence[Pass], rows: EngineRows,
                        ids: list[torch.Tensor], mbs: int, hook: EmbeddingHook, td, probe_hook: ProbeHook
@@ -242,3 +292,20 @@ def _token_embedding(emb, token_id: int) -> torch.Tensor:
     if mpu.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(row, group=mpu.get_tensor_model_parallel_group())
     return row
+
+
+def _mean_embedding(emb, vocab: int | None) -> torch.Tensor:
+    """(H,) the mean of the first ``vocab`` rows of the vocab-parallel word-embedding table (each tensor-parallel rank
+    sums its own rows, a sum over the group brings the total to all), in the table's dtype."""
+    from megatron.core import parallel_state as mpu
+
+    words = emb.word_embeddings
+    lo, hi = words.vocab_start_index, words.vocab_end_index
+    weight = words.weight.detach()
+    total = vocab if vocab is not None else getattr(words, "num_embeddings", hi - lo)
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    keep = torch.arange(lo, hi, device=weight.device) < total  # Megatron pads the vocabulary: its rows are not words
+    s = weight[keep].to(acc).sum(0)
+    if mpu.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(s, group=mpu.get_tensor_model_parallel_group())
+    return (s / total).to(weight.dtype)
