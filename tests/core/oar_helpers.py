@@ -9,6 +9,7 @@ import torch
 from oar_verl.core import OARConfig, module_backend, run_attribution
 from oar_verl.core.backend import plan_draws
 from oar_verl.core.backend_hf import ModuleBackend
+from oar_verl.core.fisher import fisher_plan
 from oar_verl.core.memory import PassKind
 from oar_verl.core.perturbation import mask_blocks, oar_p_passes
 
@@ -46,5 +47,6 @@ def count_passes(batch, cfg: OARConfig, limits, shards=None) -> int:
     backend = module_backend(None, cfg, limits=limits, shards=shards)
     if cfg.mode == "perturbation":
         return len(oar_p_passes(backend, batch, mask_blocks(batch.reasoning_mask, cfg.mask_span), 0))
-    draws = cfg.noise_samples if cfg.mode == "gradient" else cfg.fisher_outcomes
-    return len(plan_draws(backend, batch, draws, PassKind.INPUT_GRADIENT)[1])
+    if cfg.mode == "fisher":
+        return len(fisher_plan(backend, batch, cfg.fisher_outcomes, cfg.fisher_sketches)[3])
+    return len(plan_draws(backend, batch, cfg.noise_samples, PassKind.INPUT_GRADIENT)[1])

@@ -78,6 +78,8 @@ def main(out_dir: str) -> None:
                 b, OARConfig(mode="gradient", noise_samples=3), limits, shards)
             # the fisher mode: clean-point gradients of the top 2 outcomes, projected on e_mask - e_t
             results[(int(kind), tokens, "f")] = fisher(backend, b, 0, outcomes=2)[0]
+            # the unbiased estimator: the top outcome exact, the rest in 2 Rademacher sketches (3 loss columns)
+            results[(int(kind), tokens, "fs")] = fisher(backend, b, 0, 1, 2, seed=4)[0]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

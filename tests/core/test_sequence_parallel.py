@@ -55,6 +55,8 @@ def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
                                    samples=3 if method == "g3" else 1)
         elif method == "f":
             ref = fisher(ModuleBackend(lm, PassLimits(10**6)), b, 0, outcomes=2)[0]
+        elif method == "fs":
+            ref = fisher(ModuleBackend(lm, PassLimits(10**6)), b, 0, 1, 2, seed=4)[0]
         else:
             ref = run_p(lm, b, 0, PassLimits(10**6), prefix_cache=False)
         assert ref.abs().sum() > 0

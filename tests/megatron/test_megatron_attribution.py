@@ -10,7 +10,7 @@ Layouts: TP=PP=1 (one rank), TP=2, TP=2 with sequence parallelism, PP=2 (with a 
 attribution swaps for the padded one, and full activation recomputation), DP=2 with unequal work per rank (and the
 distributed optimizer), in fp32; and TP=PP=1 in bf16, the production dtype, against the bf16 error floor. Cases: OAR-P
 and OAR-G with every probe, OAR-G with K = 3 noise draws, OAR-P's segment, hierarchical and auto policies, and the
-second-order (fisher) mode -- the core's methods run unchanged on the engine's backend.
+second-order (fisher) mode, truncated and sketched -- the core's methods run unchanged on the engine's backend.
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ CASES = [  # chunk / micro-batch sizes that do not divide the row and copy count
     # OAR-P's masking KL to second order: vocab-parallel top outcomes, gradients projected on e_mask - e_t
     {"name": "f_mean", "oar": {"mode": "fisher", "probe": "as_mean", "fisher_outcomes": 3, "micro_batch_size": 5}},
     {"name": "f_joint", "oar": {"mode": "fisher", "probe": "as_joint", "fisher_outcomes": 2}},
+    # the unbiased estimator: top 2 exact, the rest in 2 Rademacher sketches summed over the vocabulary shards
+    {"name": "f_sketch", "oar": {"mode": "fisher", "probe": "lt_logits", "fisher_outcomes": 2, "fisher_sketches": 2,
+                                 "seed": 3, "micro_batch_size": 3}},
 ]
 B = 4
 # rows of each data-parallel rank; DP=2 gets one long-reasoning pair and one short one (unequal copy counts)
