@@ -39,8 +39,6 @@ from research import REPO
 from research.common import measure
 from research.common import progress
 from oar_verl.core.budget import PassLimits
-from oar_verl.core.backend_hf import ModuleBackend
-from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.memory import ModelShape, PassKind, pass_bytes
