@@ -164,8 +164,9 @@ def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: 
     sign_cache: dict[tuple, torch.Tensor] = {}
 
     def signs(vocab_ids: torch.Tensor) -> torch.Tensor:
-        # the same shard in every pass: hash its signs once per call
-        key = (vocab_ids.device, vocab_ids.shape[0], int(vocab_ids[0]) if vocab_ids.numel() else 0)
+        # a rank reads the same vocabulary (shard) in every pass of a call: hash its signs once (keyed without
+        # reading the ids back from the device)
+        key = (vocab_ids.device, vocab_ids.shape[0])
         if key not in sign_cache:
             sign_cache[key] = sketch_signs(seed, S, vocab_ids)
         return sign_cache[key]
