@@ -36,10 +36,13 @@ def oar_g_importance(model, batch, noise_std: float, seeds: torch.Tensor, limits
                            seeds=seeds).importance
 
 
-def fisher_importance(model, batch, mask_token_id: int, limits, *, outcomes: int = 1,
-                      checkpointing: bool = True) -> torch.Tensor:
-    """(B, L) ``mode=fisher`` importance (``outcomes`` kept) on a Hugging Face module."""
-    cfg = OARConfig(mode="fisher", fisher_outcomes=outcomes, mask="pad")  # e_mask: the given id's embedding
+def fisher_importance(model, batch, mask_token_id: int, limits, *, outcomes: int | None = None,
+                      sketches: int = 0, checkpointing: bool = True) -> torch.Tensor:
+    """(B, L) ``mode=fisher`` importance (``outcomes`` kept exactly, None: the configuration's default
+    ``fisher_outcomes``; ``sketches`` Rademacher sketches of the rest) on a Hugging Face module; e_mask: the given
+    id's embedding."""
+    keys = {"fisher_sketches": sketches} | ({} if outcomes is None else {"fisher_outcomes": outcomes})
+    cfg = OARConfig(mode="fisher", mask="pad", **keys)
     return run_attribution(module_backend(model, cfg, limits=limits, checkpointing=checkpointing), batch, cfg,
                            mask_token_id=mask_token_id).importance
 

@@ -39,8 +39,6 @@ from research import REPO
 from research.common import measure
 from research.common import progress
 from oar_verl.core.budget import PassLimits
-from oar_verl.core.backend_hf import ModuleBackend
-from oar_verl.core.fisher import fisher
 from oar_verl.core.gradient import sequence_seeds
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.memory import ModelShape, PassKind, pass_bytes
@@ -144,10 +142,10 @@ def point(args) -> dict:
         seconds, peak = measure(lambda: oar_g_importance(model, batch, 1e-3, seeds, limits, checkpointing=True,
                                                          samples=args.noise_samples), device)
         info["noise_samples"] = args.noise_samples
-    elif args.method == "fisher":  # OAR-P's masking KL to second order: one gradient pass per kept outcome
-        seconds, peak = measure(lambda: fisher_importance(model, batch, 0, limits, outcomes=args.fisher_outcomes),
-                                device)
-        info["fisher_outcomes"] = args.fisher_outcomes
+    elif args.method == "fisher":  # OAR-P's masking KL to second order: one gradient pass per outcome and sketch
+        seconds, peak = measure(lambda: fisher_importance(model, batch, 0, limits, outcomes=args.fisher_outcomes,
+                                                          sketches=args.fisher_sketches), device)
+        info.update(fisher_outcomes=args.fisher_outcomes, fisher_sketches=args.fisher_sketches)
     else:
         per_pass = max(1, tokens // (PROMPT + args.point_length))
         n_copies = int(batch.reasoning_mask[0].sum())
@@ -277,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="outputs/benchmarks")
     ap.add_argument("--point", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--point-length", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--fisher-outcomes", type=int, default=1, help="outcomes kept by the fisher point (--point fisher)")
+    ap.add_argument("--fisher-outcomes", type=int, default=None,
+                    help="outcomes kept by the fisher point (--point fisher); default: the configuration's")
+    ap.add_argument("--fisher-sketches", type=int, default=0, help="Rademacher sketches of the fisher point")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.shape = args.shape or ("cpu-quick" if args.quick else "cpu-scaled" if args.device == "cpu" else

@@ -92,7 +92,7 @@ class OARConfig:
     seed: int = _key(0, "OAR-G noise",
                      "OAR-G: base seed of the noise, >= 0; per-sequence generators derive from (seed, step, a "
                      "fingerprint of the sequence's tokens), so the noise does not depend on batching or data "
-                     "parallelism. Ignored by OAR-P.")
+                     "parallelism. Also seeds the signs of `fisher_sketches`. Ignored by OAR-P.")
     noise_samples: int = _key(1, "OAR-G noise",
                               "OAR-G: noise draws per sequence, >= 1; the score is the mean of the single-draw "
                               "scores (draw 0 uses the sequence's own seed, so 1 is the single-draw method). Costs K "
@@ -100,11 +100,19 @@ class OARConfig:
                               "(each draw counts as a sequence for the budget and for `micro_batch_size`). Ignored by "
                               "OAR-P. Measured cost: research/docs/evidence.md.")
     fisher_outcomes: int = _key(1, "method",
-                                "`fisher`: the most likely outcomes of each row's probe kept in the Fisher sum, >= 1; "
-                                "one forward and one backward per outcome and sequence (Megatron: a forward+backward "
-                                "per outcome). 1 keeps only the top outcome: first-order attribution patching of its "
-                                "log-probability (docs/method.md §11). Measured fidelity and cost: "
-                                "research/docs/faithfulness.md.")
+                                "`fisher`: the most likely outcomes of each row's probe kept exactly in the Fisher "
+                                "sum, >= 1 (0 only with `fisher_sketches` >= 1: the pure sketch); one backward per "
+                                "outcome and sequence (Megatron: a forward+backward per outcome). With "
+                                "`fisher_sketches` = 0 the sum stops there, a lower bound of the full Fisher form; 1 "
+                                "keeps only the top outcome: first-order attribution patching of its log-probability "
+                                "(docs/method.md §11). Measured fidelity and cost: research/docs/faithfulness.md.")
+    fisher_sketches: int = _key(0, "method",
+                                "`fisher`: Rademacher sketches of the outcomes beyond the top `fisher_outcomes`, >= "
+                                "0. 0 = the truncated sum (biased low); S >= 1 = an unbiased estimate of the full "
+                                "vocabulary's Fisher form for any `fisher_outcomes` (the top K exact, the rest "
+                                "sketched; relative standard deviation of a token's tail term <= sqrt(2/S)), signs "
+                                "seeded by `seed`. Cost: one forward and K + S backwards per sequence (Megatron: K + S "
+                                "forward+backwards; AS-Joint rows: one) (docs/method.md §11).")
     mask: str = _key(DEFAULT_MASK, "method",
                      "What replaces a masked token (OAR-P's copies; `fisher`'s embedding move): `mean` (the input-"
                      "embedding output set to the mean of the embedding table's rows), `zero` (set to the zero "
@@ -197,7 +205,11 @@ class OARConfig:
         _number(p, "noise_std", self.noise_std, lo=0.0, lo_open=True)
         _integer(p, "seed", self.seed, lo=0)
         _integer(p, "noise_samples", self.noise_samples, lo=1)
-        _integer(p, "fisher_outcomes", self.fisher_outcomes, lo=1)
+        _integer(p, "fisher_sketches", self.fisher_sketches, lo=0)
+        _integer(p, "fisher_outcomes", self.fisher_outcomes, lo=0)
+        if self.fisher_outcomes == 0 and self.fisher_sketches == 0:
+            raise OARConfigError(f"{p}.fisher_outcomes=0 needs {p}.fisher_sketches >= 1 (the pure sketch); with "
+                                 f"{p}.fisher_sketches=0 set {p}.fisher_outcomes >= 1")
         _choice(p, "mask", self.mask, MASK_OPERATORS)
         if self.mask_token_id is not None:
             _integer(p, "mask_token_id", self.mask_token_id, lo=0)

@@ -39,6 +39,7 @@ import torch
 
 from oar_verl.core.budget import PassLimits, pack_rows, row_spans
 from oar_verl.core.gating import oar_token_weights
+from oar_verl.core.hashing import _mix, _uniform
 from oar_verl.core.layout import AttributionBatch, position_ids_from_mask
 from oar_verl.core.probes import ProbeOutput, logits_at, outcome_shift, probe_from_logits
 
@@ -55,36 +56,6 @@ FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20)
 DEFAULT_MAX_TOKENS = 16384  # the core's default pass budget (oar_verl.core.attribution.DEFAULT_MAX_TOKENS)
 _KIND = "forward"  # oar_verl.core.memory.PassKind.FORWARD, for the memory guard of PassLimits
 _STREAM_RANDOM, _STREAM_RESAMPLE = 0x52414E44, 0x52455341  # hash streams: random rankings, resampling draws
-
-
-# ------------------------------------------------------------------------------------------------ seeded hashing
-def _s64(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GOLD, _C1, _C2 = _s64(0x9E3779B97F4A7C15), _s64(0xBF58476D1CE4E5B9), _s64(0x94D049BB133111EB)
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch shifts arithmetically)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors (wrapping arithmetic)."""
-    x = x + _GOLD
-    x = (x ^ _shr(x, 30)) * _C1
-    x = (x ^ _shr(x, 27)) * _C2
-    return x ^ _shr(x, 31)
-
-
-def _uniform(seed: int, *keys: torch.Tensor | int) -> torch.Tensor:
-    """Uniform [0, 1) float64 of the broadcast int64 ``keys``: a pure function of (seed, keys), so a row's draws do
-    not depend on batching, padding or device."""
-    x = _mix(torch.tensor(_s64(seed % (1 << 64)), dtype=torch.long))
-    for k in keys:
-        x = _mix(x ^ torch.as_tensor(k, dtype=torch.long))
-    return _shr(x, 11).double() * 2.0 ** -53
 
 
 def row_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -17,12 +17,29 @@ lower bound of the Fisher form that keeps only its leading term (docs/method.md 
 AS-Joint rows read a scalar φ whose shift has a first-order term: I_t ≈ φ_clean − φ^(t) ≈ −⟨∂φ/∂e_t, δ_t⟩ (signed,
 as OAR-P's).
 
+**The unbiased estimator** (``sketches`` S >= 1): the outcomes beyond the top K are sketched with Rademacher signs
+s_j ∈ {±1}^V. Write a_v = √p_v ⟨∂ log p_v / ∂e_t, δ_t⟩; then E_s[(Σ_v s_v a_v)²] = Σ_{u,v} E[s_u s_v] a_u a_v =
+Σ_v a_v² (E[s_u s_v] = 1 if u = v, else 0), exactly the Fisher sum over those v. Sketch j's loss
+L_j = Σ_{v ∉ top K} s_{j,v} √sg(p_v) log p_v (sg: stop-gradient) has ⟨∂L_j/∂e_t, δ_t⟩ = Σ_{v ∉ top K} s_{j,v} a_v, so
+one backward of L_j is one sample for every token t at once, and
+
+    I_t ≈ ½ [Σ_{k ≤ K} p_k ⟨∂ log p_k / ∂e_t, δ_t⟩² + (1/S) Σ_j ⟨∂L_j/∂e_t, δ_t⟩²]
+
+is unbiased for the full-vocabulary form for any K >= 0, S >= 1. The loss reads log p, not the logits z: with logits
+the Fisher form is Σ_v p_v (Δz_v − Σ_u p_u Δz_u)², whose mean term a sketch of Δz alone would miss; Δ log p_v carries
+it (Δ log p_v = Δz_v − Σ_u p_u Δz_u). Its variance per token: one sample's (Σ_v s_v a_v)² has variance
+2 (Σ_v a_v²)² − 2 Σ_v a_v⁴ (fourth moments of Rademacher signs), the mean of S of them 1/S of that, so the tail
+term's relative standard deviation is at most √(2/S). The signs are a hash of (``seed``, j, global vocabulary id v)
+(:func:`sketch_signs`): the same on every tensor-parallel shard, batch and rank; every row shares them (unbiased per
+row). Cost: one forward and K + S backwards per sequence; AS-Joint rows run φ's loss only.
+
 The forward is the clean one (no noise, no teacher pass): the row's top outcomes are read from the very probe that is
 differentiated, and on a backend whose forward serves several backwards (``shared_backwards``: Hugging Face modules,
-Ulysses) its K log-probabilities are K loss columns of one pass. Megatron's schedule runs one backward per
-micro-batch, so there each outcome is a *draw row* e = b·K + k, packed like OAR-G's noise draws. AS-Joint rows have
-one loss (φ), never a pass of their own for the other K − 1 columns. The projection on δ_t = e_mask − e_t is this module's
-(:func:`oar_verl.core.gradient.embedding_projection` with the backend's embedding of the mask token).
+Ulysses) its K log-probabilities (and S sketches) are loss columns of one pass. Megatron's schedule runs one
+backward per micro-batch, so there each loss column (an outcome or a sketch) is a *draw row* of its own, packed like
+OAR-G's noise draws (:func:`fisher_plan`). AS-Joint rows have one loss (φ), never a pass of their own for the other
+columns. The projection on δ_t = e_mask − e_t is this module's (:func:`oar_verl.core.gradient.embedding_projection`
+with the backend's embedding of the mask token).
 """
 
 from __future__ import annotations
@@ -30,32 +47,99 @@ from __future__ import annotations
 import torch
 
 from oar_verl.core.backend import (AttributionBackend, EmbeddingHook, Pass, Replacement, collect, first_row,
-                                   plan_draws, with_fillers)
+                                   with_fillers)
 from oar_verl.core.gradient import embedding_projection
+from oar_verl.core.hashing import _uniform
 from oar_verl.core.layout import AttributionBatch
 from oar_verl.core.mask_operator import TOKEN_OPERATORS, mask_replacement, replacement_embedding
 from oar_verl.core.memory import PassKind
 from oar_verl.core.methods import AttributionResult, MethodInputs, method, require
 from oar_verl.core.perturbation import as_replacement
 
+_STREAM_SKETCH = 0x534B4554  # hash stream of the sketches' signs ("SKET"), apart from the fidelity metric's streams
 
-def fisher_importance(projections: torch.Tensor, weights: torch.Tensor, joint: torch.Tensor) -> torch.Tensor:
-    """(B, L) second-order masking scores from per-outcome first-order projections.
+
+def sketch_signs(seed: int, sketches: int, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """(S, V) float64 Rademacher signs s_{j,v} ∈ {−1, +1} of sketch j and global vocabulary id v (``vocab_ids`` (V,)
+    long): a pure function of (seed, j, v), so a sign is the same whatever the vocabulary sharding, batching or rank.
 
     Args:
-        projections: (B, K, L) ⟨∂ log p_k / ∂e_t, δ_t⟩ of outcome k (AS-Joint rows: ⟨∂φ/∂e_t, δ_t⟩ at k = 0).
-        weights: (B, K) p_k, the clean probability of outcome k.
+        seed: the configuration's ``seed``.
+        sketches: S >= 1.
+        vocab_ids: (V,) long global ids of the columns whose signs are wanted (a tensor-parallel rank's shard).
+    """
+    j = torch.arange(sketches, dtype=torch.long, device=vocab_ids.device)
+    u = _uniform(seed, _STREAM_SKETCH, j[:, None], vocab_ids.long()[None, :])
+    return torch.where(u < 0.5, -1.0, 1.0).double()
+
+
+def fisher_plan(backend: AttributionBackend, batch: AttributionBatch, outcomes: int, sketches: int
+                ) -> tuple[int, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The pass items of :func:`fisher` and their packs under the backend's token budget.
+
+    A distribution row has C = K + S loss columns (its K top outcomes, then its S sketches), an AS-Joint row one (φ).
+    Where one forward serves several backwards (``shared_backwards``) each row is one item with C columns; elsewhere
+    (Megatron's schedule: one backward per micro-batch) each column is a *draw row* of its own, C of them for a
+    distribution row and one for an AS-Joint row (no pass whose loss would be zero).
+
+    Returns:
+        (columns per item: C or 1; item_rows (N,) long: the batch row of each item; item_column (N,) long: the loss
+        column of a one-column item (0 where items have C columns); packs: index packs into the items).
+    """
+    B = batch.input_ids.shape[0]
+    C = outcomes + sketches
+    device = batch.input_ids.device
+    columns = C if backend.shared_backwards else 1
+    joint = batch.probe.joint.to(device)
+    draws = torch.where(joint, 1, C) if columns == 1 else torch.ones(B, dtype=torch.long, device=device)
+    item_rows = torch.arange(B, device=device).repeat_interleave(draws)
+    first = (draws.cumsum(0) - draws)[item_rows]  # each row's first item
+    item_column = torch.arange(item_rows.shape[0], device=device) - first
+    return columns, item_rows, item_column, backend.plan(batch, item_rows, PassKind.INPUT_GRADIENT)
+
+
+def fisher_importance(projections: torch.Tensor, weights: torch.Tensor, joint: torch.Tensor) -> torch.Tensor:
+    """(B, L) second-order masking scores from per-column first-order projections.
+
+    Args:
+        projections: (B, C, L) projection of column c: ⟨∂ log p_k / ∂e_t, δ_t⟩ of outcome k (c = k < K), ⟨∂L_j/∂e_t,
+            δ_t⟩ of sketch j (c = K + j); AS-Joint rows: ⟨∂φ/∂e_t, δ_t⟩ at c = 0.
+        weights: (B, C) p_k of an outcome column (its clean probability), 1/S of a sketch column.
         joint: (B,) bool AS-Joint rows.
 
     Returns:
-        (B, L) float32: ½ Σ_k p_k projection_k² (distribution probes), −projection_0 (AS-Joint).
+        (B, L) float32: ½ Σ_c weight_c projection_c² (distribution probes), −projection_0 (AS-Joint).
     """
     quadratic = 0.5 * (weights[:, :, None] * projections.square()).sum(1)
     return torch.where(joint[:, None], -projections[:, 0], quadratic).float()
 
 
-def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: int | Replacement, outcomes: int
-           ) -> tuple[torch.Tensor, int]:
+def probe_columns(probe, outcomes: int, sketches: int, signs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C = K + S loss columns of every row of a distribution probe and their weights in the Fisher sum.
+
+    Args:
+        probe: the pass rows' probe (``top``, ``log_prob``, ``sketch``).
+        outcomes: K >= 0 exact outcomes: log p_k of the clean distribution's top K, weight p_k.
+        sketches: S >= 0 Rademacher sketches of the other outcomes: L_j = Σ_{v ∉ top K} s_{j,v} √sg(p_v) log p_v,
+            weight 1/S.
+        signs: (global vocab ids (V,)) -> (S, V) signs (:func:`sketch_signs`).
+
+    Returns:
+        (losses (n, C), weights (n, C) float32, detached).
+    """
+    logp_top, ids = probe.top(outcomes) if outcomes else (None, None)  # the forward is the clean one
+    losses = [probe.log_prob(ids[:, k]) for k in range(outcomes)]  # (n,) each: K at most
+    weights = [logp_top.detach().exp().float()] if outcomes else []
+    if sketches:
+        exclude = ids if outcomes else torch.zeros(probe.phi.shape[0], 0, dtype=torch.long, device=probe.phi.device)
+        sketch = probe.sketch(signs, exclude)  # (n, S)
+        losses += list(sketch.unbind(1))
+        weights.append(sketch.new_full(sketch.shape, 1.0 / sketches, dtype=torch.float32))
+    return torch.stack(losses, 1), torch.cat(weights, 1)
+
+
+def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: int | Replacement, outcomes: int,
+           sketches: int = 0, seed: int = 0) -> tuple[torch.Tensor, int]:
     """Second-order masking scores of every reasoning token, on any backend (see the module docstring).
 
     Args:
@@ -63,58 +147,73 @@ def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: 
         batch: AttributionBatch (B, L); B >= 1 when other data-parallel ranks run more passes.
         mask_token_id: the token whose embedding e_mask the swap moves to, or a
             :class:`~oar_verl.core.backend.Replacement` (``algorithm.oar.mask``: e_mask the zero or mean vector).
-        outcomes: K >= 1 most likely outcomes of each row's probe kept in the Fisher sum (``fisher_outcomes``).
+        outcomes: K >= 0 most likely outcomes of each row's probe kept exactly in the Fisher sum
+            (``fisher_outcomes``); K >= 1 when ``sketches`` = 0.
+        sketches: S >= 0 Rademacher sketches of the other outcomes (``fisher_sketches``); 0: the truncated sum.
+        seed: the sketches' sign seed (the configuration's ``seed``).
 
     Returns:
         ((B, L) float32 scores at reasoning positions, 0 elsewhere; the passes this rank needed before alignment).
     """
+    if outcomes < 0 or sketches < 0 or outcomes + sketches < 1:
+        raise ValueError(f"fisher needs outcomes >= 0, sketches >= 0 and one of them >= 1 (got {outcomes}, {sketches})")
     B, L = batch.input_ids.shape
-    K = outcomes
+    K, S = outcomes, sketches
+    C = K + S
     device = batch.input_ids.device
-    # where one forward serves K backwards, a row is one pass item with K loss columns; elsewhere (Megatron's
-    # schedule) each outcome is a draw row e = b·K + k with one loss
-    columns = K if backend.shared_backwards else 1
-    draw_rows, packs = plan_draws(backend, batch, K // columns, PassKind.INPUT_GRADIENT)
-    passes = with_fillers([Pass(draw_rows[p]) for p in packs], backend.align(len(packs)),
+    columns, item_rows, item_column, packs = fisher_plan(backend, batch, K, S)
+    passes = with_fillers([Pass(item_rows[p]) for p in packs], backend.align(len(packs)),
                           Pass(first_row(batch), filler=True), batch)
-    weights = torch.zeros(B * K // columns, columns, dtype=torch.float32, device=device)
-    outcome_of = torch.arange(B * K // columns, device=device) % (K // columns)  # the outcome of a one-column item
+    weights = torch.zeros(item_rows.shape[0], columns, dtype=torch.float32, device=device)
+    sign_cache: dict[tuple, torch.Tensor] = {}
+
+    def signs(vocab_ids: torch.Tensor) -> torch.Tensor:
+        # a rank reads the same vocabulary (shard) in every pass of a call: hash its signs once (keyed without
+        # reading the ids back from the device)
+        key = (vocab_ids.device, vocab_ids.shape[0])
+        if key not in sign_cache:
+            sign_cache[key] = sketch_signs(seed, S, vocab_ids)
+        return sign_cache[key]
 
     def loss(i: int, probe) -> torch.Tensor:
         p = passes[i]
-        logp_top, ids = probe.top(K)  # the clean distribution's top outcomes (the forward is the clean one)
-        if columns == 1:  # this item's outcome only
-            k = outcome_of[packs[i]] if not p.filler else torch.zeros(1, dtype=torch.long, device=device)
-            k = k.to(ids.device)[:, None]
-            logp_top, ids = logp_top.gather(1, k), ids.gather(1, k)
+        losses, w = probe_columns(probe, K, S, signs)  # (n, C)
+        if columns == 1:  # one column per item: its own (a filler's: column 0)
+            c = (item_column[packs[i]] if not p.filler else torch.zeros(1, dtype=torch.long, device=device))
+            c = c.to(losses.device)[:, None]
+            losses, w = losses.gather(1, c), w.gather(1, c)
         if not p.filler:
-            weights[packs[i]] = logp_top.detach().exp().float().to(device)
-        logp = torch.stack([probe.log_prob(ids[:, c]) for c in range(columns)], 1)  # (n, columns): K at most
-        joint = batch.probe.joint[p.rows].to(logp.device)
-        first = (outcome_of[packs[i]] == 0 if columns == 1 and not p.filler
-                 else torch.ones(len(p.rows), dtype=torch.bool, device=device)).to(logp.device)
-        # AS-Joint rows: φ's gradient once (its first outcome), no other loss
-        phi = torch.zeros_like(logp)
-        phi[:, 0] = torch.where(first, probe.phi, torch.zeros_like(probe.phi))
-        losses = torch.where(joint[:, None], phi, logp)
-        return losses if columns > 1 else losses[:, 0]  # one loss per row where each outcome has its own pass
+            weights[packs[i]] = w.to(device)
+        joint = batch.probe.joint[p.rows].to(losses.device)
+        # AS-Joint rows: φ's gradient once (column 0), no other loss
+        phi = torch.zeros_like(losses)
+        phi[:, 0] = probe.phi
+        losses = torch.where(joint[:, None], phi, losses)
+        return losses if columns > 1 else losses[:, 0]  # one loss per row where each column has its own pass
 
     # (H,); None where no embedding lives (Megatron's later stages)
     mask_embedding = replacement_embedding(backend, as_replacement(mask_token_id))
     hook = EmbeddingHook(lambda grad, clean: embedding_projection(grad, clean, mask_embedding), outputs=columns)
-    shape = (B * K // columns, columns, L) if columns > 1 else (B * K, L)
-    projections = collect(backend.run(batch, passes, loss, hook), packs, shape, device).view(B, K, L)
-    scores = fisher_importance(projections, weights.view(B, K), batch.probe.joint)
+    shape = (item_rows.shape[0], columns, L) if columns > 1 else (item_rows.shape[0], L)
+    got = collect(backend.run(batch, passes, loss, hook), packs, shape, device)
+    projections = torch.zeros(B, C, L, dtype=torch.float32, device=device)
+    weight = torch.zeros(B, C, dtype=torch.float32, device=device)
+    if columns > 1:  # one item per row, its C columns
+        projections[item_rows], weight[item_rows] = got, weights
+    else:  # one item per column
+        projections[item_rows, item_column], weight[item_rows, item_column] = got, weights[:, 0]
+    scores = fisher_importance(projections, weight, batch.probe.joint)
     # the weights exist where the probe was read (Megatron: the last stage): the scores go from there to every rank
     return backend.share(torch.where(batch.reasoning_mask, scores, 0.0)), len(packs)
 
 
 @method("fisher")
 def run_fisher(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
-    """``mode=fisher``: :func:`fisher` with ``fisher_outcomes`` of the configuration."""
+    """``mode=fisher``: :func:`fisher` with ``mask``, ``fisher_outcomes``, ``fisher_sketches`` and ``seed`` of the
+    configuration."""
     if cfg.mask in TOKEN_OPERATORS:
         require(inputs.mask_token_id, f"{cfg.prefix}.mode=fisher needs a mask token",
                 f"set {cfg.prefix}.mask=token and {cfg.prefix}.mask_token_id, give the tokenizer a pad token, or use "
                 f"{cfg.prefix}.mask=mean|zero")
     mask = mask_replacement(backend, batch, cfg.mask, inputs.mask_token_id, inputs.seeds)
-    return AttributionResult(*fisher(backend, batch, mask, cfg.fisher_outcomes))
+    return AttributionResult(*fisher(backend, batch, mask, cfg.fisher_outcomes, cfg.fisher_sketches, cfg.seed))

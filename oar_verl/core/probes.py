@@ -81,6 +81,38 @@ class ProbeOutput:
         """(b,) log-probability of outcome ``ids`` (b,) under every row's probe distribution."""
         return self.logp.gather(-1, ids[:, None]).squeeze(-1)
 
+    def sketch(self, signs, exclude: torch.Tensor) -> torch.Tensor:
+        """(b, S) Rademacher sketches of the probe distribution outside ``exclude``: L_j = Σ_{v ∉ exclude} s_{j,v}
+        √sg(p_v) log p_v (sg: stop-gradient), whose gradient is Σ_v s_{j,v} √p_v ∇ log p_v (the fisher mode's
+        unbiased sketch of its Fisher sum, oar_verl.core.fisher).
+
+        Args:
+            signs: (global vocabulary ids (V,) long) -> (S, V) signs ±1.
+            exclude: (b, K) long ids left out of every row's sum (the outcomes kept exactly); K may be 0.
+        """
+        return sketch_losses(self.logp, self.logp, signs(torch.arange(self.logp.shape[-1], device=self.logp.device)),
+                             exclude)
+
+
+def sketch_losses(logp_local: torch.Tensor, read: torch.Tensor, signs: torch.Tensor, exclude: torch.Tensor
+                  ) -> torch.Tensor:
+    """(b, S) Σ_{v ∉ exclude} s_{j,v} √sg(p_v) read_v over the vocabulary columns at hand (the whole vocabulary, or a
+    tensor-parallel rank's shard, whose partial sums the caller reduces).
+
+    Args:
+        logp_local: (b, V) log p_v of the columns (only its value is used: the weights √p_v carry no gradient).
+        read: (b, V) what the weights multiply: log p_v (a whole vocabulary), or the shard's mean logits.
+        signs: (S, V) ±1 signs of the columns.
+        exclude: (b, K) long column indices left out (indices outside [0, V): none; K may be 0).
+    """
+    V = logp_local.shape[-1]
+    inside = (exclude >= 0) & (exclude < V)
+    # a count, not a boolean scatter: an index clamped from outside the shard must not un-exclude a real one
+    dropped = torch.zeros_like(logp_local).scatter_add(-1, exclude.clamp(0, max(V - 1, 0)),
+                                                       inside.to(logp_local.dtype)) > 0
+    root_p = torch.where(dropped, 0.0, (0.5 * logp_local.detach()).exp())  # √p_v, stop-gradient
+    return (root_p * read) @ signs.to(read.dtype).T
+
 
 def build_probe_spec(input_ids: torch.Tensor, answer_mask: torch.Tensor, lt_position: torch.Tensor,
                      probe_kind: torch.Tensor) -> ProbeSpec:

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from oar_verl.core.fisher import sketch_signs
 from oar_verl.core.probes import ProbeKind
 
-__all__ = ["Outcome", "outcome", "shift", "mask_vector", "oar_p", "oar_p_segments", "oar_p_hierarchical", "oar_g", "fisher",
-           "token_weights", "batch_oar_p", "batch_oar_g", "batch_fisher"]
+__all__ = ["Outcome", "outcome", "shift", "mask_vector", "oar_p", "oar_p_segments", "oar_p_hierarchical", "oar_g",
+           "fisher", "fisher_jacobian", "fisher_full", "fisher_sketch_variance", "token_weights", "batch_oar_p",
+           "batch_oar_g", "batch_fisher"]
 
 
 @dataclass(frozen=True)
@@ -204,12 +206,15 @@ def oar_g(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answe
 
 
 def fisher(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int], kind: ProbeKind,
-           mask_token_id: int | str, outcomes: int) -> torch.Tensor:
+           mask_token_id: int | str, outcomes: int, sketches: int = 0, seed: int = 0) -> torch.Tensor:
     """Second-order masking scores of one sequence (docs/method.md §11).
 
-    δ_t = e_mask − e_t, e_mask the mask token's embedding or the zero / mean vector (:func:`mask_vector`). Distribution probes: the ``outcomes`` most likely answers v of the clean distribution p, and
-    I_t = ½ Σ_v p_v ⟨∂ log p_v / ∂e_t, δ_t⟩², one gradient of log p_v (all tokens at once) per kept v. AS-Joint:
-    I_t = −⟨∂φ/∂e_t, δ_t⟩.
+    δ_t = e_mask − e_t, e_mask the mask token's embedding or the zero / mean vector (:func:`mask_vector`).
+    Distribution probes: the ``outcomes`` most likely answers v of the clean distribution p, and
+    I_t = ½ Σ_v p_v ⟨∂ log p_v / ∂e_t, δ_t⟩², one gradient of log p_v (all tokens at once) per kept v; with
+    ``sketches`` S >= 1 plus ½ (1/S) Σ_j (Σ_{v ∉ top} s_{j,v} √p_v ⟨∂ log p_v / ∂e_t, δ_t⟩)², the signs of
+    :func:`oar_verl.core.fisher.sketch_signs`, each term read from the full Jacobian (:func:`fisher_jacobian`), not
+    from a sketch loss. AS-Joint: I_t = −⟨∂φ/∂e_t, δ_t⟩.
 
     Returns:
         (L,) float64 scores, 0 off the reasoning positions.
@@ -228,12 +233,73 @@ def fisher(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answ
         for t in reasoning:
             importance[t] = -(grad[0, t].double() * delta[t]).sum()
         return importance
+    if sketches:
+        logp, jac = fisher_jacobian(model, ids, reasoning, answer, kind, mask_token_id)
+        p = logp.exp()
+        top = logp.topk(outcomes).indices if outcomes else torch.zeros(0, dtype=torch.long)
+        tail = torch.ones_like(p, dtype=torch.bool)
+        tail[top] = False
+        signs = sketch_signs(seed, sketches, torch.arange(len(p)))  # (S, V)
+        exact = (p[top, None] * jac[top].square()).sum(0)  # (L,)
+        sketched = ((signs * torch.where(tail, p.sqrt(), 0.0)) @ jac).square().mean(0)  # (L,)
+        importance[reasoning] = 0.5 * (exact + sketched)[reasoning]
+        return importance
     top = read.logp.detach().topk(outcomes)
     for logp_v, v in zip(top.values.tolist(), top.indices.tolist()):
         (grad,) = torch.autograd.grad(read.logp[v], leaf, retain_graph=True)
         for t in reasoning:
             importance[t] += 0.5 * math.exp(logp_v) * float((grad[0, t].double() * delta[t]).sum()) ** 2
     return importance
+
+
+def fisher_jacobian(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int],
+                    kind: ProbeKind, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clean distribution probe of one sequence and the Jacobian of its log-probabilities projected on δ_t.
+
+    Returns:
+        (log p (V,) float64, J (V, L) float64 with J[v, t] = ⟨∂ log p_v / ∂e_t, δ_t⟩, δ_t = e_mask − e_t): one
+        backward per vocabulary entry (a tiny vocabulary only).
+    """
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        embeddings = embed(ids[None])
+        delta = embed(torch.tensor([[mask_token_id]]))[0, 0].double() - embeddings[0].double()  # (L, H)
+    leaf = embeddings.clone().requires_grad_(True)
+    read = outcome(model(inputs_embeds=leaf).logits[0], ids, kind, reasoning, answer)
+    V = read.logp.shape[0]
+    jac = torch.zeros(V, len(ids), dtype=torch.float64)
+    for v in range(V):
+        (grad,) = torch.autograd.grad(read.logp[v], leaf, retain_graph=v + 1 < V)
+        jac[v] = (grad[0].double() * delta).sum(-1)
+    return read.logp.detach().double(), jac
+
+
+def fisher_full(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int], kind: ProbeKind,
+                mask_token_id: int) -> torch.Tensor:
+    """The full-vocabulary Fisher form of one sequence, what the fisher mode estimates: I_t = ½ Σ_v p_v ⟨∂ log p_v /
+    ∂e_t, δ_t⟩² over every v, from the Jacobian of :func:`fisher_jacobian` (distribution probes only).
+
+    Returns:
+        (L,) float64 scores, 0 off the reasoning positions.
+    """
+    logp, jac = fisher_jacobian(model, ids, reasoning, answer, kind, mask_token_id)
+    importance = torch.zeros(len(ids), dtype=torch.float64)
+    importance[reasoning] = 0.5 * (logp.exp()[:, None] * jac.square()).sum(0)[reasoning]
+    return importance
+
+
+def fisher_sketch_variance(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int],
+                           kind: ProbeKind, mask_token_id: int, outcomes: int, sketches: int) -> torch.Tensor:
+    """(L,) float64 variance over the signs of the sketched fisher score of one sequence (docs/method.md §11): with
+    a_v = √p_v ⟨∂ log p_v / ∂e_t, δ_t⟩ over the outcomes beyond the top K, one sketch's ½ (Σ_v s_v a_v)² has variance
+    ¼ (2 (Σ_v a_v²)² − 2 Σ_v a_v⁴), and the mean of S independent sketches 1/S of it."""
+    logp, jac = fisher_jacobian(model, ids, reasoning, answer, kind, mask_token_id)
+    tail = torch.ones_like(logp, dtype=torch.bool)
+    tail[logp.topk(outcomes).indices if outcomes else torch.zeros(0, dtype=torch.long)] = False
+    a2 = torch.where(tail[:, None], logp.exp()[:, None] * jac.square(), 0.0)  # (V, L) a_v²
+    var = torch.zeros(len(ids), dtype=torch.float64)
+    var[reasoning] = (0.25 * (2 * a2.sum(0).square() - 2 * a2.square().sum(0)) / sketches)[reasoning]
+    return var
 
 
 def token_weights(importance: torch.Tensor, tau: float, beta: float, floor: float = 0.1) -> torch.Tensor:
@@ -291,13 +357,13 @@ def batch_oar_g(model, prompts, prompt_mask, responses, response_mask, reasoning
 
 
 def batch_fisher(model, prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask, kind: ProbeKind,
-                 mask_token_id: int | str, outcomes: int) -> torch.Tensor:
+                 mask_token_id: int | str, outcomes: int, sketches: int = 0, seed: int = 0) -> torch.Tensor:
     """(B, T) float64 response-aligned second-order masking scores of a verl-layout batch, row by row with
     :func:`fisher`."""
     out = torch.zeros(responses.shape, dtype=torch.float64)
     for b in range(responses.shape[0]):
         ids, reasoning, answer, p = _row(prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,
                                          b)
-        scores = fisher(model, ids, reasoning, answer, kind, mask_token_id, outcomes)
+        scores = fisher(model, ids, reasoning, answer, kind, mask_token_id, outcomes, sketches, seed)
         out[b, : len(ids) - p] = scores[p:]
     return out

@@ -9,6 +9,7 @@ import torch
 from oar_verl.core import OARConfig, module_backend, run_attribution
 from oar_verl.core.backend import plan_draws
 from oar_verl.core.backend_hf import ModuleBackend
+from oar_verl.core.fisher import fisher_plan
 from oar_verl.core.memory import PassKind
 from oar_verl.core.perturbation import mask_blocks, oar_p_passes
 
@@ -48,8 +49,9 @@ def count_passes(batch, cfg: OARConfig, limits, shards=None) -> int:
     backend = module_backend(None, cfg, limits=limits, shards=shards)
     if cfg.mode == "perturbation":
         return len(oar_p_passes(backend, batch, mask_blocks(batch.reasoning_mask, cfg.mask_span), 0))
-    draws = cfg.noise_samples if cfg.mode == "gradient" else cfg.fisher_outcomes
-    return len(plan_draws(backend, batch, draws, PassKind.INPUT_GRADIENT)[1])
+    if cfg.mode == "fisher":
+        return len(fisher_plan(backend, batch, cfg.fisher_outcomes, cfg.fisher_sketches)[3])
+    return len(plan_draws(backend, batch, cfg.noise_samples, PassKind.INPUT_GRADIENT)[1])
 
 
 def fidelity_of(backend, batch, mask_token_id: int = 0) -> torch.Tensor:
@@ -59,6 +61,6 @@ def fidelity_of(backend, batch, mask_token_id: int = 0) -> torch.Tensor:
     from oar_verl.core.fidelity_step import FIELDS, deletion_metrics
 
     scores = torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    got = deletion_metrics(backend, batch, scores, replacement=Replacement(token=mask_token_id), fractions=(0.2, 0.5), random_rankings=2,
-                           seed=4)
+    got = deletion_metrics(backend, batch, scores, replacement=Replacement(token=mask_token_id), fractions=(0.2, 0.5),
+                           random_rankings=2, seed=4)
     return torch.stack([got[k].cpu() for k in FIELDS])

@@ -87,6 +87,8 @@ def main(out_dir: str) -> None:
             results[(int(kind), tokens, "p_mean")] = oar_p(backend, b, mask_blocks(b.reasoning_mask, 1), mean)[0]
             zero = mask_replacement(backend, b, "zero", None, None)
             results[(int(kind), tokens, "f_zero")] = fisher(backend, b, zero, outcomes=2)[0]
+            # the unbiased estimator: the top outcome exact, the rest in 2 Rademacher sketches (3 loss columns)
+            results[(int(kind), tokens, "fs")] = fisher(backend, b, 0, 1, 2, seed=4)[0]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -81,6 +81,12 @@ def test_probe_schedule():
     ({"refine_share": 1.5}, r"algorithm\.oar\.refine_share=1\.5 is out of range"),
     ({"exact_max_tokens": -1}, r"algorithm\.oar\.exact_max_tokens=-1 is out of range"),
     ({"tua": 0.3}, r"unknown key\(s\) algorithm\.oar\.tua; allowed:"),
+    ({"fisher_outcomes": -1}, r"algorithm\.oar\.fisher_outcomes=-1 is out of range"),
+    ({"fisher_sketches": -1}, r"algorithm\.oar\.fisher_sketches=-1 is out of range"),
+    ({"fisher_sketches": 1.5}, r"algorithm\.oar\.fisher_sketches=1\.5 must be an integer"),
+    ({"fisher_outcomes": 0}, r"algorithm\.oar\.fisher_outcomes=0 needs algorithm\.oar\.fisher_sketches >= 1"),
+    ({"fisher_outcomes": 0, "fisher_sketches": 0}, r"fisher_outcomes=0 needs .*fisher_sketches=0 set "
+                                                   r"algorithm\.oar\.fisher_outcomes >= 1"),
 ])
 def test_invalid_values_name_the_key(values, message):
     with pytest.raises(OARConfigError, match=message):
@@ -99,3 +105,9 @@ def test_trainer_yaml_lists_every_key_with_its_default():
     defaults = OARConfig.from_mapping({"preset": "paper"}).to_dict()
     defaults["tau"] = defaults["beta"] = None  # the YAML leaves them to the preset
     assert declared == defaults
+
+
+def test_the_pure_sketch_is_allowed():
+    cfg = OARConfig.from_mapping({"mode": "fisher", "fisher_outcomes": 0, "fisher_sketches": 8})
+    assert (cfg.fisher_outcomes, cfg.fisher_sketches) == (0, 8)
+    assert OARConfig().fisher_sketches == 0  # the truncated estimator by default

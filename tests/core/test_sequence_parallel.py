@@ -66,6 +66,8 @@ def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
             ref = fisher(whole, b, mask_replacement(whole, b, "zero", None, None), outcomes=2)[0]
         elif method == "p_mean":
             ref = run_p(lm, b, None, PassLimits(10**6), prefix_cache=False, mask="mean")
+        elif method == "fs":
+            ref = fisher(ModuleBackend(lm, PassLimits(10**6)), b, 0, 1, 2, seed=4)[0]
         else:
             ref = run_p(lm, b, 0, PassLimits(10**6), prefix_cache=False)
         # the fidelity ratios are NaN where AS-Joint's signed random shift is not positive

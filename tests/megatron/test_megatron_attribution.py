@@ -9,8 +9,9 @@ produced silently wrong, non-causal numbers once: "it runs" proves nothing).
 Layouts: TP=PP=1 (one rank), TP=2, TP=2 with sequence parallelism, PP=2 (with a packed-sequence training layout, which
 attribution swaps for the padded one, and full activation recomputation), DP=2 with unequal work per rank (and the
 distributed optimizer), in fp32; and TP=PP=1 in bf16, the production dtype, against the bf16 error floor. Cases: OAR-P
-(with the pad token and the mean embedding as the mask) and OAR-G with every probe, OAR-G with K = 3 noise draws, OAR-P's segment, hierarchical and auto policies, and the
-second-order (fisher) mode -- the core's methods run unchanged on the engine's backend.
+(with the pad token and the mean embedding as the mask) and OAR-G with every probe, OAR-G with K = 3 noise draws, OAR-P's
+segment, hierarchical and auto policies, and the second-order (fisher) mode, truncated and sketched -- the core's methods
+run unchanged on the engine's backend.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ CASES = [  # chunk / micro-batch sizes that do not divide the row and copy count
     {"name": "f_mean", "oar": {"mode": "fisher", "probe": "as_mean", "fisher_outcomes": 3, "micro_batch_size": 5,
                                "mask": "zero"}},
     {"name": "f_joint", "oar": {"mode": "fisher", "probe": "as_joint", "fisher_outcomes": 2, "mask": "pad"}},
+    # the unbiased estimator: top 2 exact, the rest in 2 Rademacher sketches summed over the vocabulary shards
+    {"name": "f_sketch", "oar": {"mode": "fisher", "probe": "lt_logits", "fisher_outcomes": 2, "fisher_sketches": 2,
+                                 "seed": 3, "micro_batch_size": 3}},
 ]
 B = 4
 # rows of each data-parallel rank; DP=2 gets one long-reasoning pair and one short one (unequal copy counts)
@@ -279,8 +283,11 @@ def test_bf16_engine(assets):
         r = float(torch.corrcoef(torch.stack([got[m], ref[m]]))[0, 1])
         print(f"   {case['name']:14s} {err:.3f} | {err_hf:.3f}; r = {r:.4f}")
         # the fisher mode's AS-Joint score is one signed bf16 gradient projection on e_mask - e_t (a difference of two
-        # bf16 embeddings), with no averaging over draws or outcomes: its error spreads wider between kernels
-        factor = 2.0 if case["name"] == "f_joint" else 1.5
+        # bf16 embeddings), with no averaging over draws or outcomes: its error spreads wider between kernels; a
+        # sketch's gradient is a signed sum over the whole vocabulary (Σ_v s_v √p_v ∇ log p_v, much cancellation),
+        # so the bf16 rounding of the logits' gradient weighs more (measured 1.64x HF's error, r = 0.997; the fp32
+        # layouts hold it to 1e-6 of the reference)
+        factor = 2.0 if case["name"] in ("f_joint", "f_sketch") else 1.5
         assert err <= max(factor * err_hf, 0.05), f"bf16/{case['name']}: {err:.3f} vs HF bf16 {err_hf:.3f}"
         assert r > 0.9, f"bf16/{case['name']}: correlation {r:.3f}"
 

@@ -65,6 +65,31 @@ class VPProbe:
         picked = self.zbar.gather(-1, local.clamp(0, max(v_local - 1, 0))[:, None]).squeeze(-1)
         return _tp_reduce(torch.where(inside, picked, torch.zeros_like(picked))) - self.lse
 
+    def sketch(self, signs, exclude: torch.Tensor) -> torch.Tensor:
+        """(b, S) Rademacher sketches L_j = Σ_{v ∉ exclude} s_{j,v} √sg(p_v) log p_v over the full vocabulary, the same
+        on every tensor-parallel rank (:meth:`oar_verl.core.probes.ProbeOutput.sketch`, split over the vocabulary).
+
+        With log p_v = zbar_v − lse, L_j = Σ_v w_{j,v} zbar_v − lse · Σ_v w_{j,v} (w_{j,v} = s_{j,v} √sg(p_v)): each
+        rank sums its shard with the signs of its global ids, one reduction over the group brings both partial sums
+        (the second carries no gradient), and the replicated lse combines them after, so the gradient with respect to
+        the local logits is exact on every rank (see :func:`_tp_reduce`).
+
+        Args:
+            signs: (global vocabulary ids (V_local,) long) -> (S, V_local) signs ±1.
+            exclude: (b, K) long global ids left out (the outcomes kept exactly); K may be 0.
+        """
+        from oar_verl.core.probes import sketch_losses
+
+        v_local = self.zbar.shape[-1]
+        s = signs(torch.arange(v_local, device=self.zbar.device) + self.vocab_lo)
+        logp = self.zbar - self.lse[:, None]
+        local = exclude - self.vocab_lo
+        weighted = sketch_losses(logp, self.zbar, s, local)  # (b, S) Σ_local w zbar
+        mass = sketch_losses(logp, torch.ones_like(self.zbar), s, local)  # (b, S) Σ_local w (no gradient)
+        both = _tp_reduce(torch.cat([weighted, mass.detach()], -1))
+        S = weighted.shape[-1]
+        return both[:, :S] - self.lse[:, None] * both[:, S:]
+
 
 @dataclass
 class CleanProbe:
