@@ -54,6 +54,11 @@ METHODS = {
     "fisher_k4": {"mode": "fisher", "fisher_outcomes": 4},
     "oar_p_segment": {"mode": "perturbation", "perturbation": "segment"},
     "oar_p_hier": {"mode": "perturbation", "perturbation": "hierarchical", "refine_share": 0.1},
+    # the mask operator and the unbiased fisher (the rows above mask with the model's plain mask token)
+    "fisher_k1_mean": {"mode": "fisher", "fisher_outcomes": 1, "mask": "mean"},
+    "fisher_k1_zero": {"mode": "fisher", "fisher_outcomes": 1, "mask": "zero"},
+    "fisher_k1_s4": {"mode": "fisher", "fisher_outcomes": 1, "fisher_sketches": 4},
+    "oar_p_segment_mean": {"mode": "perturbation", "perturbation": "segment", "mask": "mean"},
 }
 BASE = {"target": "reference", "conclude_text": "\n#### ", "answer_patterns": ("gsm8k",), "probe": "as_mean"}
 OPERATORS = ("mask", "zero", "delete", "resample")
@@ -197,8 +202,17 @@ def make_rows(m: Loaded, n: int, tokens: int, cache: Path, log, batch: int = 8) 
 # ---------------------------------------------------------------------------------------------------------------------
 # Scores, cost and fidelity, per chunk of rows
 # ---------------------------------------------------------------------------------------------------------------------
+def method_config(m: Loaded, name: str) -> OARConfig:
+    """The OARConfig of method ``name`` on model ``m``: the model's plain mask token unless the method names another
+    mask operator."""
+    keys = {**BASE, **METHODS[name]}
+    if keys.setdefault("mask", "token") == "token":
+        keys["mask_token_id"] = m.mask_id
+    return OARConfig(**keys)
+
+
 def prepared(m: Loaded, rows: list[dict]):
-    cfg = OARConfig(**BASE, **METHODS["oar_p_hier"])  # the segment layout rides along (the segment policies need it)
+    cfg = method_config(m, "oar_p_hier")  # the segment layout rides along (the segment policies need it)
     return prepare_attribution([torch.tensor(r["prompt"]) for r in rows], [torch.tensor(r["response"]) for r in rows],
                                m.tokenizer, cfg, 0, ground_truths=[r["answer"] for r in rows])
 
@@ -220,7 +234,7 @@ def chunk_result(m: Loaded, rows: list[dict], methods: list[str], *, operators, 
     batch = prep.batch
     scores, seconds = {}, {}
     for name in methods:
-        cfg = OARConfig(**BASE, **METHODS[name])
+        cfg = method_config(m, name)
         backend = module_backend(m.model, cfg, limits=limits)
         box = {}
         sec, _ = measure(lambda: box.update(r=run_attribution(backend, batch, cfg, mask_token_id=m.mask_id,
@@ -274,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=1024, help="the most reasoning tokens a row may have")
     ap.add_argument("--chunk", type=int, default=2, help="rows per cached chunk")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default="oar_g,fisher_k1,fisher_k1_mean,fisher_k1_s4,oar_p_segment,oar_p_hier")
     ap.add_argument("--operators", default=",".join(OPERATORS))
     ap.add_argument("--draws", type=int, default=4, help="resampling draws")
     ap.add_argument("--random", type=int, default=2, help="random rankings")

@@ -172,10 +172,7 @@ class MegatronBackend:
             k = state["mb"]
             state["mb"] += 1
             p = passes[k]
-            input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-            for i, x in enumerate(ids[k * mbs:(k + 1) * mbs]):  # the schedule must hand us micro-batch k
-                if not torch.equal(input_ids[i, :len(x)].cpu(), x):
-                    raise RuntimeError("OAR-P: embedding forward does not match the expected micro-batch order")
+            input_ids = _micro_batch_ids(args, kwargs, ids[k * mbs:(k + 1) * mbs], "OAR-P")
             replaced = p.replaced()
             if replaced is None or not p.replacement.embedding:
                 return out
@@ -208,14 +205,11 @@ class MegatronBackend:
             k = state["mb"]
             state["mb"] += 1
             p = passes[k]
-            input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            input_ids = _micro_batch_ids(args, kwargs, ids[k * mbs:(k + 1) * mbs], "OAR-G")
             s_full = input_ids.shape[1]
             chunked = out.shape[0] != s_full  # sequence-parallel scatter inside the embedding: [s/tp, b, h]
             if chunked and not (sp and out.shape[0] * tp == s_full):
                 raise RuntimeError(f"OAR-G: embedding output {tuple(out.shape)} for input {tuple(input_ids.shape)}")
-            for i, x in enumerate(ids[k * mbs:(k + 1) * mbs]):  # the schedule must hand us micro-batch k
-                if not torch.equal(input_ids[i, :len(x)].cpu(), x):
-                    raise RuntimeError("OAR-G: embedding forward does not match the expected micro-batch order")
             mask = torch.zeros(mbs, s_full, dtype=torch.bool)
             for i, b in enumerate(p.rows.tolist()):  # real rows only: the top-up rows get no noise
                 mask[i, :rows.n[b]] = rows.reasoning[b]
@@ -278,6 +272,16 @@ class MegatronBackend:
                            group=mpu.get_pipeline_model_parallel_group())
             sal = buf.cpu()
         return list(sal.split([p.rows.shape[0] for p in passes]))
+
+
+def _micro_batch_ids(args, kwargs, expected: list[torch.Tensor], who: str) -> torch.Tensor:
+    """The (b, s) input ids an embedding forward hook sees, checked against the micro-batch the schedule must hand it
+    (the hooks count micro-batches: a schedule that reorders them would attribute the wrong rows)."""
+    input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+    for i, x in enumerate(expected):
+        if not torch.equal(input_ids[i, :len(x)].cpu(), x):
+            raise RuntimeError(f"{who}: embedding forward does not match the expected micro-batch order")
+    return input_ids
 
 
 def _token_embedding(emb, token_id: int) -> torch.Tensor:
