@@ -150,27 +150,40 @@ class ModuleBackend(DenseProbes):
         return out
 
 
+@contextlib.contextmanager
+def whole_table(weight: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The whole (V, H) embedding table for the duration: an FSDP2-sharded table (a DTensor) gathered, a DeepSpeed
+    ZeRO-3 partitioned parameter (an empty local tensor outside its module's forward) gathered on every rank (a
+    collective: every data-parallel rank calls it, as every rank runs the attribution), else the weight itself. V × H
+    transiently, once per batch, before any pass."""
+    if hasattr(weight, "full_tensor"):
+        yield weight.full_tensor()
+    elif hasattr(weight, "ds_id"):  # ZeRO-3: gathered on entry, partitioned again on exit
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):
+            yield weight.data
+    else:
+        yield weight
+
+
 def embedding_row(model: torch.nn.Module, token_id: int) -> torch.Tensor:
     """(H,) the input embedding of ``token_id`` as the model's embedding module outputs it (with a scaled embedding's
-    ``embed_scale``). An FSDP2-sharded table (a DTensor) is gathered once for the call (V × H transiently, before any
-    pass), since verl shards untied embeddings on their own and they are resharded right after their forward."""
+    ``embed_scale``); a sharded table is gathered for the call (:func:`whole_table`)."""
     emb = model.get_input_embeddings()
-    weight = emb.weight
-    with torch.no_grad():
-        table = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+    with torch.no_grad(), whole_table(emb.weight) as table:
         row = table[token_id].detach().clone()
     return row * getattr(emb, "embed_scale", 1.0)
 
 
 def embedding_mean(model: torch.nn.Module) -> torch.Tensor:
     """(H,) the mean of the input-embedding table's rows as the embedding module outputs them (with a scaled
-    embedding's ``embed_scale``), accumulated in float32 at least; an FSDP2-sharded table is gathered once."""
+    embedding's ``embed_scale``), accumulated in float32 at least; a sharded table is gathered (:func:`whole_table`)."""
     emb = model.get_input_embeddings()
-    weight = emb.weight
-    with torch.no_grad():
-        table = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+    with torch.no_grad(), whole_table(emb.weight) as table:
         mean = table.to(torch.promote_types(table.dtype, torch.float32)).mean(0)
-    return (mean * getattr(emb, "embed_scale", 1.0)).to(table.dtype)
+        dtype = table.dtype
+    return (mean * getattr(emb, "embed_scale", 1.0)).to(dtype)
 
 
 @contextlib.contextmanager
