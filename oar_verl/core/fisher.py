@@ -51,9 +51,9 @@ from oar_verl.core.backend import (AttributionBackend, EmbeddingHook, Pass, Repl
 from oar_verl.core.gradient import embedding_projection
 from oar_verl.core.hashing import _uniform
 from oar_verl.core.layout import AttributionBatch
-from oar_verl.core.mask_operator import TOKEN_OPERATORS, mask_replacement, replacement_embedding
+from oar_verl.core.mask_operator import method_replacement, replacement_embedding
 from oar_verl.core.memory import PassKind
-from oar_verl.core.methods import AttributionResult, MethodInputs, method, require
+from oar_verl.core.methods import AttributionResult, MethodInputs, method
 from oar_verl.core.perturbation import as_replacement
 
 _STREAM_SKETCH = 0x534B4554  # hash stream of the sketches' signs ("SKET"), apart from the fidelity metric's streams
@@ -211,9 +211,5 @@ def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: 
 def run_fisher(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
     """``mode=fisher``: :func:`fisher` with ``mask``, ``fisher_outcomes``, ``fisher_sketches`` and ``seed`` of the
     configuration."""
-    if cfg.mask in TOKEN_OPERATORS:
-        require(inputs.mask_token_id, f"{cfg.prefix}.mode=fisher needs a mask token",
-                f"set {cfg.prefix}.mask=token and {cfg.prefix}.mask_token_id, give the tokenizer a pad token, or use "
-                f"{cfg.prefix}.mask=mean|zero")
-    mask = mask_replacement(backend, batch, cfg.mask, inputs.mask_token_id, inputs.seeds)
+    mask = method_replacement(backend, batch, cfg, inputs, f"{cfg.prefix}.mode=fisher")
     return AttributionResult(*fisher(backend, batch, mask, cfg.fisher_outcomes, cfg.fisher_sketches, cfg.seed))

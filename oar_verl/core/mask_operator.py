@@ -18,6 +18,7 @@ import torch
 from oar_verl.core.backend import AttributionBackend, Replacement
 from oar_verl.core.gradient import draw_seeds
 from oar_verl.core.layout import AttributionBatch
+from oar_verl.core.methods import MethodInputs, require
 
 MASK_OPERATORS = ("mean", "zero", "resample", "pad", "token")
 TOKEN_OPERATORS = ("pad", "token")  # a token id replaces input_ids (the ones oar_verl.core.mask_token vets)
@@ -25,7 +26,7 @@ EMBEDDING_OPERATORS = ("zero", "mean")  # the embedding output is replaced
 DEFAULT_MASK = "mean"  # always safe (no token is inserted); the one place the default lives
 
 __all__ = ["DEFAULT_MASK", "EMBEDDING_OPERATORS", "MASK_OPERATORS", "TOKEN_OPERATORS", "mask_replacement",
-           "replacement_embedding", "resample_ids"]
+           "method_replacement", "replacement_embedding", "resample_ids"]
 
 
 def resample_ids(batch: AttributionBatch, seeds: torch.Tensor) -> torch.Tensor:
@@ -79,6 +80,19 @@ def mask_replacement(backend: AttributionBackend, batch: AttributionBatch, opera
         e = backend.mean_embedding()  # (H,) where an embedding lives: its width and dtype
         return Replacement(vector=None if e is None else torch.zeros_like(e), embedding=True)
     raise ValueError(f"unknown mask operator {operator!r}; one of {', '.join(MASK_OPERATORS)}")
+
+
+def method_replacement(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs, need: str
+                       ) -> Replacement:
+    """A masking method's (OAR-P, fisher) :func:`mask_replacement` of the run's ``mask``; a token operator without a
+    token is an error saying ``need`` and naming the keys and the operators this mode takes instead."""
+    if cfg.mask in TOKEN_OPERATORS:
+        p = cfg.prefix
+        others = "|".join(m for m in MASK_OPERATORS
+                          if m not in TOKEN_OPERATORS and not (cfg.mode == "fisher" and m == "resample"))
+        require(inputs.mask_token_id, f"{need} needs a mask token",
+                f"set {p}.mask=token and {p}.mask_token_id, give the tokenizer a pad token, or use {p}.mask={others}")
+    return mask_replacement(backend, batch, cfg.mask, inputs.mask_token_id, inputs.seeds)
 
 
 def replacement_embedding(backend: AttributionBackend, replacement: Replacement) -> torch.Tensor | None:

@@ -28,8 +28,8 @@ import torch
 
 from oar_verl.core.backend import AttributionBackend
 from oar_verl.core.layout import AttributionBatch
-from oar_verl.core.mask_operator import TOKEN_OPERATORS, mask_replacement
-from oar_verl.core.methods import AttributionResult, MethodInputs, method, require
+from oar_verl.core.mask_operator import method_replacement
+from oar_verl.core.methods import AttributionResult, MethodInputs, method
 from oar_verl.core.perturbation import block_copies, mask_blocks, oar_p
 
 POLICIES = ("exact", "segment", "hierarchical", "auto")
@@ -177,11 +177,7 @@ def _copies_per_row(blocks: torch.Tensor) -> torch.Tensor:
 def run_oar_p(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
     """``mode=perturbation``: OAR-P under ``perturbation`` (exact, segment, hierarchical, auto), each level one
     :func:`~oar_verl.core.perturbation.oar_p` over the backend (levels are aligned over the ranks one by one)."""
-    if cfg.mask in TOKEN_OPERATORS:
-        require(inputs.mask_token_id, "OAR-P needs a mask token",
-                f"set {cfg.prefix}.mask=token and {cfg.prefix}.mask_token_id, give the tokenizer a pad token, or use "
-                f"{cfg.prefix}.mask=mean|zero|resample")
-    mask = mask_replacement(backend, batch, cfg.mask, inputs.mask_token_id, inputs.seeds)  # once for every level
+    mask = method_replacement(backend, batch, cfg, inputs, "OAR-P")  # once for every level
     own = 0
 
     def run_blocks(blocks: torch.Tensor) -> torch.Tensor:  # one level of the policy, aligned over the ranks

@@ -166,13 +166,10 @@ class MegatronBackend:
         from megatron.core import parallel_state as mpu
 
         tp_rank = mpu.get_tensor_model_parallel_rank()
-        state = {"mb": 0}
+        next_micro_batch = _MicroBatches(passes, ids, mbs, "OAR-P")
 
         def at_embedding(module, args, kwargs, out):
-            k = state["mb"]
-            state["mb"] += 1
-            p = passes[k]
-            input_ids = _micro_batch_ids(args, kwargs, ids[k * mbs:(k + 1) * mbs], "OAR-P")
+            _, p, input_ids = next_micro_batch(args, kwargs)
             replaced = p.replaced()
             if replaced is None or not p.replacement.embedding:
                 return out
@@ -199,13 +196,10 @@ class MegatronBackend:
         sp = bool(getattr(self.engine.tf_config, "sequence_parallel", False))
         tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
         scores: dict[int, tuple[torch.Tensor, bool]] = {}
-        state = {"mb": 0}
+        next_micro_batch = _MicroBatches(passes, ids, mbs, "OAR-G")
 
         def at_embedding(module, args, kwargs, out):
-            k = state["mb"]
-            state["mb"] += 1
-            p = passes[k]
-            input_ids = _micro_batch_ids(args, kwargs, ids[k * mbs:(k + 1) * mbs], "OAR-G")
+            k, p, input_ids = next_micro_batch(args, kwargs)
             s_full = input_ids.shape[1]
             chunked = out.shape[0] != s_full  # sequence-parallel scatter inside the embedding: [s/tp, b, h]
             if chunked and not (sp and out.shape[0] * tp == s_full):
@@ -274,14 +268,21 @@ class MegatronBackend:
         return list(sal.split([p.rows.shape[0] for p in passes]))
 
 
-def _micro_batch_ids(args, kwargs, expected: list[torch.Tensor], who: str) -> torch.Tensor:
-    """The (b, s) input ids an embedding forward hook sees, checked against the micro-batch the schedule must hand it
-    (the hooks count micro-batches: a schedule that reorders them would attribute the wrong rows)."""
-    input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-    for i, x in enumerate(expected):
-        if not torch.equal(input_ids[i, :len(x)].cpu(), x):
-            raise RuntimeError(f"{who}: embedding forward does not match the expected micro-batch order")
-    return input_ids
+class _MicroBatches:
+    """The embedding forward hooks' view of the schedule: each call is the next micro-batch k, returned as (k, pass k,
+    its (b, s) input ids), checked against the rows pass k must hold (the hooks count micro-batches: a schedule that
+    reordered them would attribute the wrong rows)."""
+
+    def __init__(self, passes: Sequence[Pass], ids: list[torch.Tensor], mbs: int, who: str):
+        self.passes, self.ids, self.mbs, self.who, self.k = passes, ids, mbs, who, 0
+
+    def __call__(self, args, kwargs) -> tuple[int, Pass, torch.Tensor]:
+        k, self.k = self.k, self.k + 1
+        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        for i, x in enumerate(self.ids[k * self.mbs:(k + 1) * self.mbs]):
+            if not torch.equal(input_ids[i, :len(x)].cpu(), x):
+                raise RuntimeError(f"{self.who}: embedding forward does not match the expected micro-batch order")
+        return k, self.passes[k], input_ids
 
 
 def _token_embedding(emb, token_id: int) -> torch.Tensor:
