@@ -158,12 +158,11 @@ def compute_advantages(method: str, model, tok, r: Rollouts, step: int, algo) ->
     from oar_verl.core.preprocess import prepare_attribution
     from oar_verl.core.spans import locate_answer_spans
     from oar_verl.core.selection import rows_to_reshape, sequence_advantage
-    from oar_verl.integration.estimator import base_advantage, compute_oar, read_oar_config
+    from oar_verl.integration.estimator import base_advantage, read_oar_config
 
     b = r.batch
     mask = b.response_mask
-    scores = torch.zeros(mask.shape, dtype=torch.float32)
-    scores[torch.arange(len(mask)), mask.sum(-1) - 1] = r.rewards.float()  # verl: the reward on the last token
+    scores = _last_token_scores(r)
     cfg = read_oar_config(algo)
     base = base_advantage(scores, mask, r.uids, algo, cfg)
     spans = locate_answer_spans(b.responses, mask, tok, cfg.answer_patterns)
@@ -191,8 +190,26 @@ def compute_advantages(method: str, model, tok, r: Rollouts, step: int, algo) ->
             importance[i, :len(imp)] = imp
             reasoning[i, :len(imp)] = prepared.spans.reasoning_mask[j, :len(imp)]
     seconds = time.perf_counter() - t0
-    out = compute_oar(scores, mask, r.uids, algo, importance, reasoning & mask.bool(), attributed=wanted, base=base)
+    out = reshape(r, algo, importance, reasoning & mask.bool(), wanted, base=base)
     return Advantages(out.advantages, out.token_weights.weights, importance, reasoning & mask.bool(), wanted, seconds)
+
+
+def _last_token_scores(r: Rollouts) -> torch.Tensor:
+    """(B, T) token scores as verl's reward manager writes them: the reward on the last response token."""
+    mask = r.batch.response_mask
+    scores = torch.zeros(mask.shape, dtype=torch.float32)
+    scores[torch.arange(len(mask)), mask.sum(-1) - 1] = r.rewards.float()
+    return scores
+
+
+def reshape(r: Rollouts, algo, importance: torch.Tensor, reasoning: torch.Tensor, attributed: torch.Tensor, *,
+            base=None):
+    """verl's OAR estimator (gating and mass-preserving reshaping) on given (B, T) ``importance`` and ``reasoning``
+    masks: the step after attribution, so the verl check can gate verl's own dumped importance."""
+    from oar_verl.integration.estimator import compute_oar
+
+    return compute_oar(_last_token_scores(r), r.batch.response_mask, r.uids, algo, importance, reasoning,
+                       attributed=attributed, base=base)
 
 
 def policy_forward(model, b: task.VerlBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -492,9 +509,14 @@ def verl_check(assets: dict, out: Path, *, log, prompt: tuple[int, int] = (3, 5)
         mask = r.batch.response_mask.bool()
         verl_imp = torch.zeros(mask.shape)
         verl_w = torch.ones(mask.shape)
+        verl_reasoning = torch.zeros(mask.shape, dtype=torch.bool)
         for i, rec in enumerate(records):
             verl_imp[i, :len(rec["importance"])] = torch.tensor(rec["importance"])
             verl_w[i, :len(rec["weight"])] = torch.tensor(rec["weight"])
+            verl_reasoning[i, :len(rec["reasoning"])] = torch.tensor(rec["reasoning"], dtype=torch.bool)
+        # the gating of verl's own importance: separates the reshaping (must match to the dump's rounding) from the
+        # attribution (fp32 rounding between two forwards, which a quantile gate can turn into a flipped token)
+        gated = reshape(r, algorithm_config(method, 0), verl_imp, verl_reasoning & mask.bool(), adv.attributed)
         seq_adv = (adv.advantages / adv.weights).masked_fill(~mask, 0).sum(-1) / mask.sum(-1)
         verl_seq = torch.tensor([rec["advantage"] for rec in records])
         scale = float(verl_imp[mask].abs().max()) or 1.0
@@ -505,6 +527,9 @@ def verl_check(assets: dict, out: Path, *, log, prompt: tuple[int, int] = (3, 5)
             "mean_weight_diff": float((adv.weights - verl_w)[mask].abs().mean()),
             "max_base_advantage_diff": float((seq_adv - verl_seq).abs().max()),
             "max_advantage_diff": float((adv.advantages - verl_w * verl_seq[:, None])[mask].abs().max()),
+            "reasoning_mask_equal": bool(torch.equal(adv.reasoning, verl_reasoning & mask.bool())),
+            "gating_max_weight_diff": float((gated.token_weights.weights - verl_w)[mask].abs().max()),
+            "gating_max_advantage_diff": float((gated.advantages - verl_w * verl_seq[:, None])[mask].abs().max()),
             "verl_wall_s": run.wall_s}
         log(f"[credit] verl check {LABELS[method]}: {json.dumps(results[method])}")
     return results

@@ -68,7 +68,9 @@ def write_dump(path: Path, step: int, rows: list[int], uids: np.ndarray, scores:
                 "step": step, "uid": str(uids[i]), "sample": sample, "reward": float(scores[i]),
                 "advantage": float(advantages[i]),
                 "tokens": [table[t].decode("utf-8", errors="replace") if 0 <= t < len(table) else "" for t in ids],
-                "importance": [round(float(v), 8) for v in importance[i, :n]],
+                # 9 significant digits hold a float32 exactly: OAR-G scores are often ~1e-7, which a fixed number
+                # of decimals would flatten (and the weights could not be recomputed from the dump)
+                "importance": [float(f"{v:.9g}") for v in importance[i, :n].float().tolist()],
                 "weight": [round(float(v), 5) for v in weights[i, :n]],
                 "reasoning": reasoning[i, :n].int().tolist(), "answer": answer[i, :n].int().tolist(),
                 "span_found": bool(span_found[i]),

@@ -37,10 +37,13 @@ def test_credit_quick_and_verl_check(tmp_path):
     assert m["oar_p"]["mass"]["decisive"] > m["grpo"]["mass"]["decisive"]
     check = summary["verl_check"]["oar_g"]
     assert check["attributed_rows"] > 0
-    # verl's FSDP actor and the loop's Hugging Face model differ by fp32 rounding only; the gating's min-max and
-    # quantile steps amplify that a little in the weights (research/docs/evidence.md §3)
+    # verl's FSDP actor and the loop's Hugging Face model differ by fp32 rounding only ...
     assert check["max_rel_importance_diff"] < 1e-2, check
     assert check["max_base_advantage_diff"] < 1e-5, check
-    assert check["max_weight_diff"] < 0.05 and check["mean_weight_diff"] < 5e-3, check
-    assert check["max_advantage_diff"] < 0.05, check
+    assert check["reasoning_mask_equal"], check
+    # ... and verl's reshaping of its own importance is the loop's, to the dump's 5-decimal rounding
+    assert check["gating_max_weight_diff"] < 1e-4 and check["gating_max_advantage_diff"] < 1e-4, check
+    # the rounding can move a token across a quantile gate, which changes that token's weight by a gate step (on
+    # some CPUs more than 0.05), so the loop's own weights are held on average only (research/docs/evidence.md §3)
+    assert check["mean_weight_diff"] < 5e-3, check
     assert (tmp_path / "credit.png").stat().st_size > 10_000

@@ -38,11 +38,15 @@ def test_write_dump_records(tmp_path):
         responses[i, : len(r)] = torch.tensor(r)
         mask[i, : len(r)] = 1
     w = torch.rand(2, T) * mask
+    # OAR-G's scores are often ~1e-7: the dump must hold them to float32 precision, not to a number of decimals
+    importance = w * 10.0 ** torch.randint(-9, 2, (2, T))
     path = dumps.write_dump(tmp_path / "d" / "step_3.jsonl", 3, [0, 1], np.array(["u", "u"], dtype=object),
-                            torch.tensor([1.0, 0.0]), torch.tensor([0.7, -0.7]), responses, mask, w * 2, w,
+                            torch.tensor([1.0, 0.0]), torch.tensor([0.7, -0.7]), responses, mask, importance, w,
                             mask.bool(), torch.zeros(2, T, dtype=torch.bool), torch.tensor([True, False]), tok)
     recs = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["sample"] for r in recs] == [0, 1]
     assert "".join(recs[0]["tokens"]) == texts[0] and "".join(recs[1]["tokens"]) == texts[1]
     assert len(recs[1]["weight"]) == len(ids[1]) and recs[0]["span_found"] and not recs[1]["span_found"]
     assert not list(tmp_path.glob("d/*.tmp"))
+    for i, r in enumerate(recs):
+        assert torch.equal(torch.tensor(r["importance"], dtype=torch.float32), importance[i, :len(r["importance"])])
