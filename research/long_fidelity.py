@@ -249,7 +249,8 @@ def chunk_result(m: Loaded, rows: list[dict], methods: list[str], *, operators, 
 
 
 def summarise(chunks: list[dict], methods: list[str]) -> dict:
-    """Per method: bootstrap intervals of each stat over all rows; the cost ratio; paired differences vs OAR-G."""
+    """Per method: bootstrap intervals of each stat over all rows; the cost ratio; the paired NAOPC difference from
+    the first method."""
     out = {"rows": sum(len(c["reasoning"]) for c in chunks),
            "reasoning": [t for c in chunks for t in c["reasoning"]], "methods": {}}
     train = sum(c["train_s"] for c in chunks)
@@ -258,25 +259,26 @@ def summarise(chunks: list[dict], methods: list[str]) -> dict:
         ivs = bootstrap_mean(values)
         entry = {s: vars(iv) for s, iv in zip(STATS, ivs)}
         entry["cost"] = sum(c["seconds"][name] for c in chunks) / train
-        if name != "oar_g" and "oar_g" in methods:
-            ref = torch.tensor([v for c in chunks for v in c["stats"]["oar_g"]["naopc"]], dtype=torch.float64)
-            entry["naopc_minus_oar_g"] = vars(bootstrap_mean((values[0] - ref)[None])[0])
+        if name != methods[0]:
+            ref = torch.tensor([v for c in chunks for v in c["stats"][methods[0]]["naopc"]], dtype=torch.float64)
+            entry["naopc_minus_first"] = vars(bootstrap_mean((values[0] - ref)[None])[0])
         out["methods"][name] = entry
     return out
 
 
 def table(summary: dict, model: str, tokens: int) -> str:
     r = summary["reasoning"]
+    first = next(iter(summary["methods"]))
     lines = [f"**{model}**, {summary['rows']} rows, its own continuations of {min(r)}–{max(r)} reasoning tokens "
              f"(median {int(np.median(r))}), cap {tokens}:", "",
-             "| method | NAOPC (KL) | NAOPC (log p) | S | mass on target | cost × train fwd+bwd | NAOPC − OAR-G |",
+             f"| method | NAOPC (KL) | NAOPC (log p) | S | mass on target | cost × train fwd+bwd | NAOPC − {first} |",
              "|---|---|---|---|---|---|---|"]
 
     def iv(d):
         return f"{d['mean']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]" + (f" ({d['undefined']} undef.)"
                                                                      if d["undefined"] else "")
     for name, e in summary["methods"].items():
-        diff = iv(e["naopc_minus_oar_g"]) if "naopc_minus_oar_g" in e else "–"
+        diff = iv(e["naopc_minus_first"]) if "naopc_minus_first" in e else "–"
         lines.append(f"| {name} | {iv(e['naopc'])} | {iv(e['naopc_logp'])} | {iv(e['suppression'])} | "
                      f"{iv(e['mass'])} | {e['cost']:.2f} | {diff} |")
     return "\n".join(lines)
@@ -328,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  chunk {i}: {time.perf_counter() - t0:.0f} s, {res['forward_rows']} perturbed rows; train "
             f"{res['train_s']:.1f} s; " + ", ".join(f"{k} {v:.1f} s" for k, v in res["seconds"].items()))
     summary = summarise(chunks, methods)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / f"summary_{'-'.join(methods)}.json").write_text(json.dumps(summary, indent=1))  # one per comparison
     text = table(summary, m.name, a.tokens)
     log(text)
     if a.docs:

@@ -26,7 +26,7 @@ def test_long_fidelity_study_quick(tmp_path):
     run = tmp_path / "tiny_40"
     rows = json.loads((run / "rows.json").read_text())
     assert len(rows) == 2 and all(30 <= len(r["response"]) <= 40 for r in rows)  # the model's own 3/4..1 × cap
-    summary = json.loads((run / "summary.json").read_text())
+    summary = json.loads((run / "summary_oar_g-fisher_k1.json").read_text())
     assert summary["rows"] == 2 and set(summary["methods"]) == {"oar_g", "fisher_k1"}
     for name, e in summary["methods"].items():
         assert e["cost"] > 0 and math.isfinite(e["cost"])
@@ -35,11 +35,13 @@ def test_long_fidelity_study_quick(tmp_path):
             assert e[stat]["rows"] + e[stat]["undefined"] == 2
             if e[stat]["rows"]:
                 assert e[stat]["lo"] <= e[stat]["mean"] <= e[stat]["hi"]
-    assert "naopc_minus_oar_g" in summary["methods"]["fisher_k1"]
+    # the paired NAOPC difference from the first method named
+    assert "naopc_minus_first" in summary["methods"]["fisher_k1"] and "naopc_minus_first" not in summary["methods"][
+        "oar_g"]
     chunks = sorted(run.glob("chunk_*.json"))
     assert len(chunks) == 2
     stamp = [c.stat().st_mtime_ns for c in chunks]
     again = _run(tmp_path)  # resumes: rows and chunks come from the cache
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert [c.stat().st_mtime_ns for c in chunks] == stamp
-    assert json.loads((run / "summary.json").read_text()) == summary
+    assert json.loads((run / "summary_oar_g-fisher_k1.json").read_text()) == summary
