@@ -243,9 +243,14 @@ def chunk_result(m: Loaded, rows: list[dict], methods: list[str], *, operators, 
     train_s, _ = measure(lambda: train_step(m.model, batch), "cpu")
     report = fidelity_report(m.model, batch, scores, mask_token_id=m.mask_id, operators=operators, limits=limits,
                              draws=draws, random_rankings=random_rankings, seed=seed)
+    reasoning = batch.reasoning_mask.bool()
     return {"stats": {name: {s: report.stat(name, s).tolist() for s in STATS} for name in methods},
             "seconds": seconds, "train_s": train_s, "reasoning": report.reasoning_tokens.tolist(),
-            "forward_rows": report.forward_rows}
+            "forward_rows": report.forward_rows,
+            # kept so that gating settings (mass on target) can be compared later without re-running the chunk:
+            # each method's scores on each row's reasoning tokens, and which method ranked best there (KL)
+            "scores": {name: [scores[name][i][reasoning[i]].tolist() for i in range(len(rows))] for name in methods},
+            "best": [methods[j] for j in report.best[0].tolist()]}
 
 
 def summarise(chunks: list[dict], methods: list[str]) -> dict:

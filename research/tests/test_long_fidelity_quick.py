@@ -40,6 +40,9 @@ def test_long_fidelity_study_quick(tmp_path):
         "oar_g"]
     chunks = sorted(run.glob("chunk_*.json"))
     assert len(chunks) == 2
+    for c in map(json.loads, (p.read_text() for p in chunks)):  # scores kept per reasoning token, for later gating
+        assert all(len(row) == r for rows_ in c["scores"].values() for row, r in zip(rows_, c["reasoning"]))
+        assert set(c["best"]) <= {"oar_g", "fisher_k1"} and len(c["best"]) == 1
     stamp = [c.stat().st_mtime_ns for c in chunks]
     again = _run(tmp_path)  # resumes: rows and chunks come from the cache
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
