@@ -271,6 +271,51 @@ def summarise(chunks: list[dict], methods: list[str]) -> dict:
     return out
 
 
+def _padded(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) float64 scores and (B, L) bool reasoning mask from per-row score lists."""
+    L = max(len(r) for r in rows)
+    s = torch.zeros(len(rows), L, dtype=torch.float64)
+    for i, r in enumerate(rows):
+        s[i, :len(r)] = torch.tensor(r, dtype=torch.float64)
+    return s, torch.arange(L)[None] < torch.tensor([len(r) for r in rows])[:, None]
+
+
+def gating_sweep(chunks: list[dict], methods: list[str], gates: list[tuple[float, float]], floor: float = 0.1,
+                 target_fraction: float = 0.2) -> dict:
+    """Mass on target under other gating settings, from the cached scores (no model pass).
+
+    For each (tau, beta) and method: the share of the gated advantage mass on the row's best ranking's top
+    ``target_fraction`` (the best method by KL NAOPC on that row), mean and paired-bootstrap interval over rows; and
+    ``ceiling``: the share if the gate had the best ranking itself (what the gate allows at that setting).
+    """
+    from oar_verl.core.fidelity import mass_on_target, ranks_from_scores, top_removal
+    from oar_verl.core.gating import oar_token_weights
+
+    per_row = [(c["scores"], b, i) for c in chunks for i, b in enumerate(c["best"])]
+    scores = {n: _padded([sc[n][i] for sc, _, i in per_row]) for n in methods}
+    reasoning = scores[methods[0]][1]
+    best = torch.stack([scores[b][0][k] for k, (_, b, _) in enumerate(per_row)])
+    target = top_removal(ranks_from_scores(best, reasoning), reasoning, target_fraction)
+    out = {}
+    for tau, beta in gates:
+        key = f"tau={tau:g},beta={beta:g}"
+        vals = {n: mass_on_target(oar_token_weights(scores[n][0], reasoning, reasoning, tau, beta, floor).weights,
+                                  target, reasoning) for n in methods}
+        vals["ceiling"] = mass_on_target(oar_token_weights(best, reasoning, reasoning, tau, beta, floor).weights,
+                                         target, reasoning)
+        out[key] = {n: vars(bootstrap_mean(v[None])[0]) for n, v in vals.items()}
+    return out
+
+
+def gating_table(sweep: dict) -> str:
+    names = list(next(iter(sweep.values())))
+    lines = ["| gate | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for key, row in sweep.items():
+        lines.append(f"| {key} | " + " | ".join(f"{row[n]['mean']:.2f} [{row[n]['lo']:.2f}, {row[n]['hi']:.2f}]"
+                                              for n in names) + " |")
+    return "\n".join(lines)
+
+
 def table(summary: dict, model: str, tokens: int) -> str:
     r = summary["reasoning"]
     first = next(iter(summary["methods"]))
@@ -302,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8192, help="token budget of one pass")
     ap.add_argument("--out", default=str(REPO / "outputs" / "long_fidelity"))
     ap.add_argument("--docs", action="store_true", help="print the markdown table for research/docs")
+    ap.add_argument("--gates", default="0.25:1,0.4:2,0.4:4,0.6:2,0.6:4,0.8:4",
+                    help="tau:beta settings of the mass-on-target sweep (from the cached scores; '' for none)")
     a = ap.parse_args(argv)
     if "OMP_NUM_THREADS" not in os.environ:  # a shared machine: OMP_NUM_THREADS=1 wastes no time spinning
         torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -337,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(chunks, methods)
     (out / f"summary_{'-'.join(methods)}.json").write_text(json.dumps(summary, indent=1))  # one per comparison
     text = table(summary, m.name, a.tokens)
+    gates = [tuple(float(x) for x in g.split(":")) for g in a.gates.split(",") if g]
+    if gates and all("scores" in c for c in chunks):
+        sweep = gating_sweep(chunks, methods, gates)
+        (out / f"gating_{'-'.join(methods)}.json").write_text(json.dumps(sweep, indent=1))
+        text += "\n\nMass on target (the best ranking's top 20 %; uniform weights 0.20) by gating setting:\n\n" + \
+            gating_table(sweep)
     log(text)
     if a.docs:
         print(text)

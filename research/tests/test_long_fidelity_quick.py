@@ -43,6 +43,12 @@ def test_long_fidelity_study_quick(tmp_path):
     for c in map(json.loads, (p.read_text() for p in chunks)):  # scores kept per reasoning token, for later gating
         assert all(len(row) == r for rows_ in c["scores"].values() for row, r in zip(rows_, c["reasoning"]))
         assert set(c["best"]) <= {"oar_g", "fisher_k1"} and len(c["best"]) == 1
+    # the gating sweep from the cached scores reproduces the metric's own mass at the paper gate (tau 0.4, beta 2)
+    sweep = json.loads((run / "gating_oar_g-fisher_k1.json").read_text())
+    assert set(sweep) >= {"tau=0.4,beta=2", "tau=0.8,beta=4"}
+    for name, e in summary["methods"].items():
+        assert abs(sweep["tau=0.4,beta=2"][name]["mean"] - e["mass"]["mean"]) < 1e-9
+    assert all(0.0 <= row[n]["mean"] <= 1.0 for row in sweep.values() for n in ("oar_g", "fisher_k1", "ceiling"))
     stamp = [c.stat().st_mtime_ns for c in chunks]
     again = _run(tmp_path)  # resumes: rows and chunks come from the cache
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
