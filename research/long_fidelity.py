@@ -347,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8192, help="token budget of one pass")
     ap.add_argument("--out", default=str(REPO / "outputs" / "long_fidelity"))
     ap.add_argument("--docs", action="store_true", help="print the markdown table for research/docs")
+    ap.add_argument("--workers", default="1/0", help="N/J: compute only every N-th chunk from chunk J (run N processes "
+                    "J = 0..N-1 side by side); the others are read from the cache where present")
     ap.add_argument("--gates", default="0.25:1,0.4:2,0.4:4,0.6:2,0.6:4,0.8:4",
                     help="tau:beta settings of the mass-on-target sweep (from the cached scores; '' for none)")
     a = ap.parse_args(argv)
@@ -369,10 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = make_rows(m, a.rows, a.tokens, out / "rows.json", log)
     chunks = []
     limits = PassLimits(a.max_tokens)
+    n_workers, worker = (int(x) for x in a.workers.split("/"))
     for i in progress(range(0, len(rows), a.chunk), desc=f"fidelity ({a.model})"):
         path = out / f"chunk_{i:04d}_{'-'.join(methods)}.json"
         if path.exists():
             chunks.append(json.loads(path.read_text()))
+            continue
+        if (i // a.chunk) % n_workers != worker:  # another process's chunk, not done yet
             continue
         t0 = time.perf_counter()
         res = chunk_result(m, rows[i:i + a.chunk], methods, operators=tuple(a.operators.split(",")), draws=a.draws,
@@ -381,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         chunks.append(res)
         log(f"  chunk {i}: {time.perf_counter() - t0:.0f} s, {res['forward_rows']} perturbed rows; train "
             f"{res['train_s']:.1f} s; " + ", ".join(f"{k} {v:.1f} s" for k, v in res["seconds"].items()))
+    if not chunks:
+        log("no chunk computed yet")
+        return 0
     summary = summarise(chunks, methods)
     (out / f"summary_{'-'.join(methods)}.json").write_text(json.dumps(summary, indent=1))  # one per comparison
     text = table(summary, m.name, a.tokens)

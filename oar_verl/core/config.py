@@ -119,7 +119,7 @@ class OARConfig:
                      "vector), `resample` (a token drawn, seeded, from the same row's own reasoning tokens: the "
                      "policy's empirical marginal, not the model's conditional; not with `fisher`), `pad` (the "
                      "tokenizer's pad token) or `token` (`mask_token_id`). `pad` / `token` are refused at start-up "
-                     "when the token is an EOS, appears in the chat template or is another special token "
+                     "when the token is an EOS, is written by the chat template or is another special token "
                      "(docs/method.md §3). Ignored by OAR-G.")
     mask_token_id: int | None = _key(None, "method",
                                      "The replacement token id with `mask=token`, >= 0 (a plain token; refused at "

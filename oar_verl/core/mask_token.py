@@ -18,7 +18,7 @@ from oar_verl.core.config import OARConfigError
 from oar_verl.core.mask_operator import TOKEN_OPERATORS
 
 __all__ = ["check_mask_token", "check_model_mask_token", "generation_eos_ids", "resolve_mask_token",
-           "unsafe_mask_reason"]
+           "template_token_ids", "unsafe_mask_reason"]
 
 _ROLE_TOKENS = ("bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id")
 _DEDICATED_TOKENS = ("mask_token_id", "unk_token_id", "pad_token_id")
@@ -31,11 +31,39 @@ def _eos_set(tokenizer, eos_ids: Iterable[int] | int | None) -> set[int]:
     return out | {int(i) for i in (eos_ids or ()) if i is not None}
 
 
-def _template_text(tokenizer) -> str:
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates
-        return "\n".join(str(t) for t in template.values())
-    return template if isinstance(template, str) else ""
+_PLACEHOLDER = "OARPLACEHOLDER"
+# conversations the chat template is rendered on, the first it accepts wins (some templates refuse a system turn)
+_PROBE_ROLES = (("system", "user", "assistant", "user"), ("user", "assistant", "user"))
+
+
+def template_token_ids(tokenizer) -> set[int] | None:
+    """The token ids the chat template itself writes: role and end-of-turn markers, separators, a default system
+    prompt.
+
+    The template is rendered on a short conversation whose every message is a placeholder, with the generation prompt;
+    the text between the placeholders is the template's own, and its tokens are returned. (Matching a token's text
+    against the Jinja source instead would refuse every short plain token: ``_`` is in ``add_generation_prompt``.)
+
+    Returns:
+        the set of ids; empty without a chat template; None when the template renders none of the probe conversations
+        (the caller then relies on the special-token check alone).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return set()
+    for roles in _PROBE_ROLES:
+        messages = [{"role": r, "content": _PLACEHOLDER} for r in roles]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception:  # a template that refuses this conversation (roles, alternation): try the next
+            continue
+        if not isinstance(text, str) or _PLACEHOLDER not in text:
+            continue
+        ids: set[int] = set()
+        for piece in text.split(_PLACEHOLDER):
+            if piece:
+                ids.update(tokenizer.encode(piece, add_special_tokens=False))
+        return ids
+    return None
 
 
 def _special_ids(tokenizer) -> set[int]:
@@ -48,7 +76,7 @@ def unsafe_mask_reason(tokenizer, token_id: int, eos_ids: Iterable[int] | int | 
     """Why ``token_id`` must not replace reasoning tokens, or None when it may.
 
     Refused: an EOS (the tokenizer's ``eos_token_id`` and ``eos_ids``, e.g. the generation config's list), a token
-    whose text appears in the chat template (end-of-turn and role markers), any other special or added special token
+    the chat template writes (:func:`template_token_ids`: end-of-turn and role markers), any other special or added special token
     (bos, ``<|im_start|>``, ...) unless it is a dedicated mask / unk / pad token that is none of those, and an id
     outside the vocabulary.
     """
@@ -58,9 +86,8 @@ def unsafe_mask_reason(tokenizer, token_id: int, eos_ids: Iterable[int] | int | 
         return f"is outside the tokenizer's vocabulary (size {size})"
     if token_id in _eos_set(tokenizer, eos_ids):
         return "is an end-of-sequence token (the tokenizer's or the generation config's eos_token_id)"
-    text = tokenizer.convert_ids_to_tokens(token_id)
-    if text and text in _template_text(tokenizer):
-        return "appears in the tokenizer's chat template (an end-of-turn or role marker)"
+    if token_id in (template_token_ids(tokenizer) or ()):
+        return "is written by the tokenizer's chat template (an end-of-turn, role or separator token)"
     roles = {getattr(tokenizer, k, None) for k in _ROLE_TOKENS} - {None}
     dedicated = {getattr(tokenizer, k, None) for k in _DEDICATED_TOKENS} - {None} - roles
     if token_id in (_special_ids(tokenizer) | roles) - dedicated:

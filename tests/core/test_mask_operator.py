@@ -178,6 +178,39 @@ def test_safe_mask_tokens_pass(tokenizer):
     assert check_mask_token(OARConfig(mode="gradient", mask="pad"), _with(tokenizer, pad_token=IM_END)) is not None
 
 
+def test_the_template_check_reads_what_the_template_writes_not_its_jinja_source(tokenizer):
+    from oar_verl.core.mask_token import template_token_ids
+
+    # `_` and `[` are in the Jinja source (add_generation_prompt, message['role']) but the template never writes them
+    for text in ("_", "["):
+        (tid,) = tokenizer.encode(text, add_special_tokens=False)
+        assert unsafe_mask_reason(tokenizer, tid) is None
+    # what it writes: the role markers, the role names and the separator
+    written = template_token_ids(tokenizer)
+    for text in (IM_START, IM_END, "\n"):
+        assert tokenizer.convert_tokens_to_ids(text) in written or tokenizer.encode(text, add_special_tokens=False)[
+            0] in written
+    # a template whose role marker is plain text (no special token): the marker's tokens are refused
+    plain = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, eos_token=tokenizer.eos_token,
+                                chat_template="{% for m in messages %}{{ '### ' + m['role'] + ': ' + m['content'] + "
+                                              "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '### assistant: ' }}"
+                                              "{% endif %}")
+    hashes = plain.encode("###", add_special_tokens=False)
+    assert all("chat template" in unsafe_mask_reason(plain, t) for t in hashes)
+    # a template that refuses a system turn is read from the next probe conversation
+    strict = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, eos_token=tokenizer.eos_token,
+                                 chat_template="{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system')"
+                                               " }}{% endif %}" + tokenizer.chat_template)
+    assert strict.convert_tokens_to_ids(IM_END) in template_token_ids(strict)
+    # no template: nothing written; a template that renders nothing usable: None (the special-token check still runs)
+    bare = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, eos_token=tokenizer.eos_token)
+    assert template_token_ids(bare) == set()
+    broken = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, eos_token=tokenizer.eos_token,
+                                 chat_template="{{ raise_exception('never') }}")
+    assert template_token_ids(broken) is None
+    assert unsafe_mask_reason(broken, broken.encode("the", add_special_tokens=False)[0]) is None
+
+
 def test_run_time_resolution_refuses_too(tokenizer):
     from oar_verl.core.preprocess import prepare_attribution
 
