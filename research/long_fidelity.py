@@ -22,7 +22,7 @@ best of its peers, not to the best ranking there is; the rows are continuations 
 reasoning.
 
 usage: python -m research.long_fidelity [--model smollm2|gemma3|tiny] [--rows N] [--tokens T] [--chunk C]
-                                       [--methods a,b] [--out DIR] [--docs]
+                                       [--methods a,b] [--out DIR] [--docs] [--workers N/J] [--gates t:b,...]
 """
 
 from __future__ import annotations
