@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.utils.checkpoint
+from transformers.cache_utils import DynamicCache
 
 from oar_verl.core.backend import DenseProbes, EmbeddingHook, OnProbe, Pass, frozen_parameters, reasoning_slots
 from oar_verl.core.budget import PassLimits, pack_copies, pack_rows
@@ -101,7 +102,10 @@ class ModuleBackend(DenseProbes):
         spec = batch.probe.index(p.rows).columns(lo, hi)
         keep = probe_keep_positions(spec)
         if p.cache == "keep":
-            out = self.model(**inputs, logits_to_keep=keep, use_cache=True)
+            # a cache of full layers (DynamicCache() without a config): the model's own would give sliding-window
+            # layers (Gemma 2/3, Mistral) a window-long cache that cannot be cut back to a masked copy's prefix once a
+            # row is longer than the window; the attention mask still applies the window
+            out = self.model(**inputs, logits_to_keep=keep, use_cache=True, past_key_values=DynamicCache())
             self._cache = (int(p.rows[0]), out.past_key_values)
             logits = out.logits
         elif p.cache == "reuse":

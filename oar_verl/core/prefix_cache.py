@@ -30,7 +30,8 @@ class _SharedPrefixLayer(DynamicLayer):
 def shared_prefix_cache(cache: DynamicCache, t0: int, copies: int) -> DynamicCache:
     """A cache presenting the first ``t0`` positions of a one-row ``cache`` to ``copies`` rows, copying nothing.
 
-    Falls back to an explicit per-copy copy for cache layers it does not know (e.g. sliding-window layers).
+    Falls back to an explicit per-copy copy for cache layers it does not know. (The module backend's clean pass builds
+    full layers even for sliding-window models: a sliding-window layer past its window cannot be cropped.)
     """
     layers = getattr(cache, "layers", None)
     if layers is None or any(type(layer) is not DynamicLayer for layer in layers):

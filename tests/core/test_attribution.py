@@ -242,3 +242,27 @@ def test_core_entry_points_default_to_the_workers_safe_settings(lm64, make_batch
     batch = build_attribution_batch(*rows, kinds)
     plain = run_g(lm64, batch, cfg.noise_std, seeds, PassLimits(10**6), checkpointing=False)
     torch.testing.assert_close(safe, plain[:, batch.response_start:], rtol=1e-9, atol=1e-12)
+
+
+def _tiny_sliding_window_lm(window: int) -> torch.nn.Module:
+    """A tiny Gemma 3 (sliding-window layers beside full ones), float64: its cache crops only within the window."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=window,
+                           layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128)
+    return Gemma3ForCausalLM(cfg).double().eval()
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_oar_p_prefix_cache_on_sliding_window_layers_past_the_window(make_batch, chunk):
+    # rows longer than the window: the clean pass's cache must keep every position (a sliding-window cache drops the
+    # oldest and cannot be cropped back to a masked copy's prefix; transformers raises deep in the forward)
+    model = _tiny_sliding_window_lm(window=4)
+    rows = make_batch(B=3, P=5, T=14, seed=chunk)
+    batch = build_attribution_batch(*rows, torch.full((3,), AS_MEAN))
+    fast = run_p(model, batch, MASK, PassLimits(10**6, copies=chunk), prefix_cache=True)[:, batch.response_start:]
+    ref = reference.batch_oar_p(model, *rows, AS_MEAN, MASK)
+    torch.testing.assert_close(fast.double(), ref, rtol=1e-5, atol=1e-9)
+    assert ref.abs().sum() > 0 and int(batch.attention_mask.sum(-1).max()) > 4  # rows past the window
