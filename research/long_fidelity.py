@@ -273,11 +273,8 @@ def summarise(chunks: list[dict], methods: list[str]) -> dict:
 
 def _padded(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, L) float64 scores and (B, L) bool reasoning mask from per-row score lists."""
-    L = max(len(r) for r in rows)
-    s = torch.zeros(len(rows), L, dtype=torch.float64)
-    for i, r in enumerate(rows):
-        s[i, :len(r)] = torch.tensor(r, dtype=torch.float64)
-    return s, torch.arange(L)[None] < torch.tensor([len(r) for r in rows])[:, None]
+    s = torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=torch.float64) for r in rows], batch_first=True)
+    return s, torch.arange(s.shape[1])[None] < torch.tensor([len(r) for r in rows])[:, None]
 
 
 def gating_sweep(chunks: list[dict], methods: list[str], gates: list[tuple[float, float]], floor: float = 0.1,
@@ -291,10 +288,10 @@ def gating_sweep(chunks: list[dict], methods: list[str], gates: list[tuple[float
     from oar_verl.core.fidelity import mass_on_target, ranks_from_scores, top_removal
     from oar_verl.core.gating import oar_token_weights
 
-    per_row = [(c["scores"], b, i) for c in chunks for i, b in enumerate(c["best"])]
-    scores = {n: _padded([sc[n][i] for sc, _, i in per_row]) for n in methods}
+    scores = {n: _padded([row for c in chunks for row in c["scores"][n]]) for n in methods}
     reasoning = scores[methods[0]][1]
-    best = torch.stack([scores[b][0][k] for k, (_, b, _) in enumerate(per_row)])
+    best_name = [b for c in chunks for b in c["best"]]
+    best = torch.stack([scores[b][0][k] for k, b in enumerate(best_name)])
     target = top_removal(ranks_from_scores(best, reasoning), reasoning, target_fraction)
     out = {}
     for tau, beta in gates:
