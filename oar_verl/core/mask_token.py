@@ -77,8 +77,8 @@ def unsafe_mask_reason(tokenizer, token_id: int, eos_ids: Iterable[int] | int | 
 
     Refused: an EOS (the tokenizer's ``eos_token_id`` and ``eos_ids``, e.g. the generation config's list), a token
     the chat template writes (:func:`template_token_ids`: end-of-turn and role markers), any other special or added
-    special token (bos, ``<|im_start|>``, ...) unless it is a dedicated mask / unk / pad token that is none of those, and an id
-    outside the vocabulary.
+    special token (bos, ``<|im_start|>``, ...) unless it is a dedicated mask / unk / pad token that is none of those,
+    and an id outside the vocabulary.
     """
     token_id = int(token_id)
     size = len(tokenizer)
