@@ -23,6 +23,7 @@ reasoning.
 
 usage: python -m research.long_fidelity [--model smollm2|gemma3|tiny] [--rows N] [--tokens T] [--chunk C]
                                        [--methods a,b] [--out DIR] [--docs] [--workers N/J] [--gates t:b,...]
+                                       [--controls recency]
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 
 from oar_verl.core import OARConfig, module_backend, run_attribution
 from oar_verl.core.budget import PassLimits
-from oar_verl.core.fidelity import bootstrap_mean, fidelity_report
+from oar_verl.core.fidelity import bootstrap_mean, default_min_gap, fidelity_report, naopc
 from oar_verl.core.preprocess import prepare_attribution
 from research import REPO
 from research.common import measure, progress, smollm2_path
@@ -271,6 +272,52 @@ def summarise(chunks: list[dict], methods: list[str]) -> dict:
     return out
 
 
+def recency_scores(batch) -> torch.Tensor:
+    """(B, L) float64 scores that rank a row's reasoning tokens by position alone, the latest first: a control that
+    knows nothing of the tokens. A removal metric whose outcome sits right after the reasoning may reward recency
+    itself; an attribution that does not beat this ranking has found nothing position does not already give."""
+    mask = batch.reasoning_mask.bool()
+    return torch.where(mask, mask.double().cumsum(-1), 0.0)
+
+
+CONTROLS = {"recency": recency_scores}
+
+
+def control_result(m: Loaded, rows: list[dict], chunk: dict, name: str, *, operators, draws: int,
+                   random_rankings: int, limits: PassLimits, seed: int) -> dict:
+    """A control ranking's per-row fidelity (KL measure) on one cached chunk, normalised like the chunk's methods:
+    NAOPC against this run's random rankings (the chunk's own: same seed, same rankings and draws) and the chunk's
+    best method (above 1: the control beats every method on that row); S against a random 40 %."""
+    batch = prepared(m, rows).batch
+    report = fidelity_report(m.model, batch, {name: CONTROLS[name](batch)}, mask_token_id=m.mask_id,
+                             operators=operators, limits=limits, draws=draws, random_rankings=random_rankings,
+                             seed=seed)
+    aopc = torch.tensor([[c for c in chunk["stats"][k]["aopc"]] for k in chunk["stats"]], dtype=torch.float64)
+    best = torch.nan_to_num(aopc, nan=float("-inf")).amax(0)
+    a, r = report.stat(name, "aopc"), report.random_aopc[0]
+    # the chunk's own random AOPC, from any method's NAOPC = (a − r)/(b − r) below 1: a check that this run's random
+    # rankings are the chunk's
+    n = torch.tensor([[c for c in chunk["stats"][k]["naopc"]] for k in chunk["stats"]], dtype=torch.float64)
+    usable = n.isfinite() & (n < 1 - 1e-6)
+    r_chunk = torch.where(usable, (aopc - n * best) / (1 - n), float("nan")).nanmean(0)
+    return {"aopc": a.tolist(), "random_aopc": r.tolist(), "random_aopc_chunk": r_chunk.tolist(),
+            "best_aopc": best.tolist(),
+            "naopc": naopc(a, r, best, default_min_gap(m.model)).tolist(),
+            "suppression": report.stat(name, "suppression").tolist()}
+
+
+def control_table(controls: dict[str, list[dict]]) -> str:
+    lines = ["| control | NAOPC (KL) against the methods' best | S | rows where it beats every method |",
+             "|---|---|---|---|"]
+    for name, parts in controls.items():
+        ivs = bootstrap_mean(torch.tensor([[v for c in parts for v in c[s]] for s in ("naopc", "suppression")],
+                                          dtype=torch.float64))
+        beats = sum(v > 1 for c in parts for v in c["naopc"])
+        lines.append(f"| {name} | " + " | ".join(f"{iv.mean:.2f} [{iv.lo:.2f}, {iv.hi:.2f}]" for iv in ivs) +
+                     f" | {beats} of {sum(len(c['naopc']) for c in parts)} |")
+    return "\n".join(lines)
+
+
 def _padded(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, L) float64 scores and (B, L) bool reasoning mask from per-row score lists."""
     s = torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=torch.float64) for r in rows], batch_first=True)
@@ -346,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", action="store_true", help="print the markdown table for research/docs")
     ap.add_argument("--workers", default="1/0", help="N/J: compute only every N-th chunk from chunk J (run N processes "
                     "J = 0..N-1 side by side); the others are read from the cache where present")
+    ap.add_argument("--controls", default="", help=f"control rankings measured beside the cached methods "
+                    f"({', '.join(CONTROLS)}; '' for none)")
     ap.add_argument("--gates", default="0.25:1,0.4:2,0.4:4,0.6:2,0.6:4,0.8:4",
                     help="tau:beta settings of the mass-on-target sweep (from the cached scores; '' for none)")
     a = ap.parse_args(argv)
@@ -386,6 +435,24 @@ def main(argv: list[str] | None = None) -> int:
     if not chunks:
         log("no chunk computed yet")
         return 0
+    controls = {}
+    for name in [x for x in a.controls.split(",") if x]:
+        if name not in CONTROLS:
+            raise SystemExit(f"--controls: unknown {name!r}; allowed: {', '.join(CONTROLS)}")
+        controls[name] = []
+        for i in range(0, len(rows), a.chunk):
+            path = out / f"control_{i:04d}_{name}_{'-'.join(methods)}.json"
+            method_chunk = out / f"chunk_{i:04d}_{'-'.join(methods)}.json"
+            if path.exists():
+                controls[name].append(json.loads(path.read_text()))
+            elif method_chunk.exists() and (i // a.chunk) % n_workers == worker:
+                t0 = time.perf_counter()
+                res = control_result(m, rows[i:i + a.chunk], json.loads(method_chunk.read_text()), name,
+                                     operators=tuple(a.operators.split(",")), draws=a.draws,
+                                     random_rankings=a.random, limits=limits, seed=i)
+                path.write_text(json.dumps(res))
+                controls[name].append(res)
+                log(f"  control {name}, chunk {i}: {time.perf_counter() - t0:.0f} s")
     summary = summarise(chunks, methods)
     (out / f"summary_{'-'.join(methods)}.json").write_text(json.dumps(summary, indent=1))  # one per comparison
     text = table(summary, m.name, a.tokens)
@@ -395,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"gating_{'-'.join(methods)}.json").write_text(json.dumps(sweep, indent=1))
         text += "\n\nMass on target (the best ranking's top 20 %; uniform weights 0.20) by gating setting:\n\n" + \
             gating_table(sweep)
+    if controls and all(controls.values()):
+        text += "\n\nControls (a ranking that knows nothing of the tokens, normalised like the methods):\n\n" + \
+            control_table(controls)
     log(text)
     if a.docs:
         print(text)

@@ -1,6 +1,6 @@
 """The long-row fidelity study's quick mode: a random tiny model samples its rows, every compared method is scored,
-timed against the training step and measured by the library's fidelity metric; the cache makes a second run resume
-without recomputing. Structure and bounds are checked, the numbers of a random model mean nothing."""
+timed against the training step and measured by the library's fidelity metric, a positional control beside them; the
+cache makes a second run resume without recomputing. Structure and bounds are checked, the numbers of a random model mean nothing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--model", "tiny", "--rows", "2", "--tokens", "40", "--chunk", "1", "--methods", "oar_g,fisher_k1",
-        "--draws", "2", "--random", "1"]
+        "--draws", "2", "--random", "1", "--controls", "recency"]
 
 
 def _run(out: Path) -> subprocess.CompletedProcess:
@@ -49,6 +49,18 @@ def test_long_fidelity_study_quick(tmp_path):
     for name, e in summary["methods"].items():
         assert abs(sweep["tau=0.4,beta=2"][name]["mean"] - e["mass"]["mean"]) < 1e-9
     assert all(0.0 <= row[n]["mean"] <= 1.0 for row in sweep.values() for n in ("oar_g", "fisher_k1", "ceiling"))
+    # the positional control, normalised by the chunk's own random rankings (recovered from the methods' NAOPC) and
+    # best method
+    controls = sorted(run.glob("control_*_recency_oar_g-fisher_k1.json"))
+    assert len(controls) == 2
+    for c in map(json.loads, (p.read_text() for p in controls)):
+        assert all(math.isfinite(v) for v in c["aopc"] + c["suppression"])
+        for r, r_chunk in zip(c["random_aopc"], c["random_aopc_chunk"]):
+            assert math.isnan(r_chunk) or abs(r - r_chunk) <= 1e-6 * max(1.0, abs(r))
+        for n, a, r, b in zip(c["naopc"], c["aopc"], c["random_aopc"], c["best_aopc"]):
+            assert math.isnan(n) or abs(n - (a - r) / (b - r)) < 1e-9
+    assert "| recency |" in proc.stdout + (run / "log.txt").read_text()
+    chunks += controls
     stamp = [c.stat().st_mtime_ns for c in chunks]
     again = _run(tmp_path)  # resumes: rows and chunks come from the cache
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
