@@ -42,18 +42,32 @@ def template_token_ids(tokenizer) -> set[int] | None:
 
     The template is rendered on a short conversation whose every message is a placeholder, with the generation prompt;
     the text between the placeholders is the template's own, and its tokens are returned. (Matching a token's text
-    against the Jinja source instead would refuse every short plain token: ``_`` is in ``add_generation_prompt``.)
+    against the Jinja source instead would refuse every short plain token: ``_`` is in ``add_generation_prompt``.) A
+    tokenizer with named templates (a dict: ``default``, ``tool_use``, ...) has every one of them rendered: the union.
 
     Returns:
-        the set of ids; empty without a chat template; None when the template renders none of the probe conversations
+        the set of ids; empty without a chat template; None when no template renders any of the probe conversations
         (the caller then relies on the special-token check alone).
     """
-    if not getattr(tokenizer, "chat_template", None):
+    templates = getattr(tokenizer, "chat_template", None)
+    if not templates:
         return set()
+    found = None
+    for name in (list(templates) if isinstance(templates, dict) else [None]):
+        ids = _written_ids(tokenizer, name)
+        if ids is not None:
+            found = (found or set()) | ids
+    return found
+
+
+def _written_ids(tokenizer, name: str | None) -> set[int] | None:
+    """The ids one template (``name`` of the named templates; None: the only one) writes; None when it renders none of
+    the probe conversations."""
+    named = {} if name is None else {"chat_template": name}
     for roles in _PROBE_ROLES:
         messages = [{"role": r, "content": _PLACEHOLDER} for r in roles]
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **named)
         except Exception:  # a template that refuses this conversation (roles, alternation): try the next
             continue
         if not isinstance(text, str) or _PLACEHOLDER not in text:

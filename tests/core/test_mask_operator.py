@@ -209,6 +209,12 @@ def test_the_template_check_reads_what_the_template_writes_not_its_jinja_source(
                                  chat_template="{{ raise_exception('never') }}")
     assert template_token_ids(broken) is None
     assert unsafe_mask_reason(broken, broken.encode("the", add_special_tokens=False)[0]) is None
+    # named templates (a dict, here without a "default"): every one is rendered, what any of them writes is refused
+    named = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, eos_token=tokenizer.eos_token)
+    named.chat_template = {"chat": tokenizer.chat_template, "tool_use": plain.chat_template}
+    written = template_token_ids(named)
+    assert tokenizer.convert_tokens_to_ids(IM_END) in written and set(hashes) <= written
+    assert "chat template" in unsafe_mask_reason(named, hashes[0])
 
 
 def test_run_time_resolution_refuses_too(tokenizer):
