@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from oar_verl.core.config import OARConfig, OARConfigError
 from oar_verl.core.mask_token import check_model_mask_token
+from oar_verl.core.sliding_window import check_model_sliding_window
 from oar_verl.integration.backends import ENGINE_BACKENDS
 from oar_verl.integration.estimator import OARSetupError, read_oar_config
 
@@ -24,6 +25,8 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
         OARSetupError: a verl setting OAR cannot run with: an actor strategy other than FSDP/FSDP2/Megatron, a
             Megatron layout the attribution does not support, or rollout-correction bypass mode on the legacy trainer
             (whose bypass path skips the pass OAR attributes in).
+
+    Logs a warning (:func:`warn_sliding_window`) for a gradient method on a sliding-window model past its window.
     """
     cfg = read_oar_config(config.algorithm)
     actor = config.actor_rollout_ref.actor
@@ -44,7 +47,19 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
                             "trainer's bypass path skips the old-log-prob step that OAR attributes in; use the V1 "
                             "trainer (trainer.use_v1=true), which supports bypass mode, or set bypass_mode=false")
     validate_mask_token(cfg, config)
+    warn_sliding_window(cfg, config)
     return cfg
+
+
+def warn_sliding_window(cfg: OARConfig, config: DictConfig) -> str | None:
+    """Warn (logged, returned) of a gradient method (``mode=gradient|fisher``) on a local model whose attention
+    layers slide, with rows (``data.max_prompt_length`` + ``data.max_response_length``) longer than the window
+    (:mod:`oar_verl.core.sliding_window`)."""
+    data = config.get("data", None) or {}
+    lengths = [data.get(k, None) for k in ("max_prompt_length", "max_response_length")]
+    total = sum(int(n) for n in lengths) if all(n is not None for n in lengths) else None
+    model = config.actor_rollout_ref.get("model", None) or {}
+    return check_model_sliding_window(cfg, model.get("path", None), total)
 
 
 def validate_mask_token(cfg: OARConfig, config: DictConfig, tokenizer=None) -> int | None:

@@ -102,6 +102,18 @@ def check_mask_token_flags(args, cfg) -> None:
         raise OpenRLHFArgsError(str(e)) from e
 
 
+def warn_sliding_window_flags(args, cfg) -> str | None:
+    """Warn (logged, returned) of ``--oar.mode=gradient|fisher`` on a local policy whose attention layers slide, with
+    rows (``--data.max_len``) longer than the window (:mod:`oar_verl.core.sliding_window`)."""
+    from oar_verl.core.sliding_window import check_model_sliding_window
+
+    max_len = getattr(getattr(args, "data", None), "max_len", None)
+    return check_model_sliding_window(cfg, getattr(getattr(args, "actor", None), "model_name_or_path", None),
+                                      None if max_len is None else int(max_len),
+                                      check="oar_verl.core.fidelity.fidelity_report on a few rollouts "
+                                            "(docs/fidelity.md)")
+
+
 def is_policy_actor_class(actor_type: Any, base: type) -> bool:
     """Whether a Ray actor class (or a plain class) is OpenRLHF's policy actor or derives from it."""
     cls = getattr(actor_type, "__ray_actor_class__", actor_type)

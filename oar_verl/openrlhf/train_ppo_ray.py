@@ -30,7 +30,7 @@ from typing import Any
 
 from oar_verl.core.config import OARConfig, OARConfigError
 from oar_verl.openrlhf.checks import (OpenRLHFArgsError, OpenRLHFVersionError, check_openrlhf_version,  # noqa: F401
-                                      check_mask_token_flags, check_policy_loss)
+                                      check_mask_token_flags, check_policy_loss, warn_sliding_window_flags)
 
 FLAG_PREFIX = "--oar"
 OUTCOME_ESTIMATORS = ("group_norm", "rloo", "reinforce_baseline", "dr_grpo", "flash_reinforce", "reinforce")
@@ -100,7 +100,8 @@ def check_args(args, cfg: OARConfig) -> None:
     sequences of one data-parallel rank. Hence: no critic / GAE (per-token values), no KL penalty folded into the
     per-token rewards (use it as a loss), gamma 1 (a discounted return is not one value per sequence), no ring
     attention and no DeepSpeed tensor parallelism in the actor (a rank does not hold whole sequences / whole layers for
-    the attribution passes), no vision-language inputs (the attribution passes feed token ids only).
+    the attribution passes), no vision-language inputs (the attribution passes feed token ids only). Warns of a
+    gradient method on a sliding-window policy past its window (:func:`warn_sliding_window_flags`).
     """
     est = args.algo.advantage.estimator
     if est not in OUTCOME_ESTIMATORS:
@@ -127,6 +128,7 @@ def check_args(args, cfg: OARConfig) -> None:
         raise OpenRLHFArgsError("--oar.target=reference needs the ground truth of every sample: set --data.label_key")
     check_policy_loss(args)
     check_mask_token_flags(args, cfg)
+    warn_sliding_window_flags(args, cfg)
 
 
 def add_oar_arguments(parser: argparse.ArgumentParser) -> None:

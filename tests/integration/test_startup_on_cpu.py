@@ -60,3 +60,35 @@ def test_an_unsafe_mask_token_of_the_model_dir_is_refused(tmp_path):
     with pytest.raises(OpenRLHFArgsError, match=r"--oar\.mask=pad: the mask token .*--oar\.mask=mean\|zero\|resample"):
         check_mask_token_flags(args, OARConfig.from_mapping({"mode": "perturbation", "mask": "pad"}, prefix="--oar"))
     check_mask_token_flags(args, OARConfig.from_mapping({"mode": "perturbation"}, prefix="--oar"))
+
+
+@pytest.mark.parametrize("response, warned", [(1024, True), (256, False)])
+def test_gradient_attribution_past_a_sliding_window_is_warned_of(tmp_path, caplog, response, warned):
+    """A gradient method on a local sliding-window model past its window: warned (not refused) by verl's start-up
+    and OpenRLHF's entry point (docs/performance.md)."""
+    import logging
+    from types import SimpleNamespace
+
+    from transformers import Gemma3TextConfig
+
+    from oar_verl.core.config import OARConfig
+    from oar_verl.openrlhf.checks import warn_sliding_window_flags
+
+    gemma = Gemma3TextConfig(num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=32, vocab_size=300, sliding_window=512)
+    gemma.save_pretrained(str(tmp_path))
+    config = OmegaConf.create({"algorithm": {"adv_estimator": "oar", "oar": {"mode": "gradient"}},
+                               "actor_rollout_ref": {"actor": {"strategy": "fsdp"}, "model": {"path": str(tmp_path)}},
+                               "data": {"max_prompt_length": 128, "max_response_length": response}, "trainer": {}})
+    with caplog.at_level(logging.WARNING, logger="oar_verl.core.sliding_window"):
+        assert validate_oar_setup(config).mode == "gradient"  # a warning, not a refusal
+    assert ("algorithm.oar.mode=gradient on a model with sliding-window attention" in caplog.text) is warned
+    caplog.clear()
+    args = SimpleNamespace(actor=SimpleNamespace(model_name_or_path=str(tmp_path)),
+                           data=SimpleNamespace(max_len=128 + response))
+    with caplog.at_level(logging.WARNING, logger="oar_verl.core.sliding_window"):
+        msg = warn_sliding_window_flags(args, OARConfig.from_mapping({"mode": "fisher"}, prefix="--oar"))
+    assert (msg is not None) is warned
+    if warned:
+        assert "--oar.mode=fisher" in caplog.text and "--oar.mode=perturbation" in caplog.text
+        assert "fidelity_report" in msg and "fidelity_every" not in msg  # OpenRLHF has no in-step fidelity
