@@ -42,7 +42,7 @@ import torch
 
 from oar_verl.core import OARConfig, module_backend, run_attribution
 from oar_verl.core.budget import PassLimits
-from oar_verl.core.fidelity import bootstrap_mean, default_min_gap, fidelity_report, naopc
+from oar_verl.core.fidelity import bootstrap_mean, default_min_gap, fidelity_report, naopc, position_scores
 from oar_verl.core.preprocess import prepare_attribution
 from research import REPO
 from research.common import measure, progress, smollm2_path
@@ -272,15 +272,7 @@ def summarise(chunks: list[dict], methods: list[str]) -> dict:
     return out
 
 
-def recency_scores(batch) -> torch.Tensor:
-    """(B, L) float64 scores that rank a row's reasoning tokens by position alone, the latest first: a control that
-    knows nothing of the tokens. A removal metric whose outcome sits right after the reasoning may reward recency
-    itself; an attribution that does not beat this ranking has found nothing position does not already give."""
-    mask = batch.reasoning_mask.bool()
-    return torch.where(mask, mask.double().cumsum(-1), 0.0)
-
-
-CONTROLS = {"recency": recency_scores}
+CONTROLS = {"recency": position_scores}  # the library's positional control: the latest tokens first
 
 
 def control_result(m: Loaded, rows: list[dict], chunk: dict, name: str, *, operators, draws: int,

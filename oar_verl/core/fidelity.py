@@ -46,7 +46,7 @@ from oar_verl.core.probes import ProbeOutput, logits_at, outcome_shift, probe_fr
 __all__ = [
     "FRACTIONS", "MEASURES", "OPERATORS", "FidelityReport", "Interval", "MethodFidelity", "aopc", "bootstrap_mean",
     "bottom_removal", "default_min_gap", "fidelity_report", "leave_one_out_scores", "mass_on_target", "naopc",
-    "outcome_shifts", "random_scores", "ranks_from_scores", "removal_count", "resample_tokens", "row_keys",
+    "outcome_shifts", "position_scores", "random_scores", "ranks_from_scores", "removal_count", "resample_tokens", "row_keys",
     "suppression_ratio", "top_removal",
 ]
 
@@ -95,6 +95,15 @@ def random_scores(batch: AttributionBatch, seed: int, index: int) -> torch.Tenso
     key = row_keys(batch.input_ids, batch.attention_mask)[:, None].cpu()
     u = _uniform(seed, _STREAM_RANDOM + index, key, _reasoning_rank(batch.reasoning_mask).cpu())
     return torch.where(batch.reasoning_mask.cpu(), u, 0.0).to(batch.input_ids.device)
+
+
+def position_scores(batch: AttributionBatch) -> torch.Tensor:
+    """(B, L) float64 scores that rank each row's reasoning tokens by position alone, the latest first (0 elsewhere): a
+    control to pass beside the methods. The outcome is read right after the reasoning, so removing the last tokens
+    moves it by itself; a method that does not beat this ranking found nothing position does not already give, and
+    suppressing the earliest tokens is a low bar for S (docs/fidelity.md §4)."""
+    reasoning = batch.reasoning_mask.bool()
+    return torch.where(reasoning, reasoning.double().cumsum(-1), 0.0)
 
 
 def removal_count(fraction: float, reasoning_tokens: torch.Tensor) -> torch.Tensor:

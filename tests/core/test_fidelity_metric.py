@@ -15,7 +15,7 @@ from oar_verl.core import reference
 from oar_verl.core.budget import PassLimits
 from oar_verl.core.fidelity import (
     FRACTIONS, MEASURES, OPERATORS, bootstrap_mean, fidelity_report, leave_one_out_scores, naopc, outcome_shifts,
-    random_scores, removal_count, resample_tokens, suppression_ratio,
+    position_scores, random_scores, ranks_from_scores, removal_count, resample_tokens, suppression_ratio, top_removal,
 )
 from oar_verl.core.layout import build_attribution_batch
 from oar_verl.core.probes import ProbeKind
@@ -259,6 +259,21 @@ def test_best_candidate_has_naopc_one(small_report):
         for b in range(stacked.shape[-1]):
             winner = stacked[int(rep.best[i, b]), i, b]
             assert math.isnan(float(winner)) or float(winner) == pytest.approx(1.0)
+
+
+def test_the_positional_control_removes_the_latest_reasoning_tokens(make_batch):
+    batch = make(make_batch)
+    reasoning = batch.reasoning_mask.bool()
+    scores = position_scores(batch)
+    assert (scores[~reasoning] == 0).all()
+    for b in range(reasoning.shape[0]):  # the latest first, by hand
+        cols = [c for c in range(reasoning.shape[1]) if reasoning[b, c]]
+        assert hand_ranking(scores, reasoning, b) == cols[::-1]
+    removed = top_removal(ranks_from_scores(scores, reasoning), reasoning, 0.2)
+    for b in range(reasoning.shape[0]):
+        cols = [c for c in range(reasoning.shape[1]) if reasoning[b, c]]
+        k = int(removal_count(0.2, torch.tensor(len(cols))))
+        assert removed[b].nonzero().squeeze(1).tolist() == sorted(cols[len(cols) - k:])
 
 
 def test_removal_counts_are_exact_ceilings():
