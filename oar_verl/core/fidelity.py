@@ -46,8 +46,8 @@ from oar_verl.core.probes import ProbeOutput, logits_at, outcome_shift, probe_fr
 __all__ = [
     "FRACTIONS", "MEASURES", "OPERATORS", "FidelityReport", "Interval", "MethodFidelity", "aopc", "bootstrap_mean",
     "bottom_removal", "default_min_gap", "fidelity_report", "leave_one_out_scores", "mass_on_target", "naopc",
-    "outcome_shifts", "position_scores", "random_scores", "ranks_from_scores", "removal_count", "resample_tokens", "row_keys",
-    "suppression_ratio", "top_removal",
+    "outcome_shifts", "position_scores", "random_scores", "ranks_from_scores", "removal_count", "resample_tokens",
+    "row_keys", "suppression_ratio", "top_removal",
 ]
 
 OPERATORS = ("mask", "zero", "delete", "resample")

@@ -164,8 +164,9 @@ def generation_eos_ids(path: str | None) -> list[int]:
 def check_model_mask_token(cfg, model_path: str | None, tokenizer=None, *, tokenizer_path: str | None = None,
                            trust_remote_code: bool = False) -> int | None:
     """Start-up form of :func:`check_mask_token` for a model directory: its tokenizer (loaded from ``tokenizer_path``
-    or ``model_path`` when none is given) and the EOS ids of its generation config. Nothing to check (None) when the operator uses no token or the
-    tokenizer is not at hand (a remote path: :mod:`oar_verl.core.preprocess` checks at the first step).
+    or ``model_path`` when none is given) and the EOS ids of its generation config. Nothing to check (None) when the
+    operator uses no token or the tokenizer is not at hand (a remote path: :mod:`oar_verl.core.preprocess` checks at
+    the first step).
 
     Raises:
         OARConfigError: an unsafe mask token (see :func:`check_mask_token`).

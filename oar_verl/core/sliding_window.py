@@ -62,10 +62,13 @@ def check_model_sliding_window(cfg, model_path: str | None, max_tokens: int | No
     """Log :func:`sliding_window_warning` for a local model directory and return it (None: nothing to warn of, or a
     path that is not a local directory with a ``config.json``)."""
     path = os.path.join(str(model_path), "config.json") if model_path else ""
-    if not os.path.isfile(path):
+    try:
+        with open(path) as f:
+            model_config = json.load(f)
+    except (OSError, ValueError):  # no local config (a hub id, a remote path) or an unreadable one: a warning only
         return None
-    with open(path) as f:
-        model_config = json.load(f)
+    if not isinstance(model_config, dict):
+        return None
     message = sliding_window_warning(cfg, model_config, max_tokens, check)
     if message is not None:
         logger.warning(message)

@@ -1,6 +1,7 @@
 """The long-row fidelity study's quick mode: a random tiny model samples its rows, every compared method is scored,
 timed against the training step and measured by the library's fidelity metric, a positional control beside them; the
-cache makes a second run resume without recomputing. Structure and bounds are checked, the numbers of a random model mean nothing."""
+cache makes a second run resume without recomputing. Structure and bounds are checked, the numbers of a random model
+mean nothing."""
 
 from __future__ import annotations
 

@@ -43,3 +43,5 @@ def test_a_model_directory_is_read_and_the_warning_logged(tmp_path, caplog):
     assert msg is not None and msg in caplog.text
     assert check_model_sliding_window(OARConfig(), "google/gemma-3-270m", 2048) is None  # remote: not read
     assert check_model_sliding_window(OARConfig(), None, 2048) is None
+    (tmp_path / "config.json").write_text("{not json")  # unreadable: a warning check never stops a start-up
+    assert check_model_sliding_window(OARConfig(), str(tmp_path), 2048) is None
