@@ -279,6 +279,11 @@ def summarise(chunks: list[dict], methods: list[str]) -> dict:
 CONTROLS = {"recency": position_scores}  # the library's positional control: the latest tokens first
 
 
+def chunk_path(out: Path, i: int, methods: list[str]) -> Path:
+    """The cache file of the chunk starting at row ``i`` for this comparison of methods."""
+    return out / f"chunk_{i:04d}_{'-'.join(methods)}.json"
+
+
 def control_result(m: Loaded, rows: list[dict], chunk: dict, name: str, *, operators, draws: int,
                    random_rankings: int, limits: PassLimits, seed: int) -> dict:
     """A control ranking's per-row fidelity (KL measure) on one cached chunk, normalised like the chunk's methods:
@@ -288,12 +293,15 @@ def control_result(m: Loaded, rows: list[dict], chunk: dict, name: str, *, opera
     report = fidelity_report(m.model, batch, {name: CONTROLS[name](batch)}, mask_token_id=m.mask_id,
                              operators=operators, limits=limits, draws=draws, random_rankings=random_rankings,
                              seed=seed)
-    aopc = torch.tensor([[c for c in chunk["stats"][k]["aopc"]] for k in chunk["stats"]], dtype=torch.float64)
+    def stat(key: str) -> torch.Tensor:  # (methods, rows) of the chunk's per-row stats
+        return torch.tensor([v[key] for v in chunk["stats"].values()], dtype=torch.float64)
+
+    aopc = stat("aopc")
     best = torch.nan_to_num(aopc, nan=float("-inf")).amax(0)
     a, r = report.stat(name, "aopc"), report.random_aopc[0]
     # the chunk's own random AOPC, from any method's NAOPC = (a − r)/(b − r) below 1: a check that this run's random
     # rankings are the chunk's
-    n = torch.tensor([[c for c in chunk["stats"][k]["naopc"]] for k in chunk["stats"]], dtype=torch.float64)
+    n = stat("naopc")
     usable = n.isfinite() & (n < 1 - 1e-6)
     r_chunk = torch.where(usable, (aopc - n * best) / (1 - n), float("nan")).nanmean(0)
     return {"aopc": a.tolist(), "random_aopc": r.tolist(), "random_aopc_chunk": r_chunk.tolist(),
@@ -415,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = PassLimits(a.max_tokens)
     n_workers, worker = (int(x) for x in a.workers.split("/"))
     for i in progress(range(0, len(rows), a.chunk), desc=f"fidelity ({a.model})"):
-        path = out / f"chunk_{i:04d}_{'-'.join(methods)}.json"
+        path = chunk_path(out, i, methods)
         if path.exists():
             chunks.append(json.loads(path.read_text()))
             continue
@@ -438,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         controls[name] = []
         for i in range(0, len(rows), a.chunk):
             path = out / f"control_{i:04d}_{name}_{'-'.join(methods)}.json"
-            method_chunk = out / f"chunk_{i:04d}_{'-'.join(methods)}.json"
+            method_chunk = chunk_path(out, i, methods)
             if path.exists():
                 controls[name].append(json.loads(path.read_text()))
             elif method_chunk.exists() and (i // a.chunk) % n_workers == worker:
