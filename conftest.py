@@ -5,10 +5,19 @@ once per session, not once per test."""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+# the development tooling (``devtools/``, not in the wheel) is imported by tests, their subprocesses and Ray workers
+ROOT = str(Path(__file__).resolve().parent)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
 import pytest
 
-from oar_verl.cpu import warm_cache
+from oar_verl.quickstart import warm_cache
 
 
 @pytest.fixture(scope="session", autouse=True)

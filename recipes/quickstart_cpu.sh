@@ -14,4 +14,4 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${OAR_VENV:-$ROOT/.venv}
 bash "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-exec "$VENV/bin/python" -m oar_verl.cpu.quickstart "$@"
+exec "$VENV/bin/python" -m oar_verl.quickstart "$@"

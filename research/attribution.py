@@ -2,7 +2,7 @@
 
 Three tables, measured side by side in one invocation on one random-initialised model (timings need no weights):
 
-1. speed-up over the naive per-sample implementation (the method's reference, ``oar_verl.core.reference``, run with
+1. speed-up over the naive per-sample implementation (the method's reference, ``devtools.reference``, run with
    the official code's structure and its bugs fixed: one Python loop per sample, all R masked copies of a sample in
    one batch with full [R, L, V] logits; OAR-G with a full backward through the parameters), and the largest relative
    difference between our scores and the reference's;
@@ -32,11 +32,11 @@ import torch
 
 from research import REPO
 from research.common import measure, progress
-from oar_verl.core import reference
-from oar_verl.core.budget import PassLimits
-from oar_verl.core.gradient import sequence_seeds
-from oar_verl.core.layout import build_attribution_batch
-from oar_verl.core.probes import ProbeKind
+from devtools import reference
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.methods.gradient import sequence_seeds
+from oar_verl.core.batch.layout import build_attribution_batch
+from oar_verl.core.batch.probes import ProbeKind
 from research.common import oar_p_importance, oar_g_importance
 
 SHAPES = {
@@ -93,7 +93,7 @@ def timed(fn, device: str, repeat: int = 1) -> float:
 
 
 # ------------------------------------------------------------------------------------------ naive baseline
-# The naive baseline is the method's reference (oar_verl.core.reference) run the way the official code runs it: one
+# The naive baseline is the method's reference (devtools.reference) run the way the official code runs it: one
 # sequence at a time, all R masked copies of a sequence in one batch with full [R, L, V] logits; OAR-G with a full
 # J.backward() through every parameter. Its scores are the reference's, so the speed-up table also checks ours.
 def naive_oar_p(model, rows, mask_id: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from oar_verl.core import OARConfig, module_backend, run_attribution
-from oar_verl.cpu.progress import progress  # noqa: F401  (the product's warm start shows the same bars)
+from oar_verl.quickstart.progress import progress  # noqa: F401  (the product's warm start shows the same bars)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The product's methods, in the studies' shorthand (all through oar_verl.core.run_attribution)

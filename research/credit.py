@@ -1,6 +1,6 @@
 """Credit-assignment study: GRPO vs OAR-G vs OAR-P vs token-entropy weighting on the last-digit task, many seeds.
 
-The task (:mod:`oar_verl.cpu.last_digit`) has one decisive reasoning token per response among ~20 free ones, and a
+The task (:mod:`oar_verl.quickstart.last_digit`) has one decisive reasoning token per response among ~20 free ones, and a
 tiny Qwen2 warm-started to ~0.4 success, so GRPO itself learns within the step budget. verl's trainer costs minutes
 of Ray and vLLM start-up per run on CPU, so the seeds run in a minimal GRPO loop here that uses the same pieces as
 the OAR trainer step for everything between the rollouts and the loss:
@@ -8,7 +8,7 @@ the OAR trainer step for everything between the rollouts and the loss:
 * rollouts: temperature-1 sampling with a KV cache (:func:`research.task.sample_ids`), ``rollout_n`` per prompt;
 * base advantage: verl's ``compute_grpo_outcome_advantage`` (through :func:`oar_verl.integration.estimator
   .base_advantage`, as the ``oar`` estimator calls it);
-* attribution: :func:`oar_verl.core.preprocess.prepare_attribution` + :func:`oar_verl.core.attribution
+* attribution: :func:`oar_verl.core.preprocess.prepare_attribution` + :func:`oar_verl.core.methods.attribution
   .run_attribution` on the rows with a non-zero advantage (what the OAR worker runs);
 * reshaping: the ``oar`` estimator's :func:`oar_verl.integration.estimator.compute_oar`;
 * loss: verl's ``compute_policy_loss_vanilla`` with ``seq-mean-token-mean`` (one on-policy update per step: the
@@ -37,9 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oar_verl.cpu import last_digit as credit_task
-from oar_verl.cpu import last_digit_reward
-from oar_verl.cpu.last_digit import validate
+from oar_verl.quickstart import last_digit as credit_task
+from oar_verl.quickstart import last_digit_reward
+from oar_verl.quickstart.last_digit import validate
 from research import REPO, task
 from research.common import bootstrap_ci, finish_figure, nanmean, permutation_p, progress
 
@@ -81,7 +81,7 @@ FULL = Settings(seeds=5, steps=40, prompts_per_step=8, rollout_n=8, lr=3e-4, eva
 
 
 def build_assets(root: Path, s: Settings, *, log) -> dict:
-    """The warm-started model (:func:`oar_verl.cpu.last_digit.warm_start`) under ``root``: its path and numbers."""
+    """The warm-started model (:func:`oar_verl.quickstart.last_digit.warm_start`) under ``root``: its path and numbers."""
     return credit_task.warm_start(root, warm_steps=s.warm_steps, max_new_tokens=s.max_new_tokens, log=log)
 
 
@@ -154,10 +154,10 @@ class Advantages:
 def compute_advantages(method: str, model, tok, r: Rollouts, step: int, algo) -> Advantages:
     """The advantages verl's OAR trainer step gives ``r`` at global step ``step`` (see the module docstring)."""
     import verl  # noqa: F401  (first: importing verl loads the OAR plugin, which imports the estimator module)
-    from oar_verl.core.attribution import module_backend, run_attribution
+    from oar_verl.core.methods.attribution import module_backend, run_attribution
     from oar_verl.core.preprocess import prepare_attribution
-    from oar_verl.core.spans import locate_answer_spans
-    from oar_verl.core.selection import rows_to_reshape, sequence_advantage
+    from oar_verl.core.text.spans import locate_answer_spans
+    from oar_verl.core.batch.selection import rows_to_reshape, sequence_advantage
     from oar_verl.integration.estimator import base_advantage, read_oar_config
 
     b = r.batch
@@ -466,8 +466,8 @@ def verl_check(assets: dict, out: Path, *, log, prompt: tuple[int, int] = (3, 5)
     """One step of verl's real trainer per OAR mode (every training prompt is ``prompt``, so the dumps' rows are
     reconstructible), then this loop's :func:`compute_advantages` on the dumped rollouts; returns the largest
     differences of importance, weights, base and reshaped advantages."""
-    from oar_verl.core.token_bytes import token_byte_table
-    from oar_verl.cpu.launcher import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
+    from oar_verl.core.text.token_bytes import token_byte_table
+    from oar_verl.quickstart.launcher import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
 
     model, tok = load_model(assets["model_dir"])
     table = token_byte_table(tok)

@@ -33,7 +33,7 @@ import torch
 
 from research import common, faithfulness_methods as fm
 from research import fidelity, task
-from oar_verl.core.spans import locate_answer_spans
+from oar_verl.core.text.spans import locate_answer_spans
 
 EXACT_VARIANTS = ("pad", "zero", "delete", "sample")
 

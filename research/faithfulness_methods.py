@@ -6,7 +6,7 @@ ships. The second-order (fisher) estimator was ported: the study runs the produc
 (:func:`research.faithfulness.core_check`), not a prototype.
 
 Every estimator scores the reasoning tokens of one row against the same outcome as OAR: the probe distribution of
-:mod:`oar_verl.core.probes` (``probe_forward``), moved as measured by ``outcome_shift`` (KL(P_clean ‖ P_perturbed)
+:mod:`oar_verl.core.batch.probes` (``probe_forward``), moved as measured by ``outcome_shift`` (KL(P_clean ‖ P_perturbed)
 for the distribution probes used here). Notation: a row is ``L`` tokens, ``H`` the hidden size, ``R`` the reasoning
 positions scored, ``e_t`` the clean input embedding of position t, ``m`` the mask embedding (the embedding of the mask
 token), ``δ_t = m − e_t``.
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from oar_verl.core.backend import frozen_parameters
-from oar_verl.core.probes import ProbeKind, ProbeOutput, ProbeSpec, build_probe_spec, outcome_shift, probe_forward
+from oar_verl.core.backends.base import frozen_parameters
+from oar_verl.core.batch.probes import ProbeKind, ProbeOutput, ProbeSpec, build_probe_spec, outcome_shift, probe_forward
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Part 1, planted causal tokens (the digit-sum task of :mod:`research.task`). A ti
 plain torch, until it states the right sum after a reasoning it is given. On held-out correct responses the reasoning
 tokens are scored by
 
-* **OAR-P** and **OAR-G**, through :func:`oar_verl.core.attribution.response_importance` with the response's own answer
+* **OAR-P** and **OAR-G**, through :func:`oar_verl.core.methods.attribution.response_importance` with the response's own answer
   span (``The answer is N``) as the outcome-probe target (AS-Mean by default; ``--probe``),
 * **token entropy**: the entropy of the model's predictive distribution at each response position (the distribution
   the token was drawn from: the "high-entropy minority tokens" heuristic),
@@ -37,17 +37,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oar_verl.cpu import tiny_assets, tiny_lm, tokenizers, warm_cache
+from oar_verl.quickstart import tiny_assets
+from oar_verl.quickstart import tiny_lm
+from oar_verl.quickstart import tokenizers
+from oar_verl.quickstart import warm_cache
 from research import REPO, task
 from research.common import (mean_sd, overlap_top_frac, recall_at_k, rows_of, smollm2_path, spearman,
                              top_k)
 from research.common import measure
 from research.common import progress
-from oar_verl.core.attribution import response_importance
+from oar_verl.core.methods.attribution import response_importance
 from oar_verl.core.config import OARConfig
-from oar_verl.core.gating import oar_token_weights
-from oar_verl.core.gradient import sequence_seeds
-from oar_verl.core.spans import locate_answer_spans
+from oar_verl.core.reshaping.gating import oar_token_weights
+from oar_verl.core.methods.gradient import sequence_seeds
+from oar_verl.core.text.spans import locate_answer_spans
 
 
 @dataclass

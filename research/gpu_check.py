@@ -43,10 +43,10 @@ import torch
 from research import REPO, long_reasoning, scaling
 from research.common import measure
 from research.common import progress
-from oar_verl.core.budget import PassLimits
-from oar_verl.core.backend_hf import ModuleBackend
-from oar_verl.core.fisher import fisher
-from oar_verl.core.gradient import sequence_seeds
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.backends.hf import ModuleBackend
+from oar_verl.core.methods.fisher import fisher
+from oar_verl.core.methods.gradient import sequence_seeds
 from research.common import oar_p_importance, oar_g_importance, fisher_importance
 
 SHAPES = ("qwen2.5-1.5b", "qwen2.5-7b")

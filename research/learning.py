@@ -3,7 +3,7 @@
 One tiny Qwen2 is warm-started in plain torch on the digit-sum task of :mod:`research.task` (a brief supervised run:
 it learns the answer format and gets part of the sums right, so GRPO groups have mixed rewards). Every run starts from
 that same checkpoint and trains with ``python -m oar_verl.main`` (verl 0.9.1's V1 trainer, FSDP2 actor, vLLM-CPU
-rollouts, launched by :func:`oar_verl.cpu.launcher.run_main_ppo`):
+rollouts, launched by :func:`oar_verl.quickstart.launcher.run_main_ppo`):
 
 * ``grpo``:  ``algorithm.adv_estimator=grpo`` (plain verl on the same entry point),
 * ``oar_g``: ``algorithm.adv_estimator=oar algorithm.oar.mode=gradient``,
@@ -36,11 +36,14 @@ from pathlib import Path
 
 import numpy as np
 
-from oar_verl.cpu import tiny_assets, tiny_lm, tokenizers, warm_cache
+from oar_verl.quickstart import tiny_assets
+from oar_verl.quickstart import tiny_lm
+from oar_verl.quickstart import tokenizers
+from oar_verl.quickstart import warm_cache
 from research import REPO, digit_sum_reward, task
 from research.common import finish_figure, nanmean, permutation_p
 from research.common import progress
-from oar_verl.cpu.launcher import (cpu_env, main_ppo_overrides, new_ray_temp_dir, read_metrics,
+from oar_verl.quickstart.launcher import (cpu_env, main_ppo_overrides, new_ray_temp_dir, read_metrics,
                                           run_main_ppo)
 
 PROJECT = "oar_learning"

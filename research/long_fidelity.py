@@ -11,13 +11,13 @@ fidelity are cached per chunk in ``--out``, so an interrupted run resumes where 
 
 Methods (``--methods``), each through the product's ``run_attribution`` on the module backend, timed against one
 training forward+backward on the same rows: OAR-G (K = 1), ``fisher`` (K = 1; K = 4), OAR-P ``segment`` and
-``hierarchical`` (refine share 0.1). Fidelity: the library metric :func:`oar_verl.core.fidelity.fidelity_report`
+``hierarchical`` (refine share 0.1). Fidelity: the library metric :func:`oar_verl.core.fidelity.metric.fidelity_report`
 (deletion curves over f ∈ {1, 2, 5, 10, 20} % with the mask, zero, delete and resample operators; NAOPC against
 ``--random`` random rankings and the best of the methods on each row; suppression S; mass on target), paired
 bootstrap intervals over rows.
 
 Controls (``--controls recency``): the library's positional ranking
-(:func:`oar_verl.core.fidelity.position_scores`, the latest tokens first), measured per cached chunk and normalised by
+(:func:`oar_verl.core.fidelity.metric.position_scores`, the latest tokens first), measured per cached chunk and normalised by
 that chunk's own random ranking and best method.
 
 What it cannot show: the "best" ranking is the best of the methods compared (exact leave-one-out rankings, R forwards
@@ -45,8 +45,8 @@ import numpy as np
 import torch
 
 from oar_verl.core import OARConfig, module_backend, run_attribution
-from oar_verl.core.budget import PassLimits
-from oar_verl.core.fidelity import bootstrap_mean, default_min_gap, fidelity_report, naopc, position_scores
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.fidelity.metric import bootstrap_mean, default_min_gap, fidelity_report, naopc, position_scores
 from oar_verl.core.preprocess import prepare_attribution
 from research import REPO
 from research.common import measure, progress, smollm2_path
@@ -113,7 +113,7 @@ def load(name: str) -> Loaded:
     if name == "tiny":  # the quick mode: a random tiny Qwen2 on the quickstart's 400-token BPE
         import tempfile
 
-        from oar_verl.cpu import tiny_assets
+        from oar_verl.quickstart import tiny_assets
 
         tok = tiny_assets.build_tokenizer()
         with tempfile.TemporaryDirectory() as d:
@@ -336,8 +336,8 @@ def gating_sweep(chunks: list[dict], methods: list[str], gates: list[tuple[float
     ``target_fraction`` (the best method by KL NAOPC on that row), mean and paired-bootstrap interval over rows; and
     ``ceiling``: the share if the gate had the best ranking itself (what the gate allows at that setting).
     """
-    from oar_verl.core.fidelity import mass_on_target, ranks_from_scores, top_removal
-    from oar_verl.core.gating import oar_token_weights
+    from oar_verl.core.fidelity.metric import mass_on_target, ranks_from_scores, top_removal
+    from oar_verl.core.reshaping.gating import oar_token_weights
 
     scores = {n: _padded([row for c in chunks for row in c["scores"][n]]) for n in methods}
     reasoning = scores[methods[0]][1]

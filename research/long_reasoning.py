@@ -43,15 +43,15 @@ import torch
 from research import common, REPO, fidelity, scaling, task
 from research.common import measure
 from research.common import progress
-from oar_verl.core.attribution import AttributionResult, module_backend, run_attribution
-from oar_verl.core.budget import PassLimits
+from oar_verl.core.methods.attribution import AttributionResult, module_backend, run_attribution
+from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.config import OARConfig
-from oar_verl.core.policies import refined_segments, segment_table, token_blocks
-from oar_verl.core.layout import build_attribution_batch, with_segments
-from oar_verl.core.perturbation import block_copies
-from oar_verl.core.probes import ProbeKind
-from oar_verl.core.segments import reasoning_segments
-from oar_verl.core.spans import locate_answer_spans
+from oar_verl.core.methods.policies import refined_segments, segment_table, token_blocks
+from oar_verl.core.batch.layout import build_attribution_batch, with_segments
+from oar_verl.core.methods.perturbation import block_copies
+from oar_verl.core.batch.probes import ProbeKind
+from oar_verl.core.text.segments import reasoning_segments
+from oar_verl.core.text.spans import locate_answer_spans
 from research.common import oar_p_importance
 
 SHARES = (0.05, 0.1, 0.2)  # hierarchical refine shares compared
@@ -169,7 +169,7 @@ def segmentation(spec: str) -> tuple[str, int, int]:
 def real_text_part(n: int, steps: int, splits: list[str], quick: bool, out: Path, log) -> dict:
     rng = random.Random(0)
     if quick:
-        from oar_verl.cpu.tokenizers import qwen25_tokenizer
+        from oar_verl.quickstart.tokenizers import qwen25_tokenizer
 
         tok = qwen25_tokenizer()
         model = scaling.build_model("cpu-quick", "cpu", torch.float32)
@@ -270,7 +270,7 @@ def _digit_sum_model(out: Path, s, n_eval: int, reuse: bool, log):
 
 def text_segments(length: int, spec: str) -> torch.Tensor:
     """(1, length) segment ids of the first ``length`` tokens of GSM-style text (Qwen2.5 tokenizer)."""
-    from oar_verl.cpu.tokenizers import qwen25_tokenizer
+    from oar_verl.quickstart.tokenizers import qwen25_tokenizer
 
     tok = qwen25_tokenizer()
     rng, ids = random.Random(length), []

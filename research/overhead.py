@@ -10,7 +10,7 @@ usage: python -m research.overhead [--steps 8] [--rollout-n 4] [--batch 8] [--tr
                                     [--out outputs/benchmarks]
 
 ``--fidelity`` measures instead, in this process and side by side on the same rows of one model, the fidelity metric
-logged while training (:func:`oar_verl.core.fidelity_step.step_fidelity`: ``fidelity_rows`` rows of the rank's batch)
+logged while training (:func:`oar_verl.core.fidelity.step.step_fidelity`: ``fidelity_rows`` rows of the rank's batch)
 against one training forward+backward over the rank's batch (full logits, parameter gradients) and against the
 attribution of that batch (OAR-G, OAR-P), and prints its share of a step when logged every ``--every`` steps (the step
 counted as the fwd+bwd plus the attribution only, no rollout and one PPO epoch: an upper bound on the share):
@@ -29,9 +29,9 @@ import sys
 from datetime import date
 from pathlib import Path
 
-from oar_verl.cpu.launcher import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
-from oar_verl.cpu import arith_reward
-from oar_verl.cpu.tiny_assets import build_tiny_assets
+from oar_verl.quickstart.launcher import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
+from oar_verl.quickstart import arith_reward
+from oar_verl.quickstart.tiny_assets import build_tiny_assets
 
 METHODS = {
     "GRPO": ["algorithm.adv_estimator=grpo"],
@@ -49,11 +49,11 @@ def fidelity_share(args) -> dict:
     """Seconds of the in-step fidelity metric, one training fwd+bwd and the attribution, on the same rows."""
     import torch
 
-    from oar_verl.core.budget import PassLimits
+    from oar_verl.core.backends.budget import PassLimits
     from oar_verl.core.config import OARConfig
-    from oar_verl.core.fidelity import default_min_gap
-    from oar_verl.core.fidelity_step import RANDOM_RANKINGS, step_fidelity
-    from oar_verl.core.gradient import sequence_seeds
+    from oar_verl.core.fidelity.metric import default_min_gap
+    from oar_verl.core.fidelity.step import RANDOM_RANKINGS, step_fidelity
+    from oar_verl.core.methods.gradient import sequence_seeds
     from research.attribution import build_model, make_batch, sync, timed
     from research.common import oar_g_importance, oar_p_importance
 
@@ -77,7 +77,7 @@ def fidelity_share(args) -> dict:
     t_g = timed(lambda: oar_g_importance(model, batch, 1e-3, seeds, limits), args.device)
     t_p = timed(lambda: oar_p_importance(model, batch, 0, limits), args.device) if args.with_oar_p else float("nan")
     cfg = OARConfig(fidelity_every=1, fidelity_rows=args.fidelity_rows)
-    from oar_verl.core.attribution import module_backend
+    from oar_verl.core.methods.attribution import module_backend
 
     def fidelity():
         with torch.no_grad():

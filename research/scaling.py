@@ -10,7 +10,7 @@ random-initialised model, the same rows and the same token budget (one training 
   too long (``--oar-p-sample``), it runs a sample of its passes spread over the sequence -- the first, which recomputes
   the longest suffix and so holds the most, one in the middle and the last -- and its total time is extrapolated from
   the measured time per recomputed token times the recomputed tokens of all passes (the peak is measured);
-* **model**: what the cost model of ``oar_verl.core.memory`` predicts for each pass, to check it against the points.
+* **model**: what the cost model of ``oar_verl.core.backends.memory`` predicts for each pass, to check it against the points.
 
 CPU memory is the peak resident-memory rise of the process over its state after building the model and inputs
 (sampled every 2 ms); on CUDA it is ``max_memory_allocated`` over the same baseline. Parameter gradients are part
@@ -38,11 +38,11 @@ import torch
 from research import REPO
 from research.common import measure
 from research.common import progress
-from oar_verl.core.budget import PassLimits
-from oar_verl.core.gradient import sequence_seeds
-from oar_verl.core.layout import build_attribution_batch
-from oar_verl.core.memory import ModelShape, PassKind, pass_bytes
-from oar_verl.core.probes import ProbeKind
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.methods.gradient import sequence_seeds
+from oar_verl.core.batch.layout import build_attribution_batch
+from oar_verl.core.backends.memory import ModelShape, PassKind, pass_bytes
+from oar_verl.core.batch.probes import ProbeKind
 from research.common import oar_p_importance, oar_g_importance, fisher_importance
 
 SHAPES = {

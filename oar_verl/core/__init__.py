@@ -22,16 +22,16 @@ Public API: :func:`run_attribution` on a backend (:func:`module_backend` of a Hu
 :func:`response_importance` on verl's padded layout; :func:`reshape_advantages` turns importance into advantages.
 """
 
-from oar_verl.core.attribution import module_backend, probe_kinds, response_importance, run_attribution
+from oar_verl.core.methods.attribution import module_backend, probe_kinds, response_importance, run_attribution
 from oar_verl.core.config import OARConfig, OARConfigError
-from oar_verl.core.gating import TokenWeights, oar_token_weights
-from oar_verl.core.gradient import sequence_seeds
-from oar_verl.core.layout import AttributionBatch, build_attribution_batch
-from oar_verl.core.methods import AttributionResult
-from oar_verl.core.metrics import oar_metrics
+from oar_verl.core.reshaping.gating import TokenWeights, oar_token_weights
+from oar_verl.core.methods.gradient import sequence_seeds
+from oar_verl.core.batch.layout import AttributionBatch, build_attribution_batch
+from oar_verl.core.methods.contract import AttributionResult
+from oar_verl.core.reshaping.metrics import oar_metrics
 from oar_verl.core.preprocess import PreparedAttribution, prepare_attribution
-from oar_verl.core.probes import ProbeKind
-from oar_verl.core.reshape import Reshaped, attribution_rows, reshape_advantages
+from oar_verl.core.batch.probes import ProbeKind
+from oar_verl.core.reshaping.reshape import Reshaped, attribution_rows, reshape_advantages
 
 __all__ = [
     "AttributionBatch", "AttributionResult", "OARConfig", "OARConfigError", "PreparedAttribution", "ProbeKind",

@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from oar_verl.core.answer_patterns import BUILTIN_PATTERNS, compile_answer_pattern
-from oar_verl.core.mask_operator import DEFAULT_MASK, MASK_OPERATORS
-from oar_verl.core.policies import POLICIES as PERTURBATION_POLICIES
-from oar_verl.core.segments import SEGMENT_SPLITS, compile_segment_split
+from oar_verl.core.text.answer_patterns import BUILTIN_PATTERNS, compile_answer_pattern
+from oar_verl.core.methods.mask_operator import DEFAULT_MASK, MASK_OPERATORS
+from oar_verl.core.methods.policies import POLICIES as PERTURBATION_POLICIES
+from oar_verl.core.text.segments import SEGMENT_SPLITS, compile_segment_split
 
 MODES = ("gradient", "perturbation", "fisher")
 PROBES = ("auto", "lt_logits", "as_mean", "as_joint")
@@ -42,7 +42,7 @@ GROUPS = ("method", "gating", "probe", "OAR-G noise", "OAR-P cost", "budgets", "
 
 def _key(default: Any, group: str, help: str) -> Any:  # noqa: A002  (TRL's name for the same metadata)
     """A configuration key: its default plus the help text and group that docs/config.md and the YAML comments are
-    generated from (``python -m oar_verl.core.config_doc``)."""
+    generated from (``python -m devtools.config_doc``)."""
     if group not in GROUPS:
         raise ValueError(f"unknown config group {group!r}; one of {GROUPS}")
     return field(default=default, metadata={"group": group, "help": help})

@@ -12,26 +12,26 @@ from dataclasses import dataclass
 
 import torch
 
-from oar_verl.core.attribution import METHODS, probe_kinds
+from oar_verl.core.methods.attribution import METHODS, probe_kinds
 from oar_verl.core.config import OARConfig
-from oar_verl.core.gradient import sequence_seeds
-from oar_verl.core.layout import AttributionBatch, build_attribution_batch, build_reference_responses, with_segments
-from oar_verl.core.mask_token import check_mask_token
-from oar_verl.core.segments import reasoning_segments
-from oar_verl.core.spans import AnswerSpans, locate_answer_spans
+from oar_verl.core.methods.gradient import sequence_seeds
+from oar_verl.core.batch.layout import AttributionBatch, build_attribution_batch, build_reference_responses, with_segments
+from oar_verl.core.checks.mask_token import check_mask_token
+from oar_verl.core.text.segments import reasoning_segments
+from oar_verl.core.text.spans import AnswerSpans, locate_answer_spans
 
 __all__ = ["PreparedAttribution", "pad_rows", "prepare_attribution", "row_fingerprints"]
 
 
 @dataclass(frozen=True)
 class PreparedAttribution:
-    """A batch of rows ready for :func:`oar_verl.core.attribution.run_attribution`.
+    """A batch of rows ready for :func:`oar_verl.core.methods.attribution.run_attribution`.
 
     Attributes:
         batch: AttributionBatch (B, L): each prompt followed by its response, or with ``target=reference`` by the
             response's reasoning + the conclusion text + the ground-truth answer.
         seeds: (B,) int64 OAR-G noise seeds, from (seed, step, the row's content).
-        mask_token_id: the replacement token of ``mask=pad`` / ``mask=token`` (:func:`oar_verl.core.mask_token.
+        mask_token_id: the replacement token of ``mask=pad`` / ``mask=token`` (:func:`oar_verl.core.checks.mask_token.
             check_mask_token`); None with the other operators.
         spans: AnswerSpans (B, T) of the responses themselves (what the estimator reshapes and the dumps show).
         response_lengths: (B,) tokens of each response.
@@ -113,7 +113,7 @@ def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[tor
     Raises:
         ValueError: ``target=reference`` without one ground truth per row.
         OARConfigError: ``mask=pad`` / ``mask=token`` with an unsafe token (an EOS, end-of-turn or other special
-            token; :func:`oar_verl.core.mask_token.unsafe_mask_reason`).
+            token; :func:`oar_verl.core.checks.mask_token.unsafe_mask_reason`).
     """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     prompt_ids, prompt_mask = pad_rows(prompts, pad_id, left=True)

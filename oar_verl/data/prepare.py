@@ -89,7 +89,7 @@ def gsm8k_ground_truth(answer: str) -> str | None:
 def extract_boxed(solution: str) -> str | None:
     """Content of the last complete ``\\boxed{…}`` / ``\\fbox{…}`` (balanced braces), or ``\\boxed N`` without
     braces; None if there is none. Uses the trainer's own span finder, so "the answer" means the same thing here."""
-    from oar_verl.core.answer_patterns import find_answer_span
+    from oar_verl.core.text.answer_patterns import find_answer_span
 
     raw = solution.encode("utf-8")
     span = find_answer_span(raw, ("boxed",))

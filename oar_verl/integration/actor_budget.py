@@ -9,7 +9,7 @@ own budgets are (docs/verl.md).
 
 from __future__ import annotations
 
-from oar_verl.core.attribution import METHODS
+from oar_verl.core.methods.attribution import METHODS
 from oar_verl.core.config import OARConfig
 
 

@@ -1,4 +1,4 @@
-"""verl's actor engines as attribution backends (:mod:`oar_verl.core.backend`), registered by verl's actor strategy
+"""verl's actor engines as attribution backends (:mod:`oar_verl.core.backends.base`), registered by verl's actor strategy
 (``actor_rollout_ref.actor.strategy``, the key verl's own ``EngineRegistry`` selects engines by): the worker runs
 every method the same way on FSDP, FSDP + Ulysses and Megatron, and start-up refuses a strategy nobody registered."""
 
@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from oar_verl.core.attribution import module_backend, pass_limits
-from oar_verl.core.backend import AttributionBackend
-from oar_verl.core.backend_ulysses import SequenceShards
+from oar_verl.core.methods.attribution import module_backend, pass_limits
+from oar_verl.core.backends.base import AttributionBackend
+from oar_verl.core.backends.ulysses import SequenceShards
 from oar_verl.core.config import OARConfig
-from oar_verl.core.memory import memory_guard, model_shape
+from oar_verl.core.backends.memory import memory_guard, model_shape
 from oar_verl.core.registry import Registry
 
 

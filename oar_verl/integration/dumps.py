@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from oar_verl.core.config import OARConfig
-from oar_verl.core.selection import sequence_advantage
-from oar_verl.core.token_bytes import token_byte_table
+from oar_verl.core.batch.selection import sequence_advantage
+from oar_verl.core.text.token_bytes import token_byte_table
 
 
 def due(cfg: OARConfig, step: int) -> bool:

@@ -15,7 +15,7 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.core_algos import register_adv_est
 
 from oar_verl.core.config import OARConfig
-from oar_verl.core.reshape import Reshaped, reshape_advantages
+from oar_verl.core.reshaping.reshape import Reshaped, reshape_advantages
 from oar_verl.integration import handoff
 
 ESTIMATOR_NAME = "oar"
@@ -87,7 +87,7 @@ def compute_oar(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, 
         **kwargs: any further arguments verl passes estimators (given to the base estimator).
 
     Returns:
-        Reshaped (:func:`oar_verl.core.reshape.reshape_advantages`). Rows with zero base advantage, rows excluded by ``apply_to`` and rows with non-finite importance
+        Reshaped (:func:`oar_verl.core.reshaping.reshape.reshape_advantages`). Rows with zero base advantage, rows excluded by ``apply_to`` and rows with non-finite importance
         keep their base advantage unchanged.
     """
     cfg = read_oar_config(config)

@@ -7,7 +7,7 @@ CONFIG_KEY = "oar_config"
 STEP_KEY = "oar_global_step"
 GROUND_TRUTH_KEY = "oar_ground_truth"
 
-# the step's fidelity measurement (oar_verl.core.fidelity_step.step_fidelity), per row as oar_fidelity_<name>: NaN
+# the step's fidelity measurement (oar_verl.core.fidelity.step.step_fidelity), per row as oar_fidelity_<name>: NaN
 # on rows not measured and on steps not due; ``seconds`` is the rank's time measuring
 FIDELITY_FIELDS = ("aopc", "aopc_random", "suppression", "seconds")
 

@@ -65,7 +65,7 @@ class Scope:
     """An open handoff: the step's inputs in, the estimator's result out."""
 
     inputs: EstimatorInputs
-    result: Any = None  # oar_verl.core.reshape.Reshaped, once the estimator ran
+    result: Any = None  # oar_verl.core.reshaping.reshape.Reshaped, once the estimator ran
     taken: bool = False
 
     def take(self, response_mask: torch.Tensor) -> EstimatorInputs:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from oar_verl.core.config import OARConfig, OARConfigError
-from oar_verl.core.mask_token import check_model_mask_token
-from oar_verl.core.sliding_window import check_model_sliding_window
+from oar_verl.core.checks.mask_token import check_model_mask_token
+from oar_verl.core.checks.sliding_window import check_model_sliding_window
 from oar_verl.integration.backends import ENGINE_BACKENDS
 from oar_verl.integration.estimator import OARSetupError, read_oar_config
 
@@ -54,7 +54,7 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
 def warn_sliding_window(cfg: OARConfig, config: DictConfig) -> str | None:
     """Warn (logged, returned) of a gradient method (``mode=gradient|fisher``) on a local model whose attention
     layers slide, with rows (``data.max_prompt_length`` + ``data.max_response_length``) longer than the window
-    (:mod:`oar_verl.core.sliding_window`)."""
+    (:mod:`oar_verl.core.checks.sliding_window`)."""
     data = config.get("data", None) or {}
     lengths = [data.get(k, None) for k in ("max_prompt_length", "max_response_length")]
     total = sum(int(n) for n in lengths) if all(n is not None for n in lengths) else None
@@ -65,7 +65,7 @@ def warn_sliding_window(cfg: OARConfig, config: DictConfig) -> str | None:
 def validate_mask_token(cfg: OARConfig, config: DictConfig, tokenizer=None) -> int | None:
     """Refuse an unsafe OAR-P / fisher mask token (``mask=pad`` / ``mask=token``) before the first rollout: an EOS of
     the tokenizer or of the model's generation config, a token of the chat template, another special token
-    (:func:`oar_verl.core.mask_token.unsafe_mask_reason`). ``tokenizer``: the trainer's own; None loads it from a local
+    (:func:`oar_verl.core.checks.mask_token.unsafe_mask_reason`). ``tokenizer``: the trainer's own; None loads it from a local
     ``actor_rollout_ref.model`` path (a remote one is checked once the trainer has its tokenizer)."""
     model = config.actor_rollout_ref.get("model", None) or {}
     return check_model_mask_token(cfg, model.get("path", None), tokenizer,

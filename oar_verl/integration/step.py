@@ -39,9 +39,9 @@ import torch
 from verl.utils.profiler import marked_timer
 
 from oar_verl.core.config import OARConfig
-from oar_verl.core.fidelity_step import due as fidelity_due
-from oar_verl.core.fidelity_step import step_metrics
-from oar_verl.core.reshape import attribution_rows
+from oar_verl.core.fidelity.step import due as fidelity_due
+from oar_verl.core.fidelity.step import step_metrics
+from oar_verl.core.reshaping.reshape import attribution_rows
 from oar_verl.integration import dumps, handoff
 from oar_verl.integration.estimator import base_advantage
 from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY

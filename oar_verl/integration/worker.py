@@ -22,15 +22,15 @@ from verl.utils import tensordict_utils as tu
 from verl.experimental.separation.engine_workers import DetachActorWorker
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from oar_verl.core.attribution import run_attribution
+from oar_verl.core.methods.attribution import run_attribution
 from oar_verl.core.config import OARConfig
-from oar_verl.core.fidelity import default_min_gap
-from oar_verl.core.fidelity_step import due, step_fidelity
-from oar_verl.core.mask_operator import mask_replacement
+from oar_verl.core.fidelity.metric import default_min_gap
+from oar_verl.core.fidelity.step import due, step_fidelity
+from oar_verl.core.methods.mask_operator import mask_replacement
 from oar_verl.core.preprocess import prepare_attribution
 from oar_verl.integration.actor_budget import actor_token_budget
 from oar_verl.integration.backends import ENGINE_BACKENDS
-from oar_verl.core.collectives import max_over_ranks
+from oar_verl.core.backends.collectives import max_over_ranks
 from oar_verl.integration.fields import CONFIG_KEY, FIDELITY_FIELDS, GROUND_TRUTH_KEY, STEP_KEY
 
 logger = logging.getLogger("oar_verl")

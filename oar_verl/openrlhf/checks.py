@@ -89,10 +89,10 @@ def check_policy_loss(args) -> None:
 def check_mask_token_flags(args, cfg) -> None:
     """Refuse an unsafe OAR-P / fisher mask token (``--oar.mask=pad|token``: an EOS of the policy's tokenizer or
     generation config, a chat-template token, another special token), naming the flag and how to override
-    (:func:`oar_verl.core.mask_token.check_model_mask_token`; a policy path that is not a local directory is checked
+    (:func:`oar_verl.core.checks.mask_token.check_model_mask_token`; a policy path that is not a local directory is checked
     at the first step)."""
     from oar_verl.core.config import OARConfigError
-    from oar_verl.core.mask_token import check_model_mask_token
+    from oar_verl.core.checks.mask_token import check_model_mask_token
 
     actor = getattr(args, "actor", None)
     try:
@@ -104,13 +104,13 @@ def check_mask_token_flags(args, cfg) -> None:
 
 def warn_sliding_window_flags(args, cfg) -> str | None:
     """Warn (logged, returned) of ``--oar.mode=gradient|fisher`` on a local policy whose attention layers slide, with
-    rows (``--data.max_len``) longer than the window (:mod:`oar_verl.core.sliding_window`)."""
-    from oar_verl.core.sliding_window import check_model_sliding_window
+    rows (``--data.max_len``) longer than the window (:mod:`oar_verl.core.checks.sliding_window`)."""
+    from oar_verl.core.checks.sliding_window import check_model_sliding_window
 
     max_len = getattr(getattr(args, "data", None), "max_len", None)
     return check_model_sliding_window(cfg, getattr(getattr(args, "actor", None), "model_name_or_path", None),
                                       None if max_len is None else int(max_len),
-                                      check="oar_verl.core.fidelity.fidelity_report on a few rollouts "
+                                      check="oar_verl.core.fidelity.metric.fidelity_report on a few rollouts "
                                             "(docs/fidelity.md)")
 
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from oar_verl.core.attribution import module_backend, pass_limits, run_attribution
-from oar_verl.core.collectives import max_over_ranks
+from oar_verl.core.methods.attribution import module_backend, pass_limits, run_attribution
+from oar_verl.core.backends.collectives import max_over_ranks
 from oar_verl.core.config import OARConfig
-from oar_verl.core.gating import TokenWeights
+from oar_verl.core.reshaping.gating import TokenWeights
 from oar_verl.core.preprocess import prepare_attribution
-from oar_verl.core.reshape import attribution_rows, reshape_advantages
+from oar_verl.core.reshaping.reshape import attribution_rows, reshape_advantages
 
 __all__ = ["ItemRows", "assign_reshaped", "item_rows", "reshape_replay_buffer"]
 
@@ -90,7 +90,7 @@ def _reduce_metrics(metrics: dict[str, float], counts: dict[str, float], device:
     by the rows they are fractions of, row/token statistics weighted by reshaped rows, min/max as min/max.
 
     Args:
-        metrics: this rank's :meth:`oar_verl.core.reshape.Reshaped.metrics` (same keys on every rank).
+        metrics: this rank's :meth:`oar_verl.core.reshaping.reshape.Reshaped.metrics` (same keys on every rank).
         counts: this rank's ``items``, ``attributed`` and ``reshaped`` row counts.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

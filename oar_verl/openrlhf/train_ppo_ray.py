@@ -39,7 +39,7 @@ UNSUPPORTED = {"dump_every": "token dumps are written by the verl trainer only; 
                "dump_dir": "token dumps are written by the verl trainer only",
                "base_estimator": "the base advantage is OpenRLHF's own --algo.advantage.estimator",
                "fidelity_every": "the fidelity logged while training is measured by the verl trainer only (the offline "
-                                 "oar_verl.core.fidelity.fidelity_report works on any Hugging Face model); keep "
+                                 "oar_verl.core.fidelity.metric.fidelity_report works on any Hugging Face model); keep "
                                  "--oar.fidelity_every=0",
                "fidelity_rows": "the fidelity logged while training is measured by the verl trainer only"}
 # keys whose "off" value is accepted: an explicit never

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from oar_verl.cpu.tokenizers import qwen25_tokenizer as qwen25_tokenizer_of_wheel
-from oar_verl.cpu.tokenizers import train_tiny_bpe
+from oar_verl.quickstart.tokenizers import qwen25_tokenizer as qwen25_tokenizer_of_wheel
+from oar_verl.quickstart.tokenizers import train_tiny_bpe
 
 
 VOCAB = 97

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from oar_verl.core import OARConfig, module_backend, run_attribution
-from oar_verl.core.backend import plan_draws
-from oar_verl.core.backend_hf import ModuleBackend
-from oar_verl.core.fisher import fisher_plan
-from oar_verl.core.memory import PassKind
-from oar_verl.core.perturbation import mask_blocks, oar_p_passes
+from oar_verl.core.backends.base import plan_draws
+from oar_verl.core.backends.hf import ModuleBackend
+from oar_verl.core.methods.fisher import fisher_plan
+from oar_verl.core.backends.memory import PassKind
+from oar_verl.core.methods.perturbation import mask_blocks, oar_p_passes
 
 
 def run_p(model, batch, mask_token_id: int, limits, *, prefix_cache: bool = True, mask_span: int = 1,
@@ -55,10 +55,10 @@ def count_passes(batch, cfg: OARConfig, limits, shards=None) -> int:
 
 
 def fidelity_of(backend, batch, mask_token_id: int = 0) -> torch.Tensor:
-    """(4, B) :data:`oar_verl.core.fidelity_step.FIELDS` of the in-step fidelity metric of a fixed random ranking (a
+    """(4, B) :data:`oar_verl.core.fidelity.step.FIELDS` of the in-step fidelity metric of a fixed random ranking (a
     function of the local row index and the columns) on any backend, its removal sets run as masked copies."""
-    from oar_verl.core.backend import Replacement
-    from oar_verl.core.fidelity_step import FIELDS, deletion_metrics
+    from oar_verl.core.backends.base import Replacement
+    from oar_verl.core.fidelity.step import FIELDS, deletion_metrics
 
     scores = torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     got = deletion_metrics(backend, batch, scores, replacement=Replacement(token=mask_token_id), fractions=(0.2, 0.5),

@@ -14,17 +14,17 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from oar_verl.core.budget import PassLimits
-from oar_verl.core.gradient import sequence_seeds
-from oar_verl.core.layout import build_attribution_batch
-from oar_verl.core.probes import ProbeKind
-from oar_verl.core.backend_ulysses import SequenceShards, UlyssesBackend
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.methods.gradient import sequence_seeds
+from oar_verl.core.batch.layout import build_attribution_batch
+from oar_verl.core.batch.probes import ProbeKind
+from oar_verl.core.backends.ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.config import OARConfig
-from oar_verl.core.fisher import fisher
-from oar_verl.core.gradient import oar_g
-from oar_verl.core.mask_operator import mask_replacement
-from oar_verl.core.perturbation import mask_blocks, oar_p
-from oar_verl.cpu import ulysses_attention
+from oar_verl.core.methods.fisher import fisher
+from oar_verl.core.methods.gradient import oar_g
+from oar_verl.core.methods.mask_operator import mask_replacement
+from oar_verl.core.methods.perturbation import mask_blocks, oar_p
+from devtools import ulysses_attention
 from oar_helpers import count_passes, fidelity_of
 
 

@@ -1,4 +1,4 @@
-"""OAR-P and OAR-G fast paths against the per-sequence, per-position reference of oar_verl.core.reference."""
+"""OAR-P and OAR-G fast paths against the per-sequence, per-position reference of devtools.reference."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from oar_verl.core import OARConfig, response_importance
-from oar_verl.core import reference
-from oar_verl.core.budget import PassLimits
-from oar_verl.core.gradient import sequence_seeds
-from oar_verl.core.layout import build_attribution_batch
-from oar_verl.core.probes import ProbeKind
+from devtools import reference
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.methods.gradient import sequence_seeds
+from oar_verl.core.batch.layout import build_attribution_batch
+from oar_verl.core.batch.probes import ProbeKind
 from oar_helpers import run_p, run_g, count_p, count_g
 
 LT_LOGITS, AS_MEAN, AS_JOINT = ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT
@@ -204,7 +204,7 @@ def test_reference_oar_p_batching_and_parameter_backward_give_the_same_scores(lm
 
 
 def test_reference_token_weights_match_the_gate():
-    from oar_verl.core.gating import oar_token_weights
+    from oar_verl.core.reshaping.gating import oar_token_weights
 
     g = torch.Generator().manual_seed(3)
     imp = torch.rand(4, 9, generator=g, dtype=torch.float64) * 3
@@ -235,7 +235,7 @@ def test_core_entry_points_default_to_the_workers_safe_settings(lm64, make_batch
         assert calls == [False, True, True]  # teacher, student, the student's recomputation in the backward
     finally:
         del mlp.forward
-    from oar_verl.core.attribution import DEFAULT_MAX_TOKENS, pass_limits
+    from oar_verl.core.methods.attribution import DEFAULT_MAX_TOKENS, pass_limits
 
     assert pass_limits(cfg).tokens == DEFAULT_MAX_TOKENS  # a token budget, not a row count
     kinds = torch.full((3,), int(ProbeKind.AS_MEAN))

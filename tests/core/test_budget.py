@@ -1,4 +1,4 @@
-"""Token budgets (oar_verl.core.budget): packing invariants, budget-invariant scores, the memory guard, and OAR-G
+"""Token budgets (oar_verl.core.backends.budget): packing invariants, budget-invariant scores, the memory guard, and OAR-G
 under gradient checkpointing with eval numerics."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oar_verl.core import budget
-from oar_verl.core.budget import AttributionMemoryError, PassLimits, pack_copies, pack_rows, row_spans
-from oar_verl.core.gradient import sequence_seeds
-from oar_verl.core.layout import build_attribution_batch
-from oar_verl.core.memory import PassKind
-from oar_verl.core.perturbation import masked_copies
-from oar_verl.core.probes import ProbeKind
+from oar_verl.core.backends import budget
+from oar_verl.core.backends.budget import AttributionMemoryError, PassLimits, pack_copies, pack_rows, row_spans
+from oar_verl.core.methods.gradient import sequence_seeds
+from oar_verl.core.batch.layout import build_attribution_batch
+from oar_verl.core.backends.memory import PassKind
+from oar_verl.core.methods.perturbation import masked_copies
+from oar_verl.core.batch.probes import ProbeKind
 from oar_helpers import run_p, run_g, count_p, count_g
 
 MASK = 0
@@ -192,7 +192,7 @@ def test_checkpointing_follows_a_model_that_enabled_it(make_batch):
 
 
 def test_cost_model_orders_the_passes_and_the_guard_is_off_without_an_accelerator(lm64):
-    from oar_verl.core.memory import ModelShape, PassKind, memory_guard, model_shape, pass_bytes
+    from oar_verl.core.backends.memory import ModelShape, PassKind, memory_guard, model_shape, pass_bytes
 
     shape = ModelShape(28, 3584, 18944, 28, 4, 128, 152064, 2)  # Qwen2.5-7B, bf16
     n = 16384

@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 
-from oar_verl.core import config_doc
+from devtools import config_doc
 from oar_verl.core.config import GROUPS, PRESETS, OARConfig
 
 
 def test_generated_files_are_current():
-    """Regenerate and compare: a help text edited in config.py without `python -m oar_verl.core.config_doc` fails."""
-    assert config_doc.stale_files() == [], "run `python -m oar_verl.core.config_doc` and commit the result"
+    """Regenerate and compare: a help text edited in config.py without `python -m devtools.config_doc` fails."""
+    assert config_doc.stale_files() == [], "run `python -m devtools.config_doc` and commit the result"
     assert config_doc.main(["--check"]) == 0
 
 

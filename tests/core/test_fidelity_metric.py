@@ -1,4 +1,4 @@
-"""The fidelity metric (oar_verl.core.fidelity) against naive, one-row-at-a-time references on a tiny float64 Qwen2."""
+"""The fidelity metric (oar_verl.core.fidelity.metric) against naive, one-row-at-a-time references on a tiny float64 Qwen2."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oar_verl.core import reference
-from oar_verl.core.budget import PassLimits
-from oar_verl.core.fidelity import (
+from devtools import reference
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.fidelity.metric import (
     FRACTIONS, MEASURES, OPERATORS, bootstrap_mean, fidelity_report, leave_one_out_scores, naopc, outcome_shifts,
     position_scores, random_scores, ranks_from_scores, removal_count, resample_tokens, suppression_ratio, top_removal,
 )
-from oar_verl.core.layout import build_attribution_batch
-from oar_verl.core.probes import ProbeKind
+from oar_verl.core.batch.layout import build_attribution_batch
+from oar_verl.core.batch.probes import ProbeKind
 
 MASK = 0
 KINDS = torch.tensor([ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT, ProbeKind.AS_MEAN,

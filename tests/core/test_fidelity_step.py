@@ -1,4 +1,4 @@
-"""The in-step deletion metric (oar_verl.core.fidelity_step) over the backend interface equals the offline fidelity
+"""The in-step deletion metric (oar_verl.core.fidelity.step) over the backend interface equals the offline fidelity
 report's mask-operator curves on a tiny float64 Qwen2, whatever the budget and the rank alignment."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from oar_verl.core.backend_hf import ModuleBackend
-from oar_verl.core.budget import PassLimits
-from oar_verl.core.fidelity import fidelity_report
-from oar_verl.core.backend import Replacement
-from oar_verl.core.fidelity_step import deletion_metrics, removal_sets, rows_of
-from oar_verl.core.layout import build_attribution_batch
-from oar_verl.core.probes import ProbeKind
+from oar_verl.core.backends.hf import ModuleBackend
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.fidelity.metric import fidelity_report
+from oar_verl.core.backends.base import Replacement
+from oar_verl.core.fidelity.step import deletion_metrics, removal_sets, rows_of
+from oar_verl.core.batch.layout import build_attribution_batch
+from oar_verl.core.batch.probes import ProbeKind
 
 MASK = 0
 KINDS = torch.tensor([ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT, ProbeKind.AS_MEAN,
@@ -92,7 +92,7 @@ def test_errors(lm64, case):
 
 def test_step_fidelity_measures_the_first_rows_on_due_steps(lm64, case):
     from oar_verl.core.config import OARConfig
-    from oar_verl.core.fidelity_step import step_fidelity, step_metrics
+    from oar_verl.core.fidelity.step import step_fidelity, step_metrics
 
     batch, scores, _ = case
     cfg = OARConfig(fidelity_every=5, fidelity_rows=2, seed=3, tau=0.4)
@@ -117,8 +117,8 @@ def test_step_fidelity_measures_the_first_rows_on_due_steps(lm64, case):
 def test_every_mask_operator_is_row_independent(lm64, case, operator):
     """The run's operator replaces the removed tokens (an embedding vector, or resample's per-position ids following
     their rows into the expanded batch): measuring rows together equals measuring them one by one."""
-    from oar_verl.core.gradient import sequence_seeds
-    from oar_verl.core.mask_operator import mask_replacement
+    from oar_verl.core.methods.gradient import sequence_seeds
+    from oar_verl.core.methods.mask_operator import mask_replacement
 
     batch, scores, _ = case
     backend = ModuleBackend(lm64, PassLimits(64))

@@ -1,4 +1,4 @@
-"""Second-order attribution patching of the masking shift (oar_verl.core.fisher) against its float64 per-sequence
+"""Second-order attribution patching of the masking shift (oar_verl.core.methods.fisher) against its float64 per-sequence
 reference, and the reference against the quantity it approximates: the masking KL's second-order term."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oar_verl.core import reference
-from oar_verl.core.backend_hf import ModuleBackend
-from oar_verl.core.budget import PassLimits
-from oar_verl.core.fisher import fisher
-from oar_verl.core.layout import build_attribution_batch
-from oar_verl.core.memory import PassKind
-from oar_verl.core.probes import ProbeKind
+from devtools import reference
+from oar_verl.core.backends.hf import ModuleBackend
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.methods.fisher import fisher
+from oar_verl.core.batch.layout import build_attribution_batch
+from oar_verl.core.backends.memory import PassKind
+from oar_verl.core.batch.probes import ProbeKind
 
 MASK = 0
 
@@ -76,8 +76,8 @@ def test_fisher_is_budget_and_batch_composition_invariant(lm64, make_batch):
 def test_one_forward_and_k_backwards_equal_k_backward_passes(lm64, make_batch, checkpointing):
     """The backend interface lets a method take several backwards from one forward (``EmbeddingHook.outputs``): each
     loss column's projection equals that of a pass with that loss alone, with and without checkpointed layers."""
-    from oar_verl.core.backend import EmbeddingHook, Pass
-    from oar_verl.core.gradient import embedding_projection
+    from oar_verl.core.backends.base import EmbeddingHook, Pass
+    from oar_verl.core.methods.gradient import embedding_projection
 
     rows = make_batch(B=3, P=4, T=8, seed=2)
     batch = build_attribution_batch(*rows, torch.full((3,), int(ProbeKind.AS_MEAN)))
@@ -204,7 +204,7 @@ def test_run_attribution_reads_the_sketch_keys(lm64, make_batch):
 
 
 def test_sketch_signs_do_not_depend_on_the_shard():
-    from oar_verl.core.fisher import sketch_signs
+    from oar_verl.core.methods.fisher import sketch_signs
 
     whole = sketch_signs(7, 3, torch.arange(100))
     assert set(whole.unique().tolist()) == {-1.0, 1.0}

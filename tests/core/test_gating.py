@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oar_verl.core.gating import masked_quantile, normalize_scores, oar_token_weights
-from oar_verl.core.metrics import ess_ratio, oar_metrics, top_mass
+from oar_verl.core.reshaping.gating import masked_quantile, normalize_scores, oar_token_weights
+from oar_verl.core.reshaping.metrics import ess_ratio, oar_metrics, top_mass
 
 
 def official_weights(importance: np.ndarray, tau: float, beta: float) -> np.ndarray:

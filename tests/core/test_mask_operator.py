@@ -1,5 +1,5 @@
-"""The mask operator (``algorithm.oar.mask``, oar_verl.core.mask_token): the embedding operators (zero, mean) of OAR-P
-and fisher against the float64 per-sequence references of oar_verl.core.reference, the resampled tokens' invariants,
+"""The mask operator (``algorithm.oar.mask``, oar_verl.core.checks.mask_token): the embedding operators (zero, mean) of OAR-P
+and fisher against the float64 per-sequence references of devtools.reference, the resampled tokens' invariants,
 and the refusal of mask tokens that end a turn (EOS, chat-template and other special tokens), at start-up and at run
 time."""
 
@@ -8,17 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oar_verl.core import OARConfig, reference
-from oar_verl.core.attribution import module_backend, run_attribution
-from oar_verl.core.backend_hf import ModuleBackend, embedding_mean
-from oar_verl.core.budget import PassLimits
+from oar_verl.core import OARConfig
+from devtools import reference
+from oar_verl.core.methods.attribution import module_backend, run_attribution
+from oar_verl.core.backends.hf import ModuleBackend, embedding_mean
+from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.config import OARConfigError
-from oar_verl.core.fisher import fisher
-from oar_verl.core.layout import build_attribution_batch, with_segments
-from oar_verl.core.mask_operator import mask_replacement, resample_ids
-from oar_verl.core.mask_token import check_mask_token, unsafe_mask_reason
-from oar_verl.core.probes import ProbeKind
-from oar_verl.cpu.tokenizers import IM_END, IM_START, PAD_TOKEN, train_tiny_bpe
+from oar_verl.core.methods.fisher import fisher
+from oar_verl.core.batch.layout import build_attribution_batch, with_segments
+from oar_verl.core.methods.mask_operator import mask_replacement, resample_ids
+from oar_verl.core.checks.mask_token import check_mask_token, unsafe_mask_reason
+from oar_verl.core.batch.probes import ProbeKind
+from oar_verl.quickstart.tokenizers import IM_END, IM_START, PAD_TOKEN, train_tiny_bpe
 from oar_helpers import run_p
 
 LT_LOGITS, AS_MEAN, AS_JOINT = ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT
@@ -179,7 +180,7 @@ def test_safe_mask_tokens_pass(tokenizer):
 
 
 def test_the_template_check_reads_what_the_template_writes_not_its_jinja_source(tokenizer):
-    from oar_verl.core.mask_token import template_token_ids
+    from oar_verl.core.checks.mask_token import template_token_ids
 
     # `_` and `[` are in the Jinja source (add_generation_prompt, message['role']) but the template never writes them
     for text in ("_", "["):

@@ -1,4 +1,4 @@
-"""OAR-G with K noise draws per sequence (``algorithm.oar.noise_samples``, oar_verl.core.gradient): K = 1 is the
+"""OAR-G with K noise draws per sequence (``algorithm.oar.noise_samples``, oar_verl.core.methods.gradient): K = 1 is the
 single-draw method bit for bit, K draws are the mean of K single-draw runs with the derived seeds (against the float64
 per-position reference too), and the scores do not depend on the token budget or on the other rows of the batch."""
 
@@ -9,15 +9,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oar_verl.core import OARConfig, reference
-from oar_verl.core.attribution import module_backend, run_attribution
-from oar_verl.core.budget import PassLimits, pack_rows
-from oar_verl.core.backend_hf import ModuleBackend, column_window
-from oar_verl.core.backend import frozen_parameters
-from oar_verl.core.gradient import draw_seeds, sequence_seeds
-from oar_verl.core.layout import build_attribution_batch
-from oar_verl.core.memory import PassKind
-from oar_verl.core.probes import ProbeKind, logits_at, outcome_shift, probe_forward, probe_from_logits, \
+from oar_verl.core import OARConfig
+from devtools import reference
+from oar_verl.core.methods.attribution import module_backend, run_attribution
+from oar_verl.core.backends.budget import PassLimits, pack_rows
+from oar_verl.core.backends.hf import ModuleBackend, column_window
+from oar_verl.core.backends.base import frozen_parameters
+from oar_verl.core.methods.gradient import draw_seeds, sequence_seeds
+from oar_verl.core.batch.layout import build_attribution_batch
+from oar_verl.core.backends.memory import PassKind
+from oar_verl.core.batch.probes import ProbeKind, logits_at, outcome_shift, probe_forward, probe_from_logits, \
     probe_keep_positions
 from oar_helpers import run_g, count_g, count_passes
 

@@ -1,4 +1,4 @@
-"""Segment-level and hierarchical OAR-P against the per-sequence float64 references of oar_verl.core.reference, and
+"""Segment-level and hierarchical OAR-P against the per-sequence float64 references of devtools.reference, and
 the policy's invariants (fully refined = exact, budget invariance, rank alignment, what ran)."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oar_verl.core import OARConfig, reference
-from oar_verl.core.attribution import module_backend, run_attribution
-from oar_verl.core.budget import PassLimits
-from oar_verl.core.policies import policy_importance, refined_segments, segment_table, spread_segment_scores
-from oar_verl.core.layout import build_attribution_batch, with_segments
-from oar_verl.core.probes import ProbeKind
+from oar_verl.core import OARConfig
+from devtools import reference
+from oar_verl.core.methods.attribution import module_backend, run_attribution
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.methods.policies import policy_importance, refined_segments, segment_table, spread_segment_scores
+from oar_verl.core.batch.layout import build_attribution_batch, with_segments
+from oar_verl.core.batch.probes import ProbeKind
 from oar_helpers import run_p
 
 MASK = 0

@@ -7,7 +7,7 @@ import torch
 
 from oar_verl.core import OARConfig, module_backend, prepare_attribution, run_attribution
 from oar_verl.core.preprocess import pad_rows, row_fingerprints
-from oar_verl.cpu.tokenizers import train_tiny_bpe
+from oar_verl.quickstart.tokenizers import train_tiny_bpe
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_seeds_depend_on_content_and_step_not_on_batching(tok):
 def test_segments_follow_the_responses_reasoning(tok, target):
     """Segment-level OAR-P policies get the responses' reasoning segments in full-sequence coordinates (with
     target=reference too: the attributed reasoning is the response's, position by position); exact gets none."""
-    from oar_verl.core.segments import reasoning_segments
+    from oar_verl.core.text.segments import reasoning_segments
 
     kw = {"target": target, "conclude_text": "The answer is "}
     truths = ["7", "9"] if target == "reference" else None

@@ -1,4 +1,4 @@
-"""Reasoning segments (oar_verl.core.segments): split rules on response bytes, per-token segment ids through byte
+"""Reasoning segments (oar_verl.core.text.segments): split rules on response bytes, per-token segment ids through byte
 offsets, merging of short and cutting of long segments, checked against a naive per-token reference."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oar_verl.core.segments import SEGMENT_SPLITS, compile_segment_split, reasoning_segments, segment_boundaries
-from oar_verl.core.token_bytes import token_byte_table
+from oar_verl.core.text.segments import SEGMENT_SPLITS, compile_segment_split, reasoning_segments, segment_boundaries
+from oar_verl.core.text.token_bytes import token_byte_table
 
 USER_SPLITS = (r"(?=Step \d)", ";", r"\d")
 ALL_SPLITS = SEGMENT_SPLITS + USER_SPLITS

@@ -1,7 +1,7 @@
-"""Sequence-sharded attribution (oar_verl.core.backend_ulysses) on 2 gloo ranks equals the unsharded method.
+"""Sequence-sharded attribution (oar_verl.core.backends.ulysses) on 2 gloo ranks equals the unsharded method.
 
 verl's Ulysses path wraps the CUDA flash-attention kernel, which cannot run on CPU; the ranks here use
-``oar_verl.cpu.ulysses_attention`` (the same all-to-alls, through verl's own Ulysses utilities, around sdpa), so this
+``devtools.ulysses_attention`` (the same all-to-alls, through verl's own Ulysses utilities, around sdpa), so this
 checks the sharding itself: packing, shards, probe positions on either rank, the probe sums over the group, OAR-G's
 noise and gradient through the all-to-all, and the gathered scores; and the in-step fidelity metric (its removal
 sets run as masked copies) on the sharded backend.
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from oar_verl.core.backend_hf import ModuleBackend
-from oar_verl.core.budget import PassLimits
-from oar_verl.core.fisher import fisher
-from oar_verl.core.gradient import sequence_seeds
-from oar_verl.core.mask_operator import mask_replacement
+from oar_verl.core.backends.hf import ModuleBackend
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.methods.fisher import fisher
+from oar_verl.core.methods.gradient import sequence_seeds
+from oar_verl.core.methods.mask_operator import mask_replacement
 from oar_helpers import fidelity_of, run_g, run_p
 
 JOB = Path(__file__).with_name("sequence_parallel_job.py")

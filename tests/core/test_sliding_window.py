@@ -1,4 +1,4 @@
-"""The start-up warning for gradient attribution on sliding-window models (oar_verl.core.sliding_window), read from
+"""The start-up warning for gradient attribution on sliding-window models (oar_verl.core.checks.sliding_window), read from
 real transformers configs (the start-ups that call it: tests/integration/test_startup_on_cpu.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 from transformers import Gemma3Config, Gemma3TextConfig, MistralConfig, Qwen2Config
 
 from oar_verl.core.config import OARConfig
-from oar_verl.core.sliding_window import check_model_sliding_window, sliding_window, sliding_window_warning
+from oar_verl.core.checks.sliding_window import check_model_sliding_window, sliding_window, sliding_window_warning
 
 GEMMA = dict(num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
              head_dim=32, vocab_size=300, sliding_window=512)
@@ -38,7 +38,7 @@ def test_gradient_methods_past_the_window_are_warned_of():
 
 def test_a_model_directory_is_read_and_the_warning_logged(tmp_path, caplog):
     Gemma3TextConfig(**GEMMA).save_pretrained(str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="oar_verl.core.sliding_window"):
+    with caplog.at_level(logging.WARNING, logger="oar_verl.core.checks.sliding_window"):
         msg = check_model_sliding_window(OARConfig(), str(tmp_path), 2048)
     assert msg is not None and msg in caplog.text
     assert check_model_sliding_window(OARConfig(), "google/gemma-3-270m", 2048) is None  # remote: not read

@@ -1,5 +1,5 @@
-"""Answer-span location end to end: the token byte table (oar_verl.core.token_bytes), the byte patterns
-(oar_verl.core.answer_patterns) and the token masks (oar_verl.core.spans)."""
+"""Answer-span location end to end: the token byte table (oar_verl.core.text.token_bytes), the byte patterns
+(oar_verl.core.text.answer_patterns) and the token masks (oar_verl.core.text.spans)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oar_verl.core.answer_patterns import BUILTIN_PATTERNS, compile_answer_pattern, find_answer_span
+from oar_verl.core.text.answer_patterns import BUILTIN_PATTERNS, compile_answer_pattern, find_answer_span
 from oar_verl.core.config import OARConfig, OARConfigError
-from oar_verl.core.spans import AnswerSpans, locate_answer_spans
-from oar_verl.core.token_bytes import token_byte_table
+from oar_verl.core.text.spans import AnswerSpans, locate_answer_spans
+from oar_verl.core.text.token_bytes import token_byte_table
 
 
 TOKENIZERS = ("tiny_bpe_tokenizer", "qwen25_tokenizer")

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oar_verl.cpu import last_digit as credit_task
-from oar_verl.cpu import last_digit_reward as credit_reward
-from oar_verl.cpu import tiny_lm as task
+from oar_verl.quickstart import last_digit as credit_task
+from oar_verl.quickstart import last_digit_reward as credit_reward
+from oar_verl.quickstart import tiny_lm as task
 
 
 @pytest.mark.parametrize("text, k, t, want", [
@@ -37,7 +37,7 @@ def test_examples_are_correct_exactly_when_the_last_digit_is_above_the_threshold
 
 
 def test_token_roles(tmp_path):
-    from oar_verl.core.spans import locate_answer_spans
+    from oar_verl.core.text.spans import locate_answer_spans
 
     examples = credit_task.make_examples(300, "tok")
     task.build_tokenizer(tmp_path, examples)

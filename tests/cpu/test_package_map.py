@@ -3,11 +3,11 @@ code has it now."""
 
 from __future__ import annotations
 
-from oar_verl.cpu import package_map
+from devtools import package_map
 
 
 def test_the_package_map_is_current():
-    assert package_map.main(["--check"]) == 0, "run `python -m oar_verl.cpu.package_map` and commit docs/verl.md"
+    assert package_map.main(["--check"]) == 0, "run `python -m devtools.package_map` and commit docs/verl.md"
 
 
 def test_the_map_lists_every_module(tmp_path):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from oar_verl import integration
-from oar_verl.cpu import quickstart
-from oar_verl.cpu.tiny_assets import build_tiny_assets
+from oar_verl.quickstart import main as quickstart
+from oar_verl.quickstart.tiny_assets import build_tiny_assets
 
 
 def test_answer_format_warm_up_learns_and_saves(tmp_path):
@@ -20,7 +20,7 @@ def test_answer_format_warm_up_learns_and_saves(tmp_path):
 def test_format_examples_match_the_reward():
     import random
 
-    from oar_verl.cpu import arith_reward
+    from oar_verl.quickstart import arith_reward
 
     rng = random.Random(0)
     for style in ("sentence", "hashes"):
@@ -33,7 +33,7 @@ def test_format_examples_match_the_reward():
 def test_train_examples_are_the_rl_prompts_with_their_right_answers(tmp_path):
     import pandas as pd
 
-    from oar_verl.cpu import arith_reward
+    from oar_verl.quickstart import arith_reward
 
     assets = build_tiny_assets(tmp_path / "assets", seed=0)
     train = pd.read_parquet(assets.train_file)
@@ -59,7 +59,7 @@ def test_trainer_overrides_compose_against_the_oar_config(tmp_path):
 
     from hydra import compose, initialize_config_dir
 
-    from oar_verl.cpu.tiny_assets import TinyAssets
+    from oar_verl.quickstart.tiny_assets import TinyAssets
 
     assets = TinyAssets(tmp_path, tmp_path / "model", tmp_path / "train.parquet", tmp_path / "test.parquet", 26)
     overrides = quickstart.trainer_overrides(assets, tmp_path / "out", str(tmp_path / "ray"), mode="perturbation",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from oar_verl.cpu import warm_cache
+from oar_verl.quickstart import warm_cache
 
 
 def test_built_once_then_copied_and_rebuilt_on_any_change(tmp_path, monkeypatch):

@@ -91,7 +91,7 @@ def test_verl_rl_dataset_loads_the_parquet(fixture_files, tmp_path):
     from omegaconf import OmegaConf
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    from oar_verl.cpu.tiny_assets import build_tokenizer
+    from oar_verl.quickstart.tiny_assets import build_tokenizer
 
     written = {}
     for name, arg in [("gsm8k", f"train={fixture_files / 'gsm8k_train.jsonl'}"),

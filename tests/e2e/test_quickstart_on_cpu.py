@@ -1,5 +1,5 @@
 """The README's first command, as a user runs it (shortened to 3 steps), from the wheel: ``bash
-recipes/quickstart_cpu.sh`` sets up the environment and runs ``python -m oar_verl.cpu.quickstart``; here the module
+recipes/quickstart_cpu.sh`` sets up the environment and runs ``python -m oar_verl.quickstart``; here the module
 runs from the project's wheel installed in a fresh venv, outside the checkout (the quickstart's task, reward and warm
 start are the product's, not the research package's).
 
@@ -51,7 +51,7 @@ def test_quickstart_from_the_wheel_end_to_end(tmp_path):
     assert where.returncode == 0 and str(python.parents[1]) in lines[0] and lines[1] == "None", where
     out = tmp_path / "quickstart out"  # a space in the path: users' home directories have them
     env = {**os.environ, "OAR_QUICKSTART_STEPS": str(STEPS)}
-    proc = subprocess.run([str(python), "-m", "oar_verl.cpu.quickstart", "--out", str(out)], cwd=tmp_path,
+    proc = subprocess.run([str(python), "-m", "oar_verl.quickstart", "--out", str(out)], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=1700)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     stdout = proc.stdout

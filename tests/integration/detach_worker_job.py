@@ -13,36 +13,28 @@ usage: python detach_worker_job.py MODEL_DIR OUT_FILE RAY_TMP
 
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
-import ray
 import torch
-from hydra import compose, initialize_config_dir
 
-import verl
 from verl.protocol import DataProto
-from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-from verl.single_controller.ray.base import create_colocated_worker_cls
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
 from oar_verl.core.config import OARConfig
 from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
 from oar_verl.integration.worker import OARDetachActorWorker
+from job_support import actor_group, saved, tokenized, trainer_config
 
-PROMPTS = ["What is 3 plus 4?", "What is 12 plus 30?", "Add 5 and 9.", "What is 7 plus 8?"]
 RESPONSES = ["3 plus 4 is 7. The answer is 7.", "12 plus 30 is 42. The answer is 42.",
              "5 plus 9: count up from 5 by nine steps, which gives 14. The answer is 14.",
              "Seven and eight make fifteen, so #### 15"]
 
 
-def padded_batch(tok) -> DataProto:
+def padded_batch(model_dir) -> DataProto:
     """verl's legacy layout: left-padded prompts, right-padded responses."""
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                       return_dict=True)["input_ids"] for p in PROMPTS]
-    responses = [tok.encode(r, add_special_tokens=False) + [tok.eos_token_id] for r in RESPONSES]
+    tok, prompts, responses = tokenized(model_dir, RESPONSES)
     P, T, pad = max(map(len, prompts)), max(map(len, responses)), tok.pad_token_id
     p_ids = torch.tensor([[pad] * (P - len(p)) + p for p in prompts])
     r_ids = torch.tensor([r + [pad] * (T - len(r)) for r in responses])
@@ -58,32 +50,10 @@ def padded_batch(tok) -> DataProto:
 
 def main() -> None:
     model_dir, out_file, ray_tmp = sys.argv[1:4]
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    cfg_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=cfg_dir, version_base=None):
-        cfg = compose(config_name="ppo_trainer", overrides=[
-            f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_remove_padding=False",
-            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-            "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2",
-            "actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.actor.optim.lr=0.05",
-            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
-            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32",
-            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.name=vllm",
-            "actor_rollout_ref.rollout.n=1", "trainer.n_gpus_per_node=1", "data.train_batch_size=4"])
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=ray_tmp)
-    try:
-        pool = RayResourcePool([1], use_gpu=False, max_colocate_count=1)
-        class_dict = {"actor": RayClassWithInitArgs(cls=ray.remote(OARDetachActorWorker), config=cfg.actor_rollout_ref,
-                                                    role="actor")}
-        group = RayWorkerGroup(pool, create_colocated_worker_cls(class_dict=class_dict), device_name="cpu")
-        wg = group.spawn(prefix_set=class_dict.keys())["actor"]
-        wg.init_model()
-
-        batch = padded_batch(tok)
+    cfg = trainer_config(model_dir, batch_size=4, micro_batch_size=2,
+                         extra=["actor_rollout_ref.actor.optim.lr=0.05", "actor_rollout_ref.rollout.n=1"])
+    with actor_group(OARDetachActorWorker, cfg, ray_tmp) as wg:
+        batch = padded_batch(model_dir)
         oar = OARConfig(mode="gradient", probe="as_mean")
 
         def td(extra=None, **non_tensor):
@@ -127,11 +97,8 @@ def main() -> None:
         save = {"prompts": [row.clone() for row in batch.batch["prompts"]],
                 "responses": [row.clone() for row in batch.batch["responses"]], "config": oar.to_dict()}
         for name, res in (("inside", inside), ("outside", outside)):
-            save[name] = {k: ([t.clone() for t in v.unbind()] if getattr(v, "is_nested", False) else v.clone())
-                          for k, v in res.items()}
+            save[name] = {k: saved(v) for k, v in res.items()}
         torch.save(save, out_file)
-    finally:
-        ray.shutdown()
 
 
 if __name__ == "__main__":

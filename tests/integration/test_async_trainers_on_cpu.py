@@ -21,10 +21,10 @@ from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from oar_verl.core.attribution import module_backend, run_attribution
+from oar_verl.core.methods.attribution import module_backend, run_attribution
 from oar_verl.core.config import OARConfig
 from oar_verl.core.preprocess import prepare_attribution
-from oar_verl.cpu.launcher import cpu_env, new_ray_temp_dir
+from oar_verl.quickstart.launcher import cpu_env, new_ray_temp_dir
 from oar_verl.integration.trainer_v1 import (OARStepLayer, OARTrainerColocateAsync, OARTrainerSeparateAsync,
                                              OARTrainerSync, oar_trainer_mode)
 from oar_verl.integration.worker import OARActorRolloutRefWorker, OARDetachActorWorker, swap_actor_worker

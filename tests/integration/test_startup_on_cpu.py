@@ -31,7 +31,7 @@ def test_an_unsafe_mask_token_of_the_model_dir_is_refused(tmp_path):
     from transformers import GenerationConfig
 
     from oar_verl.core.config import OARConfigError
-    from oar_verl.cpu.tokenizers import train_tiny_bpe
+    from oar_verl.quickstart.tokenizers import train_tiny_bpe
 
     tokenizer = train_tiny_bpe(["the answer is 42."] * 4, vocab_size=280)
 
@@ -80,13 +80,13 @@ def test_gradient_attribution_past_a_sliding_window_is_warned_of(tmp_path, caplo
     config = OmegaConf.create({"algorithm": {"adv_estimator": "oar", "oar": {"mode": "gradient"}},
                                "actor_rollout_ref": {"actor": {"strategy": "fsdp"}, "model": {"path": str(tmp_path)}},
                                "data": {"max_prompt_length": 128, "max_response_length": response}, "trainer": {}})
-    with caplog.at_level(logging.WARNING, logger="oar_verl.core.sliding_window"):
+    with caplog.at_level(logging.WARNING, logger="oar_verl.core.checks.sliding_window"):
         assert validate_oar_setup(config).mode == "gradient"  # a warning, not a refusal
     assert ("algorithm.oar.mode=gradient on a model with sliding-window attention" in caplog.text) is warned
     caplog.clear()
     args = SimpleNamespace(actor=SimpleNamespace(model_name_or_path=str(tmp_path)),
                            data=SimpleNamespace(max_len=128 + response))
-    with caplog.at_level(logging.WARNING, logger="oar_verl.core.sliding_window"):
+    with caplog.at_level(logging.WARNING, logger="oar_verl.core.checks.sliding_window"):
         msg = warn_sliding_window_flags(args, OARConfig.from_mapping({"mode": "fisher"}, prefix="--oar"))
     assert (msg is not None) is warned
     if warned:

@@ -19,7 +19,7 @@ from verl.protocol import DataProto
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
 from oar_verl.core import OARConfig, module_backend, prepare_attribution, run_attribution
-from oar_verl.cpu.tokenizers import train_tiny_bpe
+from oar_verl.quickstart.tokenizers import train_tiny_bpe
 from oar_verl.integration import handoff
 from oar_verl.integration.rows import BatchRows
 from oar_verl.integration.step import OARStep

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from oar_verl.core.attribution import module_backend, pass_limits, run_attribution
+from oar_verl.core.methods.attribution import module_backend, pass_limits, run_attribution
 from oar_verl.core.config import OARConfig
 from oar_verl.core.preprocess import prepare_attribution
-from oar_verl.cpu.launcher import cpu_env, new_ray_temp_dir
+from oar_verl.quickstart.launcher import CPU_PLATFORM_MODULE, cpu_env, new_ray_temp_dir
 from oar_helpers import count_passes
 
 JOB = Path(__file__).with_name("worker_group_job.py")
@@ -25,7 +25,9 @@ JOB = Path(__file__).with_name("worker_group_job.py")
 
 def run_job(model_dir, tmp_path, n_ranks, mode, target="response", sp=1):
     out = tmp_path / f"imp_{mode}_{n_ranks}_{target}_{sp}.pt"
-    env = {**os.environ, **cpu_env(), "VERL_USE_EXTERNAL_PLUGINS": "none"}
+    env = {**os.environ, **cpu_env(), "VERL_USE_EXTERNAL_PLUGINS": "none",
+           # the CPU stand-in for Ulysses attention (development tooling, not in the wheel) in every process
+           "VERL_USE_EXTERNAL_MODULES": f"{CPU_PLATFORM_MODULE},devtools.ulysses_attention"}
     proc = subprocess.run([sys.executable, str(JOB), str(model_dir), str(out), str(n_ranks), mode,
                            new_ray_temp_dir(), target, str(sp)], env=env, capture_output=True, text=True,
                           timeout=600)
@@ -62,9 +64,9 @@ def check_fidelity(model_dir, res):
     call would hang)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oar_verl.core.fidelity import default_min_gap
-    from oar_verl.core.fidelity_step import step_fidelity
-    from oar_verl.core.mask_operator import mask_replacement
+    from oar_verl.core.fidelity.metric import default_min_gap
+    from oar_verl.core.fidelity.step import step_fidelity
+    from oar_verl.core.methods.mask_operator import mask_replacement
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -147,7 +149,7 @@ def test_sequence_parallel_group_attributes_sharded_and_equals_core(tiny_assets,
     # the ranks ran the sharded passes (each holding half of every pass), not whole sequences each
     from transformers import AutoTokenizer
 
-    from oar_verl.core.backend_ulysses import SequenceShards
+    from oar_verl.core.backends.ulysses import SequenceShards
 
     cfg = OARConfig.from_mapping(two["config"])
     prepared = prepare_attribution(two["prompts"], two["responses"], AutoTokenizer.from_pretrained(

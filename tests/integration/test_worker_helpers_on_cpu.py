@@ -9,7 +9,7 @@ import torch
 
 from oar_verl.core.config import OARConfig
 from oar_verl.integration import dumps
-from oar_verl.cpu.tiny_assets import build_tokenizer
+from oar_verl.quickstart.tiny_assets import build_tokenizer
 
 
 def test_due_and_dir(tmp_path):

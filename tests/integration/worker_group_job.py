@@ -1,8 +1,9 @@
 """Run ``compute_token_importance`` on a real Ray worker group of the OAR worker (FSDP2, gloo, CPU).
 
 Launched by test_worker_group_on_cpu.py in a fresh process (the CPU platform must be selected before verl is first
-imported). Builds the group exactly like verl's trainers do (``create_colocated_worker_cls`` + ``spawn``), calls the
-RPC on a nested TensorDict whose data-parallel shards hold different lengths, and saves inputs and outputs.
+imported). Builds the group exactly like verl's trainers do (``create_colocated_worker_cls`` + ``spawn``, in
+job_support.py), calls the RPC on a nested TensorDict whose data-parallel shards hold different lengths, and saves
+inputs and outputs.
 
 usage: python worker_group_job.py MODEL_DIR OUT_FILE N_RANKS MODE RAY_TMP [TARGET [SP]]
 
@@ -17,25 +18,19 @@ two ranks need different numbers of passes (short rows share passes on rank 0, l
 
 from __future__ import annotations
 
-import os
 import sys
 
-import ray
 import torch
-from hydra import compose, initialize_config_dir
 from tensordict import TensorDict
 
-import verl
-from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-from verl.single_controller.ray.base import create_colocated_worker_cls
 from verl.utils import tensordict_utils as tu
 
 from oar_verl.core.config import OARConfig
 from oar_verl.integration.fields import CONFIG_KEY, FIDELITY_FIELDS, STEP_KEY
 from oar_verl.integration.worker import OARActorRolloutRefWorker
+from job_support import actor_group, saved, tokenized, trainer_config
 
 # Rank 0 gets the first half of the batch: short responses there, long ones on rank 1.
-PROMPTS = ["What is 3 plus 4?", "What is 12 plus 30?", "Add 5 and 9.", "What is 7 plus 8?"]
 RESPONSES = ["The answer is 7.", "12 plus 30 is 42. The answer is 42.",
              "5 plus 9: count up from 5 by nine steps, which gives 14. The answer is 14.",
              "Seven and eight make fifteen, so #### 15"]
@@ -48,37 +43,11 @@ def main() -> None:
     target = sys.argv[6] if len(sys.argv) > 6 else "response"
     sp = int(sys.argv[7]) if len(sys.argv) > 7 else 1
     n_ranks = int(n_ranks)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [torch.tensor(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=True)["input_ids"]) for p in PROMPTS]
-    responses = [torch.tensor(tok.encode(r, add_special_tokens=False) + [tok.eos_token_id]) for r in RESPONSES]
-
-    cfg_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=cfg_dir, version_base=None):
-        cfg = compose(config_name="ppo_trainer", overrides=[
-            f"actor_rollout_ref.model.path={model_dir}", f"actor_rollout_ref.model.use_remove_padding={sp > 1}",
-            "actor_rollout_ref.model.enable_gradient_checkpointing=True",
-            f"+actor_rollout_ref.model.override_config.attn_implementation={'ulysses_sdpa' if sp > 1 else 'sdpa'}",
-            f"actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size={sp}",
-            "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2",
-            "actor_rollout_ref.actor.use_torch_compile=False",
-            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
-            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=fp32",
-            "+actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1", "actor_rollout_ref.rollout.name=vllm",
-            f"trainer.n_gpus_per_node={n_ranks}", "data.train_batch_size=2"])
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=ray_tmp)
-    try:
-        pool = RayResourcePool([n_ranks], use_gpu=False, max_colocate_count=1)
-        class_dict = {"actor": RayClassWithInitArgs(cls=ray.remote(OARActorRolloutRefWorker),
-                                                    config=cfg.actor_rollout_ref, role="actor")}
-        group = RayWorkerGroup(pool, create_colocated_worker_cls(class_dict=class_dict), device_name="cpu")
-        wg = group.spawn(prefix_set=class_dict.keys())["actor"]
-        wg.init_model()
-
+    _, prompts, responses = tokenized(model_dir, RESPONSES)
+    prompts, responses = [torch.tensor(p) for p in prompts], [torch.tensor(r) for r in responses]
+    cfg = trainer_config(model_dir, n_ranks=n_ranks, batch_size=2, micro_batch_size=1, sp=sp,
+                         extra=["actor_rollout_ref.model.enable_gradient_checkpointing=True"])
+    with actor_group(OARActorRolloutRefWorker, cfg, ray_tmp, n_ranks) as wg:
         def nested(rows):
             return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
@@ -108,18 +77,14 @@ def main() -> None:
         out = wg.compute_token_importance(data)
         after = wg.compute_log_prob(logp_data.clone())["log_probs"]
         torch.save({"prompts": prompts, "responses": responses, "config": oar.to_dict(), "truths": GROUND_TRUTHS,
-                    "token_importance": [t.clone() for t in out["token_importance"].unbind()],
-                    "reasoning": [t.clone() for t in out["oar_reasoning_mask"].unbind()],
-                    "answer": [t.clone() for t in out["oar_answer_mask"].unbind()],
+                    "token_importance": saved(out["token_importance"]), "reasoning": saved(out["oar_reasoning_mask"]),
+                    "answer": saved(out["oar_answer_mask"]),
                     "span_found": out["oar_span_found"].clone(),
                     "answer_probe": out["oar_answer_probe"].clone(),
                     "rounds": out["oar_passes"].clone(), "copies": out["oar_copies"].clone(),
                     "refined": out["oar_refined"].clone(),
                     "fidelity": {k: out[f"oar_fidelity_{k}"].clone() for k in FIDELITY_FIELDS},
-                    "log_probs_before": [t.clone() for t in before.unbind()],
-                    "log_probs_after": [t.clone() for t in after.unbind()]}, out_file)
-    finally:
-        ray.shutdown()
+                    "log_probs_before": saved(before), "log_probs_after": saved(after)}, out_file)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 import cpu_shims  # noqa: E402  (test-only)
 from oar_helpers import fidelity_of  # noqa: E402  (test-only)
 
-import oar_verl.cpu.platform  # noqa: E402,F401  (verl "cpu" platform, gloo)
+import oar_verl.quickstart.platform  # noqa: E402,F401  (verl "cpu" platform, gloo)
 
 cpu_shims.install()
 
@@ -50,9 +50,9 @@ def main(spec_path: str) -> None:
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine import EngineRegistry
 
-    from oar_verl.core.attribution import pass_limits, probe_kinds, run_attribution
+    from oar_verl.core.methods.attribution import pass_limits, probe_kinds, run_attribution
     from oar_verl.core.config import OARConfig
-    from oar_verl.core.layout import build_attribution_batch, with_segments
+    from oar_verl.core.batch.layout import build_attribution_batch, with_segments
     from oar_verl.integration import megatron as ma
     from oar_verl.integration.megatron import engine as mengine
     from oar_verl.integration.megatron.backend import MegatronBackend, embedding_module

@@ -2,7 +2,7 @@
 
 The engine runs in subprocesses with the separate Megatron environment (``bash scripts/setup_mcore_env.sh`` builds
 ``.venv-mcore``; ``OAR_MCORE_VENV`` points elsewhere) under ``torch.distributed.run`` with gloo, using the test-only
-shims of ``cpu_shims.py``. Every layout is compared number by number with :func:`oar_verl.core.attribution.
+shims of ``cpu_shims.py``. Every layout is compared number by number with :func:`oar_verl.core.methods.attribution.
 run_attribution` on the Hugging Face model loaded from the same tiny checkpoint in fp32 (CPU Megatron has already
 produced silently wrong, non-causal numbers once: "it runs" proves nothing).
 
@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from oar_verl.core.attribution import module_backend, probe_kinds, run_attribution
+from oar_verl.core.methods.attribution import module_backend, probe_kinds, run_attribution
 from oar_verl.core.config import OARConfig
-from oar_verl.core.layout import build_attribution_batch, with_segments
+from oar_verl.core.batch.layout import build_attribution_batch, with_segments
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).with_name("engine_job.py")
@@ -78,7 +78,7 @@ ONE_RANK = [list(range(B))]
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A tiny random Qwen2 checkpoint (fp32, tied embeddings, vocabulary 400) and a verl-layout batch."""
-    from oar_verl.cpu.tiny_assets import build_tiny_qwen2, build_tokenizer
+    from oar_verl.quickstart.tiny_assets import build_tiny_qwen2, build_tokenizer
 
     root = tmp_path_factory.mktemp("mcore")
     model_dir = root / "model"
@@ -192,8 +192,8 @@ def compare_fidelity(assets, res, rows, label, rtol=1e-2):
     Face model: AOPC of the ranking and of random rankings, gain and S, row by row."""
     from oar_helpers import fidelity_of
 
-    from oar_verl.core.backend_hf import ModuleBackend
-    from oar_verl.core.budget import PassLimits
+    from oar_verl.core.backends.hf import ModuleBackend
+    from oar_verl.core.backends.budget import PassLimits
 
     reference(assets, rows, CASES[0])  # loads the fp32 model
     x = {k: v[rows] for k, v in assets["inputs"].items()}

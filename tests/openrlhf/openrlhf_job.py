@@ -9,7 +9,7 @@ then :func:`oar_verl.openrlhf.reshape.reshape_replay_buffer` on the items, again
 the original (prompt, response) rows. ``zero``: the same on 2 gloo ranks with unequal shards, the policy wrapped in
 OpenRLHF's ``Actor`` inside a DeepSpeed ZeRO-``STAGE`` engine, then one policy-gradient update through the engine.
 ``train``: OpenRLHF's whole ``train_ppo_ray`` through OAR's entry point on the CPU platform
-(:mod:`oar_verl.cpu.openrlhf_platform`): 2 ZeRO ranks, one rollout engine, the sync or the async trainer, 2 steps; the
+(:mod:`devtools.openrlhf_platform`): 2 ZeRO ranks, one rollout engine, the sync or the async trainer, 2 steps; the
 steps' scalars are read back from OpenRLHF's own TensorBoard log. Results are written as JSON (per rank for
 ``zero``); the pytest side asserts on them.
 """
@@ -27,12 +27,12 @@ import torch
 # OpenRLHF's replay buffer asks for the current CUDA device at construction (it only builds a torch.device from it)
 torch.cuda.current_device = lambda: 0
 
-from oar_verl.core.attribution import response_importance  # noqa: E402
+from oar_verl.core.methods.attribution import response_importance  # noqa: E402
 from oar_verl.core.config import OARConfig  # noqa: E402
-from oar_verl.core.gating import oar_token_weights  # noqa: E402
-from oar_verl.core.gradient import sequence_seeds  # noqa: E402
+from oar_verl.core.reshaping.gating import oar_token_weights  # noqa: E402
+from oar_verl.core.methods.gradient import sequence_seeds  # noqa: E402
 from oar_verl.core.preprocess import pad_rows, row_fingerprints  # noqa: E402
-from oar_verl.core.spans import locate_answer_spans  # noqa: E402
+from oar_verl.core.text.spans import locate_answer_spans  # noqa: E402
 from oar_verl.openrlhf.reshape import reshape_replay_buffer  # noqa: E402
 
 N_SAMPLES = 4
@@ -286,8 +286,8 @@ def train_argv(model_dir, work, trainer, stage, mode, extra=()):
     with micro-batches of 2 (the OAR token budget), 16 new tokens, the arithmetic reward as OpenRLHF's reward_func."""
     import random
 
-    from oar_verl.cpu import arith_reward
-    from oar_verl.cpu.tiny_assets import ANSWER_STYLES, make_arith_problem
+    from oar_verl.quickstart import arith_reward
+    from oar_verl.quickstart.tiny_assets import ANSWER_STYLES, make_arith_problem
 
     rng = random.Random(0)
     prompts = os.path.join(work, "prompts.jsonl")
@@ -312,7 +312,7 @@ def train_argv(model_dir, work, trainer, stage, mode, extra=()):
 def job_train(out, model_dir, work, trainer, stage, mode, extra="[]"):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from oar_verl.cpu.openrlhf_platform import main
+    from devtools.openrlhf_platform import main
 
     main(train_argv(model_dir, work, trainer, int(stage), mode, json.loads(extra)))
     steps: dict[int, dict] = {}

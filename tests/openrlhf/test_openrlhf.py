@@ -7,7 +7,7 @@
 independently on the original rows; under DeepSpeed ZeRO-2 and ZeRO-3 on 2 gloo ranks with unequal shards (one rank
 with nothing of its own to attribute), followed by one update through the engine. The entry point's start-up
 refusals run through OpenRLHF's own CLI module with ``--oar.dry_run``. Last, OpenRLHF's whole ``train_ppo_ray`` loop
-runs through the entry point on the CPU platform (:mod:`oar_verl.cpu.openrlhf_platform`), sync and async.
+runs through the entry point on the CPU platform (:mod:`devtools.openrlhf_platform`), sync and async.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _run(cmd: list[str], timeout: int = 600, env: dict | None = None) -> subproc
 def model_dir(tmp_path_factory):
     """A tiny random fp32 Qwen2 checkpoint with the arithmetic BPE tokenizer, built by the OpenRLHF environment."""
     d = tmp_path_factory.mktemp("openrlhf") / "model"
-    _run([str(PYTHON), "-c", "import sys; from oar_verl.cpu.tiny_assets import build_tokenizer, build_tiny_qwen2; "
+    _run([str(PYTHON), "-c", "import sys; from oar_verl.quickstart.tiny_assets import build_tokenizer, build_tiny_qwen2; "
           "tok = build_tokenizer(sys.argv[1], seed=0); build_tiny_qwen2(sys.argv[1], tok, seed=0)", str(d)])
     return d
 
@@ -216,7 +216,7 @@ def _check_steps(steps: dict, want: list[str]) -> None:
 
 
 def _check_platform_lines(logs: str, dtype: str = "torch.bfloat16") -> None:
-    """The CPU platform's own checks (oar_verl/cpu/openrlhf_platform.py): every gathered parameter finite right
+    """The CPU platform's own checks (devtools/openrlhf_platform.py): every gathered parameter finite right
     after OpenRLHF's load and at the top of the first fit; at each write-back the received tensors were zero-copy
     views and are untouched, the items hold new tensors."""
     for when in ("after OpenRLHF's load of model", "before the first fit"):

@@ -279,8 +279,8 @@ def test_openrlhf_recipes_pass_openrlhf_parser(tmp_path):
 
 
 def test_the_quickstart_recipe_runs_the_module_the_wheel_test_runs():
-    """The README's first command is set-up plus ``python -m oar_verl.cpu.quickstart``, the module
+    """The README's first command is set-up plus ``python -m oar_verl.quickstart``, the module
     tests/e2e/test_quickstart_on_cpu.py runs from the wheel (so the two cannot drift)."""
     script = (ROOT / "recipes" / "quickstart_cpu.sh").read_text()
     assert 'bash "$ROOT/scripts/setup_env.sh"' in script
-    assert script.rstrip().endswith('exec "$VENV/bin/python" -m oar_verl.cpu.quickstart "$@"')
+    assert script.rstrip().endswith('exec "$VENV/bin/python" -m oar_verl.quickstart.main "$@"')

@@ -4,7 +4,7 @@
 * :mod:`.vocab_parallel` -- the outcome probe on vocab-parallel logits (never gathered on one rank);
 * :mod:`.engine` -- rows in the engine's layout, engine batches, the probe hook the engine calls, settings switched
   for attribution calls;
-* :mod:`.backend` -- the engine as a backend of the core's backend interface (:mod:`oar_verl.core.backend`), so every
+* :mod:`.backend` -- the engine as a backend of the core's backend interface (:mod:`oar_verl.core.backends.base`), so every
   method and option of the core runs on it.
 
 The result is complete on the engine's collecting rank (``engine.is_mp_src_rank_with_outputs()``: tp0, last pipeline

@@ -1,4 +1,4 @@
-"""The attribution backend of verl's Megatron engine (:mod:`oar_verl.core.backend`): every method of the core -- OAR-P
+"""The attribution backend of verl's Megatron engine (:mod:`oar_verl.core.backends.base`): every method of the core -- OAR-P
 under every perturbation policy, OAR-G with K noise draws, fisher -- runs through it unchanged.
 
 * **Layout**: each row's real tokens from position 0 (:class:`.engine.EngineRows`); a pass is one engine
@@ -26,10 +26,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from oar_verl.core.backend import EmbeddingHook, OnProbe, Pass, reasoning_slots
-from oar_verl.core.budget import PassLimits
-from oar_verl.core.layout import AttributionBatch
-from oar_verl.core.collectives import max_over_ranks
+from oar_verl.core.backends.base import EmbeddingHook, OnProbe, Pass, reasoning_slots
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.batch.layout import AttributionBatch
+from oar_verl.core.backends.collectives import max_over_ranks
 from oar_verl.integration.megatron.engine import (CleanTable, EngineRows, ProbeHook, engine_batch, engine_rows,
                                                   full_recompute, micro_batch_rows, no_param_grads, run_engine)
 from oar_verl.integration.megatron.layout_checks import check_megatron_layout

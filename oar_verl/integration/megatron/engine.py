@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oar_verl.core.budget import PassLimits
-from oar_verl.core.backend import frozen_parameters
-from oar_verl.core.layout import AttributionBatch
-from oar_verl.core.collectives import max_over_ranks
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.backends.base import frozen_parameters
+from oar_verl.core.batch.layout import AttributionBatch
+from oar_verl.core.backends.collectives import max_over_ranks
 from oar_verl.integration.megatron.vocab_parallel import CleanProbe, VPProbe, detach_clean, probe_from_vp_logits
 
 
@@ -218,7 +218,7 @@ def full_recompute(engine) -> Iterator[None]:
 @dataclass
 class CleanTable:
     """Per-row clean probes kept on the last pipeline stage, keyed by batch row (the engine's
-    :class:`~oar_verl.core.backend.ProbeTable`)."""
+    :class:`~oar_verl.core.backends.base.ProbeTable`)."""
 
     rows: dict[int, CleanProbe] = field(default_factory=dict)
 

@@ -1,4 +1,4 @@
-"""The outcome probe on vocab-parallel logits: the maths of :mod:`oar_verl.core.probes`, split over the vocabulary.
+"""The outcome probe on vocab-parallel logits: the maths of :mod:`oar_verl.core.batch.probes`, split over the vocabulary.
 
 On Megatron's last pipeline stage each tensor-parallel rank holds the logits of its vocabulary shard ``(b, s, V/tp)``.
 The probe is read at the probe positions only, in fp32; log-softmax, KL and AS-Joint log-probabilities reduce local
@@ -67,7 +67,7 @@ class VPProbe:
 
     def sketch(self, signs, exclude: torch.Tensor) -> torch.Tensor:
         """(b, S) Rademacher sketches L_j = Σ_{v ∉ exclude} s_{j,v} √sg(p_v) log p_v over the full vocabulary, the same
-        on every tensor-parallel rank (:meth:`oar_verl.core.probes.ProbeOutput.sketch`, split over the vocabulary).
+        on every tensor-parallel rank (:meth:`oar_verl.core.batch.probes.ProbeOutput.sketch`, split over the vocabulary).
 
         With log p_v = zbar_v − lse, L_j = Σ_v w_{j,v} zbar_v − lse · Σ_v w_{j,v} (w_{j,v} = s_{j,v} √sg(p_v)): each
         rank sums its shard with the signs of its global ids, one reduction over the group brings both partial sums
@@ -78,7 +78,7 @@ class VPProbe:
             signs: (global vocabulary ids (V_local,) long) -> (S, V_local) signs ±1.
             exclude: (b, K) long global ids left out (the outcomes kept exactly); K may be 0.
         """
-        from oar_verl.core.probes import sketch_losses
+        from oar_verl.core.batch.probes import sketch_losses
 
         v_local = self.zbar.shape[-1]
         s = signs(torch.arange(v_local, device=self.zbar.device) + self.vocab_lo)
@@ -141,7 +141,7 @@ def _real_columns(v_local: int, true_vocab: int | None) -> int:
 
 def probe_from_vp_logits(logits: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, joint: torch.Tensor,
                          true_vocab: int | None) -> VPProbe:
-    """Outcome probe of a micro-batch from vocab-parallel logits (oar_verl.core.probes.probe_from_logits, split
+    """Outcome probe of a micro-batch from vocab-parallel logits (oar_verl.core.batch.probes.probe_from_logits, split
     over the vocabulary).
 
     Args:

@@ -1,0 +1,150 @@
+"""How much accelerator memory an attribution pass needs, from the model's shape: the memory guard and the cost model.
+
+The estimates count the tensors a pass holds at its peak, per token position of the pass (rows × window), for a
+decoder-only transformer of the Llama / Qwen2 family (docs/scaling.md derives and checks them):
+
+* **forward, no cache** (clean, teacher, OAR-P batched copies): one layer's transient activations; nothing is kept
+  across layers;
+* **forward with a key/value cache** (OAR-P prefix reuse): the cache of every layer plus one layer's transients;
+* **forward + input-gradient backward** (OAR-G): the saved activations of every layer (or only the layer inputs,
+  under gradient checkpointing, plus one layer recomputed), the embedding leaf and its gradient;
+* **training forward + backward** (the comparator): the same saved activations plus the fp32 log-softmax over the
+  vocabulary at every response position, which attribution never computes (logits only at probe positions).
+
+Parameters and optimizer state are not counted: they are the same for the training step and for attribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ModelShape", "PassKind", "free_accelerator_bytes", "memory_guard", "model_shape", "pass_bytes"]
+
+# saved-for-backward elements per token per layer, in units of (H, I, q/kv widths); from the layer's graph:
+# input norm in/out (2H), q/k/v (Q + 2KV), attention output (Q) + its softmax statistics, o_proj input (Q),
+# residual + post-norm in/out (2H), gate/up (2I), activation and product (2I), down input (I)
+_SAVED_H, _SAVED_I = 4, 5
+_TRANSIENT_H, _TRANSIENT_I = 4, 3  # one layer's live tensors in a no-grad forward: hidden, norm, residual; gate/up/act
+_BACKWARD = 2  # a layer in its backward: its saved activations plus gradients of the same size
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that set activation memory.
+
+    Attributes:
+        layers: decoder layers. hidden: H. intermediate: I (MLP width). heads / kv_heads: attention heads.
+        head_dim: per-head width. vocab: V. dtype_bytes: bytes per activation element (2 for bf16, 4 for fp32).
+    """
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype_bytes: int = 2
+
+    @classmethod
+    def from_hf_config(cls, config, dtype: torch.dtype = torch.bfloat16) -> ModelShape:
+        """The shape of a Hugging Face decoder config (``Qwen2Config``, ``LlamaConfig``, ...)."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, config.hidden_size, config.intermediate_size, heads,
+                   getattr(config, "num_key_value_heads", None) or heads, head_dim, config.vocab_size,
+                   torch.finfo(dtype).bits // 8)
+
+    def per_layer_saved(self) -> int:
+        """Elements one layer saves for backward, per token."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return _SAVED_H * self.hidden + _SAVED_I * self.intermediate + 3 * q + 2 * kv
+
+    def per_layer_transient(self) -> int:
+        """Elements one layer holds at once in a no-grad forward, per token."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return _TRANSIENT_H * self.hidden + _TRANSIENT_I * self.intermediate + q + 2 * kv
+
+    def kv_cache(self) -> int:
+        """Elements of the key/value cache of every layer, per token."""
+        return self.layers * 2 * self.kv_heads * self.head_dim
+
+
+class PassKind:
+    FORWARD = "forward"
+    FORWARD_CACHED = "forward_cached"
+    INPUT_GRADIENT = "input_gradient"
+    TRAINING = "training"
+
+
+def pass_bytes(kind: str, tokens: int, shape: ModelShape, *, checkpointing: bool = False,
+               logit_positions: int = 0) -> int:
+    """Peak activation bytes of one pass holding ``tokens`` positions (rows × window).
+
+    Args:
+        kind: a :class:`PassKind`.
+        tokens: token positions of the pass.
+        shape: the model's shape.
+        checkpointing: layer inputs only are saved, one layer is recomputed at a time (INPUT_GRADIENT, TRAINING).
+        logit_positions: positions whose full-vocabulary logits the pass computes (probe positions; for TRAINING the
+            response tokens, default all ``tokens``).
+    """
+    b, H, V = shape.dtype_bytes, shape.hidden, shape.vocab
+    layer = shape.per_layer_transient() * tokens * b
+    if kind == PassKind.FORWARD:
+        return layer + logit_positions * V * 4
+    if kind == PassKind.FORWARD_CACHED:
+        return shape.kv_cache() * tokens * b + layer + logit_positions * V * 4
+    saved_layer = shape.per_layer_saved() * tokens * b
+    # the layer being differentiated holds its saved activations and their gradients at once
+    backward = _BACKWARD * saved_layer
+    saved = (shape.layers * H * tokens * b + backward) if checkpointing else (shape.layers * saved_layer + backward)
+    if kind == PassKind.INPUT_GRADIENT:
+        leaf = 3 * H * tokens * b + 2 * H * tokens * 4  # clean, leaf, gradient; the fp32 product for the saliency
+        return saved + leaf + logit_positions * V * 4 * 2
+    if kind == PassKind.TRAINING:
+        positions = tokens if logit_positions == 0 else logit_positions
+        # logits at every position in the model's dtype; the fp32 log-softmax of the response and its gradient
+        return saved + tokens * V * b + positions * V * 4 * 2
+    raise ValueError(f"unknown pass kind {kind!r}")
+
+
+def free_accelerator_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device`` (including what the caching allocator holds but does not use); None on CPU."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + max(reserved, 0)
+
+
+def memory_guard(device: torch.device, shape: ModelShape, *, checkpointing: bool = False,
+                 logit_positions_per_row: int = 8, headroom: float = 0.9, margin: float = 1.5):
+    """A ``fits(kind, rows, window)`` callback for :class:`oar_verl.core.backends.budget.PassLimits`, or None where the device
+    has no memory to guard (CPU). The free memory is read once, when the guard is made (right before the passes it
+    guards), so every pass of a call is judged against the same figure and data-parallel ranks count their passes
+    before running them. A pass fits when ``margin`` × its estimate is within ``headroom`` × the free memory: the
+    estimates were checked against measured peaks on CPU (docs/scaling.md), and the margin covers their low side."""
+    free = free_accelerator_bytes(device)
+    if free is None:
+        return None
+    limit = headroom * free
+
+    def fits(kind: str, rows: int, window: int) -> bool:
+        need = pass_bytes(kind, rows * window, shape, checkpointing=checkpointing,
+                          logit_positions=rows * logit_positions_per_row)
+        return margin * need <= limit
+
+    return fits
+
+
+def model_shape(model: torch.nn.Module) -> ModelShape | None:
+    """The :class:`ModelShape` of a Hugging Face causal LM (or a wrapper with its ``config``), None if unknown."""
+    config = getattr(model, "config", None)
+    try:
+        dtype = next(model.parameters()).dtype
+        return ModelShape.from_hf_config(config, dtype if dtype.is_floating_point else torch.bfloat16)
+    except (AttributeError, StopIteration, TypeError):
+        return None

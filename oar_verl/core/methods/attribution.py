@@ -1,0 +1,136 @@
+"""The one way in: :func:`run_attribution` runs the configured method (``algorithm.oar.mode``, looked up in
+:data:`~oar_verl.core.methods.contract.METHODS`) on a backend; :func:`module_backend` makes the backend of a Hugging Face module
+(plain, FSDP or sequence-sharded); :func:`response_importance` does both on verl's padded layout for core-only users
+(TRL, plain Hugging Face).
+
+The verl worker calls :func:`run_attribution` with its engine's backend (after :func:`oar_verl.core.preprocess.
+prepare_attribution`; :mod:`oar_verl.integration.backends`), the OpenRLHF adapter with its module's. A module's backend
+gets the same safe settings as the worker's: a token budget, gradient checkpointing in backward passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# the methods register themselves in METHODS when imported
+import oar_verl.core.methods.fisher  # noqa: F401
+import oar_verl.core.methods.gradient  # noqa: F401
+import oar_verl.core.methods.policies  # noqa: F401
+from oar_verl.core.backends.base import AttributionBackend
+from oar_verl.core.backends.hf import ModuleBackend
+from oar_verl.core.backends.ulysses import SequenceShards, UlyssesBackend
+from oar_verl.core.backends.budget import Fits, PassLimits
+from oar_verl.core.config import OARConfig
+from oar_verl.core.batch.layout import AttributionBatch, build_attribution_batch, with_segments
+from oar_verl.core.methods.contract import METHODS, AttributionResult, MethodInputs
+from oar_verl.core.batch.probes import ProbeKind
+from oar_verl.core.registry import Registry
+
+__all__ = ["AttributionResult", "DEFAULT_MAX_TOKENS", "METHODS", "MODULE_BACKENDS", "module_backend", "pass_limits",
+           "probe_kinds", "response_importance", "run_attribution"]
+
+# the budget when neither the configuration nor the trainer gives one (core-only use): a typical verl
+# ppo_max_token_len_per_gpu
+DEFAULT_MAX_TOKENS = 16384
+
+# how a Hugging Face module's sequences are laid out in a pass: whole (plain or FSDP), or sharded over a Ulysses group
+MODULE_BACKENDS: Registry[Callable[..., AttributionBackend]] = Registry("module layout", "sequence parallelism")
+
+
+@MODULE_BACKENDS.register("whole")
+def _whole(model, cfg: OARConfig, limits: PassLimits, *, checkpointing: bool, align, shards, pad_id: int):
+    return ModuleBackend(model, limits, prefix_cache=cfg.prefix_cache, checkpointing=checkpointing, align=align)
+
+
+@MODULE_BACKENDS.register("ulysses")
+def _ulysses(model, cfg: OARConfig, limits: PassLimits, *, checkpointing: bool, align, shards, pad_id: int):
+    return UlyssesBackend(model, limits, shards, pad_id=pad_id, checkpointing=checkpointing, align=align)
+
+
+def probe_kinds(cfg: OARConfig, global_step: int, batch_size: int, device=None) -> torch.Tensor:
+    """(B,) :class:`ProbeKind` of every row at this step (rows without an answer span fall back to LT-Logits later)."""
+    kind = ProbeKind.from_name(cfg.probe_for_step(global_step))
+    return torch.full((batch_size,), int(kind), dtype=torch.long, device=device)
+
+
+def pass_limits(cfg: OARConfig, default_tokens: int | None = None, fits: Fits | None = None) -> PassLimits:
+    """The limits of one attribution pass: ``algorithm.oar.max_token_len_per_gpu`` if set, else ``default_tokens``
+    (the actor's own budget, from the trainer), else :data:`DEFAULT_MAX_TOKENS`; the optional row and copy caps; the
+    memory guard."""
+    tokens = cfg.max_token_len_per_gpu or default_tokens or DEFAULT_MAX_TOKENS
+    return PassLimits(int(tokens), rows=cfg.micro_batch_size, copies=cfg.chunk_size, fits=fits,
+                      key=f"{cfg.prefix}.max_token_len_per_gpu")
+
+
+def module_backend(model: torch.nn.Module | None, cfg: OARConfig, *, limits: PassLimits | None = None,
+                   checkpointing: bool = True, align: Callable[[int], int] | None = None,
+                   shards: SequenceShards | None = None, pad_id: int = 0) -> AttributionBackend:
+    """The backend of a Hugging Face causal LM (:mod:`oar_verl.core.backends.hf`, :mod:`oar_verl.core.backends.ulysses`).
+
+    Args:
+        model: the causal LM in eval mode (plain or FSDP-wrapped; with ``shards``: sharded over a Ulysses group);
+            None for planning only.
+        cfg: OARConfig (``prefix_cache``).
+        limits: the token budget of one pass (default: :func:`pass_limits` of ``cfg``: 16,384 tokens unless the
+            config says otherwise).
+        checkpointing: checkpoint the decoder layers in backward passes (the actor's setting; ``False`` only when
+            memory is plentiful: it saves one recomputed forward per backward pass).
+        align: maps this rank's pass count to the count every data-parallel rank runs (the max over ranks), called
+            once per level on every rank alike; None: a single rank.
+        shards: a Ulysses sequence-parallel group: every pass is sharded over it; None: whole sequences.
+        pad_id: the token filling the last shard (with ``shards``).
+    """
+    make = MODULE_BACKENDS.get("whole" if shards is None else "ulysses")
+    return make(model, cfg, limits or pass_limits(cfg), checkpointing=checkpointing, align=align, shards=shards,
+                pad_id=pad_id)
+
+
+def run_attribution(backend: AttributionBackend, batch: AttributionBatch, cfg: OARConfig, *,
+                    mask_token_id: int | None = None, seeds: torch.Tensor | None = None) -> AttributionResult:
+    """Importance of the batch's reasoning tokens with the configured method, on any backend.
+
+    Args:
+        backend: a model runtime: :func:`module_backend` of a Hugging Face module, or verl's Megatron engine's
+            (``oar_verl.integration.megatron.backend.MegatronBackend``).
+        batch: AttributionBatch (B, L) (with ``segments`` for OAR-P's segment-level policies).
+        cfg: OARConfig; ``cfg.mode`` names the method.
+        mask_token_id: the mask token (OAR-P, fisher).
+        seeds: (B,) int64 noise seeds (OAR-G).
+
+    Returns:
+        AttributionResult: (B, L) float32 importance (0 off the reasoning tokens) and what ran.
+    """
+    return METHODS.get(cfg.mode).run(backend, batch, cfg, MethodInputs(mask_token_id, seeds))
+
+
+def response_importance(model: torch.nn.Module, prompts: torch.Tensor, prompt_mask: torch.Tensor,
+                        responses: torch.Tensor, response_mask: torch.Tensor, reasoning_mask: torch.Tensor,
+                        answer_mask: torch.Tensor, cfg: OARConfig, *, global_step: int = 0,
+                        mask_token_id: int | None = None, seeds: torch.Tensor | None = None,
+                        segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Convenience wrapper over verl's padded layout: (B, T) response-aligned importance, with the safe defaults of
+    :func:`module_backend` (a token budget, gradient checkpointing in backward passes).
+
+    Args:
+        prompts: (B, P) left-padded.
+        prompt_mask: (B, P).
+        responses: (B, T) right-padded.
+        response_mask: (B, T).
+        reasoning_mask: (B, T) bool (from :func:`oar_verl.core.text.spans.locate_answer_spans`).
+        answer_mask: (B, T) bool.
+        cfg: OARConfig.
+        global_step: selects the probe (``probe=auto``).
+        mask_token_id: OAR-P mask token.
+        seeds: (B,) OAR-G noise seeds.
+        segments: (B, T) long reasoning-segment ids (:func:`oar_verl.core.text.segments.reasoning_segments`), needed by
+            OAR-P's segment-level policies.
+    """
+    kinds = probe_kinds(cfg, global_step, prompts.shape[0], prompts.device)
+    batch = build_attribution_batch(prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,
+                                    kinds)
+    if segments is not None:
+        batch = with_segments(batch, segments)
+    return run_attribution(module_backend(model, cfg), batch, cfg, mask_token_id=mask_token_id,
+                           seeds=seeds).importance[:, batch.response_start:]

@@ -1,0 +1,85 @@
+"""The attribution methods' common contract: what a method takes and returns, and the registry ``algorithm.oar.mode``
+names them in (docs/method.md §10).
+
+A method is a function ``(backend, batch, cfg, inputs) -> AttributionResult``, written once over the backend interface
+(:mod:`oar_verl.core.backends.base`) and registered under its mode with what the layers around it must know (:class:`Method`):
+``gradient`` (:mod:`oar_verl.core.methods.gradient`), ``perturbation`` (:mod:`oar_verl.core.methods.policies`, every perturbation
+policy), ``fisher`` (:mod:`oar_verl.core.methods.fisher`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from oar_verl.core.registry import Registry
+
+
+@dataclass(frozen=True)
+class MethodInputs:
+    """The per-row inputs a method may need besides the batch.
+
+    Attributes:
+        mask_token_id: the token that replaces a masked token (OAR-P) or whose embedding the swap moves to (fisher).
+        seeds: (B,) int64 per-sequence noise seeds (OAR-G; :func:`oar_verl.core.methods.gradient.sequence_seeds`).
+    """
+
+    mask_token_id: int | None = None
+    seeds: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class AttributionResult:
+    """What a method computed.
+
+    Attributes:
+        importance: (B, L) float32, 0 off the reasoning tokens.
+        passes: the passes this rank ran for itself (before alignment with the other ranks).
+        copies: (B,) long OAR-P masked copies per row (None for the gradient methods).
+        refined: (B,) long reasoning tokens per row with a token-level OAR-P score (None for the gradient methods).
+        reasoning: (B,) long reasoning tokens per row (None for the gradient methods).
+    """
+
+    importance: torch.Tensor
+    passes: int
+    copies: torch.Tensor | None = None
+    refined: torch.Tensor | None = None
+    reasoning: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered attribution method.
+
+    Attributes:
+        run: (backend, batch, cfg, inputs) -> AttributionResult.
+        forward_only: its passes are forward-only (they take the budget of the actor's log-prob pass), else forward +
+            backward (the budget of the policy update).
+        segments: cfg -> whether this configuration needs the rows' reasoning segments (``AttributionBatch.segments``).
+    """
+
+    run: Callable[..., AttributionResult]
+    forward_only: bool = False
+    segments: Callable[[object], bool] = lambda cfg: False
+
+
+METHODS: Registry[Method] = Registry("attribution method", "algorithm.oar.mode")
+
+
+def method(name: str, *, forward_only: bool = False, segments: Callable[[object], bool] | None = None):
+    """Decorator: register the decorated ``run`` function as the method ``name`` (``algorithm.oar.mode``)."""
+
+    def add(run: Callable[..., AttributionResult]) -> Callable[..., AttributionResult]:
+        METHODS.register(name)(Method(run, forward_only, segments or (lambda cfg: False)))
+        return run
+
+    return add
+
+
+def require(value, need: str, fix: str):
+    """``value``, or a ValueError saying what the method needs and how to give it."""
+    if value is None:
+        raise ValueError(f"{need}: {fix}")
+    return value

@@ -1,0 +1,161 @@
+"""OAR-G: gradient x input saliency of the outcome (docs/method.md §4, with the official code's gradient leak and
+LT-Logits position fixed, §7), written once over the backend interface (:mod:`oar_verl.core.backends.base`).
+
+Per pass (rows packed under the token budget by the backend): a clean no-grad pass gives the teacher p0 (or φ0) --
+the teacher passes run first, one per student pass over its distinct rows -- and the student pass adds seeded
+Gaussian noise of std σ to the reasoning-token embeddings, J = KL(p0 ‖ p_noisy) (or φ0 − φ_noisy), and the score is
+|⟨∂J/∂e_t, e_t⟩| with the clean embedding e_t. The noise (:func:`reasoning_noise_at`) and the projection
+(:func:`embedding_projection`) are this module's; the backend only runs the passes with them
+(:class:`~oar_verl.core.backends.base.EmbeddingHook`).
+
+With K noise draws (``algorithm.oar.noise_samples``) each row becomes K *draw rows* e = b·K + k (row b, draw k, with
+the seed :func:`draw_seeds` gives it) and the score is the mean of the K single-draw scores. Draw rows are packed like
+rows, so a row's K draws share a pass while the budget allows and spread over more passes when not (every pass stays
+within the budget); a student pass's clean teacher pass runs once per distinct row in it, not once per draw.
+
+The noise is what makes the gradient non-zero: at p_noisy = p0 the KL sits at its minimum. How the gradient is taken
+(a detached embedding leaf, frozen parameters, checkpointed layers with eval numerics, logits only at probe positions)
+is each backend's job: :mod:`oar_verl.core.backends.hf`, :mod:`oar_verl.core.backends.ulysses`, Megatron's backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oar_verl.core.backends.base import (AttributionBackend, EmbeddingHook, Pass, collect, first_row, plan_draws,
+                                   with_fillers)
+from oar_verl.core.batch.layout import AttributionBatch
+from oar_verl.core.backends.memory import PassKind
+from oar_verl.core.methods.contract import AttributionResult, MethodInputs, method, require
+
+_SEED_MOD = 2**63 - 1
+_MIX = tuple(c - 2**64 if c >= 2**63 else c for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def sequence_seeds(seed: int, step: int, sequence_ids: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 per-sequence noise seeds from (seed, step, sequence id), independent of batching and DP layout.
+
+    Args:
+        seed, step: the configured base seed and the global training step.
+        sequence_ids: (B,) int64 stable ids of the responses (e.g. a hash of verl's uid and the sample index).
+    """
+    # splitmix64-style mixing in wrapping int64 arithmetic, vectorised over the batch
+    base = _s64(((seed * 1_000_003 + step) * _MIX[1]) % 2**64)
+    x = sequence_ids.long() * _MIX[0] + base
+    x = x ^ (x >> 31)
+    x = x * _MIX[2]
+    x = x ^ (x >> 29)
+    return x.remainder(_SEED_MOD)
+
+
+def draw_seeds(seeds: torch.Tensor, samples: int) -> torch.Tensor:
+    """(B, K) int64 seeds of the K noise draws of every row: draw 0 is the row's own seed (K = 1 is the single-draw
+    method, unchanged), draw k >= 1 a splitmix64-style mix of (the row's seed, k).
+
+    Args:
+        seeds: (B,) int64 per-sequence seeds (:func:`sequence_seeds`).
+        samples: K >= 1, the noise draws per row (``algorithm.oar.noise_samples``).
+    """
+    k = torch.arange(samples, dtype=torch.long, device=seeds.device)
+    x = seeds.long()[:, None] * _MIX[2] + k * _MIX[0]
+    x = x ^ (x >> 30)
+    x = x * _MIX[1]
+    x = x ^ (x >> 27)
+    return torch.where(k == 0, seeds.long()[:, None], x.remainder(_SEED_MOD))
+
+
+def _s64(c: int) -> int:
+    """The signed int64 with the same bits as the unsigned 64-bit ``c``."""
+    return c - 2**64 if c >= 2**63 else c
+
+
+def reasoning_noise_at(slot: torch.Tensor, rank: torch.Tensor, seeds: torch.Tensor, counts: torch.Tensor,
+                       hidden_size: int, noise_std: float) -> torch.Tensor:
+    """(m, H) float32 noise of m reasoning tokens laid out anyhow (padded rows, a sequence shard, a micro-batch).
+
+    Token j is the ``rank[j]``-th reasoning token of packed row ``slot[j]``, and gets draw ``rank[j]`` of a generator
+    seeded with ``seeds[slot[j]]`` that draws the row's whole (``counts[slot[j]]``, H) block (a shorter draw is not a
+    prefix of a longer one on every device). So a token's noise depends only on (seed, its rank), never on padding,
+    packing, sharding or rank: every backend adds the very same noise.
+
+    Args:
+        slot: (m,) long packed row of each token. rank: (m,) long its rank among its row's reasoning tokens.
+        seeds: (n,) int64 seed per packed row. counts: (n,) long reasoning tokens per packed row.
+        hidden_size: H. noise_std: σ.
+    """
+    device = slot.device
+    out = torch.zeros(slot.shape[0], hidden_size, device=device)
+    if noise_std == 0:  # a clean-point backward: no draws to make
+        return out
+    seed_list, count_list = seeds.tolist(), counts.tolist()  # host metadata, once per pass
+    for s in slot.unique().tolist():  # one generator per row, never per token
+        gen = torch.Generator(device=device).manual_seed(int(seed_list[s]))
+        sel = slot == s
+        out[sel] = torch.randn(int(count_list[s]), hidden_size, generator=gen, device=device)[rank[sel]]
+    return out * noise_std
+
+
+def embedding_projection(grad: torch.Tensor, clean: torch.Tensor, mask_embedding: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """(b, s) float32 signed ⟨∂J/∂e_t, v_t⟩ of (b, s, H) embedding gradients: v_t = e_t, the clean embedding
+    (gradient × input, OAR-G), or v_t = e_mask − e_t with ``mask_embedding`` (H,) given (the first-order change of J
+    when token t is swapped for the mask token). Accumulated in fp32 at least (bf16 products would cancel badly in the
+    sum), one row at a time (the fp32 product of a whole pass would be another (b, s, H) buffer)."""
+    acc = torch.promote_types(clean.dtype, torch.float32)
+    base = None if mask_embedding is None else mask_embedding.to(acc)
+    return torch.stack([(g.to(acc) * (c.to(acc) if base is None else base - c.to(acc))).sum(-1)
+                        for g, c in zip(grad, clean)]).float()
+
+
+def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Tensor, noise_std: float,
+          samples: int = 1) -> tuple[torch.Tensor, int]:
+    """OAR-G importance of every reasoning token, on any backend: the mean over ``samples`` noise draws of the
+    single-draw score |⟨∂J/∂e_t, e_t⟩|.
+
+    Args:
+        backend: the model runtime.
+        batch: AttributionBatch (B, L); B >= 1 when other data-parallel ranks run more passes.
+        seeds: (B,) int64 per-sequence seeds (:func:`sequence_seeds`); draw k of row b uses
+            ``draw_seeds(seeds, samples)[b, k]`` (draw 0: ``seeds[b]`` itself).
+        noise_std: σ of the Gaussian embedding noise (absolute).
+        samples: K >= 1 noise draws per row (``algorithm.oar.noise_samples``); K = 1 is the single-draw method.
+
+    Returns:
+        ((B, L) float32 mean over the K draws of |⟨∂J/∂e_t, e_t⟩| at reasoning positions, 0 elsewhere; the student
+        passes this rank needed before alignment). No parameter has a gradient or a changed requires_grad flag
+        afterwards.
+    """
+    B, L = batch.input_ids.shape
+    draw_rows, packs = plan_draws(backend, batch, samples, PassKind.INPUT_GRADIENT)  # draw row e = b·K + k
+    draw_seed = draw_seeds(seeds.to(draw_rows.device), samples).reshape(-1)
+    count = backend.align(len(packs))
+    row = first_row(batch)
+    students = with_fillers([Pass(draw_rows[p]) for p in packs], count, Pass(row, filler=True), batch)
+    student_seeds = [draw_seed[p] for p in packs] + [draw_seed[:1]] * (len(students) - len(packs))
+    # the clean teacher of a student pass runs once per distinct row in it (not once per draw), before the students
+    teachers = with_fillers([Pass(torch.unique_consecutive(draw_rows[p])) for p in packs], count,
+                            Pass(row, filler=True), batch)
+    table = backend.table(B)
+    backend.run(batch, teachers, lambda i, probe: None if teachers[i].filler else table.put(teachers[i].rows, probe))
+    counts = batch.reasoning_mask.sum(-1)
+
+    def loss(i: int, probe) -> torch.Tensor:
+        rows = students[i].rows
+        return backend.shift(table.get(rows), probe, batch.probe.joint[rows])
+
+    def noise(i: int, slot: torch.Tensor, rank: torch.Tensor, hidden: int) -> torch.Tensor:
+        rows = students[i].rows
+        return reasoning_noise_at(slot, rank, student_seeds[i], counts[rows], hidden, noise_std)
+
+    saliency = backend.run(batch, students, loss, EmbeddingHook(embedding_projection, noise))
+    per_draw = collect(saliency, packs, (B * samples, L), batch.input_ids.device).abs()
+    mean = per_draw.view(B, samples, L).mean(1)
+    return torch.where(batch.reasoning_mask, mean, 0.0), len(packs)
+
+
+@method("gradient")
+def run_oar_g(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
+    """``mode=gradient``: :func:`oar_g` with ``noise_std`` and ``noise_samples`` of the configuration."""
+    seeds = require(inputs.seeds, "OAR-G needs per-sequence noise seeds",
+                    "see oar_verl.core.methods.gradient.sequence_seeds (prepare_attribution computes them)")
+    return AttributionResult(*oar_g(backend, batch, seeds, cfg.noise_std, cfg.noise_samples))

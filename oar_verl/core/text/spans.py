@@ -1,0 +1,117 @@
+"""Final-answer spans of responses, as token masks: the response bytes are scanned for the answer
+(:mod:`oar_verl.core.text.answer_patterns`) and byte spans are mapped back to token positions through per-token byte offsets
+(:mod:`oar_verl.core.text.token_bytes`). Nothing is ever re-tokenised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from oar_verl.core.text.answer_patterns import BUILTIN_PATTERNS, find_answer_span
+from oar_verl.core.text.token_bytes import selected_byte_lengths
+
+
+__all__ = ["AnswerSpans", "locate_answer_spans"]
+
+
+@dataclass(frozen=True)
+class AnswerSpans:
+    """Per-token masks of the reasoning and answer parts of a batch of responses.
+
+    Attributes:
+        reasoning_mask: (B, T) bool. Valid response tokens whose bytes end at or before the answer marker (without a
+            found answer: every valid token except EOS / pad tokens).
+        answer_mask: (B, T) bool. Valid tokens overlapping the answer value (e.g. the ``42`` of ``\\boxed{42}``).
+        found: (B,) bool. Whether some pattern matched the row.
+        pattern_index: (B,) long. Index into the ``patterns`` tuple of the pattern that matched, -1 if none.
+
+    Marker tokens (``\\boxed{``, ``#### ``, "The answer is "), tokens after the value and EOS are in neither mask.
+    """
+
+    reasoning_mask: torch.Tensor
+    answer_mask: torch.Tensor
+    found: torch.Tensor
+    pattern_index: torch.Tensor
+
+
+def _as_id_list(ids: int | Iterable[int] | None) -> list[int]:
+    """An int, an iterable of ints (Nones dropped) or None as a list of ints."""
+    if ids is None:
+        return []
+    if isinstance(ids, int):
+        return [ids]
+    return [int(i) for i in ids if i is not None]
+
+
+def locate_answer_spans(
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    tokenizer,
+    patterns: Sequence[str] = BUILTIN_PATTERNS,
+    eos_token_ids: int | Iterable[int] | None = None,
+) -> AnswerSpans:
+    """Reasoning and answer token masks of a batch of responses.
+
+    Args:
+        response_ids: (B, T) long token ids (right-padded; any layout works, only ``response_mask`` counts).
+        response_mask: (B, T) 0/1, bool or float: which positions are real response tokens.
+        tokenizer: a transformers tokenizer; its byte table is built once and cached (:func:`token_byte_table`).
+        patterns: answer patterns, see :func:`find_answer_span`.
+        eos_token_ids: int or ids never counted as reasoning; default ``tokenizer.eos_token_id``.  Positions holding
+            ``tokenizer.pad_token_id`` (if the tokenizer has one) are never reasoning either.
+
+    Returns:
+        :class:`AnswerSpans` with (B, T) bool masks and (B,) ``found`` / ``pattern_index``, on ``response_ids.device``.
+        Found: reasoning = valid tokens ending at or before the marker start (EOS / pad excluded); answer = valid
+        tokens overlapping [value_start, value_end).  Not found: reasoning = valid tokens except EOS / pad; answer
+        empty.  Rows with no valid token: all False, not found.
+
+    Raises:
+        ValueError: shapes differ, or a valid token id is negative. Ids beyond the tokenizer's vocabulary (unused
+        embedding rows a model may still sample) count as empty text, with one warning per process.
+    """
+    if response_ids.dim() != 2 or response_mask.shape != response_ids.shape:
+        raise ValueError(
+            f"response_ids and response_mask must both be (B, T); got {tuple(response_ids.shape)} and "
+            f"{tuple(response_mask.shape)}"
+        )
+    device = response_ids.device
+    B, T = response_ids.shape
+    if B == 0 or T == 0:
+        empty = torch.zeros(B, T, dtype=torch.bool, device=device)
+        found = torch.zeros(B, dtype=torch.bool, device=device)
+        return AnswerSpans(empty, empty.clone(), found, torch.full((B,), -1, dtype=torch.long, device=device))
+
+    ids = response_ids.detach().to("cpu", torch.long)
+    valid = response_mask.detach().to("cpu") != 0
+    # Byte offsets of every token, batch-wide: padding gets length 0 so it does not shift later offsets.
+    table, known, tok_len = selected_byte_lengths(ids, valid, tokenizer, "response")
+    ends = tok_len.cumsum(dim=1)
+    starts = ends - tok_len
+
+    # Byte spans per row (the only per-row Python work: joining the row's bytes and scanning them).  Rows without an
+    # answer keep (0, 0, 0, -1); the `found` gate below makes those values irrelevant.
+    spans = [(0, 0, 0, -1)] * B
+    for b in range(B):
+        row = ids[b][known[b]].tolist()
+        if row:
+            spans[b] = find_answer_span(b"".join([table[i] for i in row]), patterns) or spans[b]
+    marker, v_start, v_end, pattern_index = torch.tensor(spans, dtype=torch.long).reshape(B, 4).unbind(1)
+    found = pattern_index >= 0
+
+    never_reasoning = _as_id_list(tokenizer.eos_token_id if eos_token_ids is None else eos_token_ids)
+    never_reasoning += _as_id_list([getattr(tokenizer, "pad_token_id", None)])
+    if never_reasoning:
+        special = torch.isin(ids, torch.tensor(never_reasoning, dtype=torch.long))
+    else:
+        special = torch.zeros_like(valid)
+    candidates = valid & ~special
+    f = found[:, None]
+    reasoning = candidates & (~f | (ends <= marker[:, None]))
+    answer = valid & f & (starts < v_end[:, None]) & (ends > v_start[:, None])
+    return AnswerSpans(
+        reasoning.to(device), answer.to(device), found.to(device), pattern_index.contiguous().to(device)
+    )
