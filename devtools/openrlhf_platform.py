@@ -377,7 +377,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if os.environ.get("OAR_CPU_RAY_PY_MODULES") == "1":  # oar_verl shipped to the workers, as with `ray job submit`
         import oar_verl
 
-        runtime_env["py_modules"] = [os.path.dirname(oar_verl.__file__)]
+        # this platform (the worker set-up hook) travels with it: neither is installed on the workers
+        runtime_env["py_modules"] = [os.path.dirname(oar_verl.__file__), os.path.dirname(os.path.abspath(__file__))]
     ray.init(num_cpus=max(4, gpus + 2), num_gpus=gpus, include_dashboard=False, runtime_env=runtime_env)
     orl_ray.create_vllm_engines = create_hf_engines
     try:

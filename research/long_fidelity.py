@@ -11,13 +11,14 @@ fidelity are cached per chunk in ``--out``, so an interrupted run resumes where 
 
 Methods (``--methods``), each through the product's ``run_attribution`` on the module backend, timed against one
 training forward+backward on the same rows: OAR-G (K = 1), ``fisher`` (K = 1; K = 4), OAR-P ``segment`` and
-``hierarchical`` (refine share 0.1). Fidelity: the library metric :func:`oar_verl.core.fidelity.metric.fidelity_report`
-(deletion curves over f ∈ {1, 2, 5, 10, 20} % with the mask, zero, delete and resample operators; NAOPC against
+``hierarchical`` (refine share 0.1). Fidelity: the library metric :func:`oar_verl.core.fidelity.fidelity_report`
+(deletion curves over f ∈ {1, 2, 5, 10, 20} % with the ``token`` (the model's plain mask token), ``zero``, ``delete``
+and ``resample`` operators by default, ``--operators``, where the old name ``mask`` means ``token``; NAOPC against
 ``--random`` random rankings and the best of the methods on each row; suppression S; mass on target), paired
 bootstrap intervals over rows.
 
 Controls (``--controls recency``): the library's positional ranking
-(:func:`oar_verl.core.fidelity.metric.position_scores`, the latest tokens first), measured per cached chunk and normalised by
+(:func:`oar_verl.core.fidelity.position_scores`, the latest tokens first), measured per cached chunk and normalised by
 that chunk's own random ranking and best method.
 
 What it cannot show: the "best" ranking is the best of the methods compared (exact leave-one-out rankings, R forwards
@@ -46,7 +47,8 @@ import torch
 
 from oar_verl.core import OARConfig, module_backend, run_attribution
 from oar_verl.core.backends.budget import PassLimits
-from oar_verl.core.fidelity.metric import bootstrap_mean, default_min_gap, fidelity_report, naopc, position_scores
+from oar_verl.core.fidelity import (OPERATORS as REMOVAL_OPERATORS, RENAMED, bootstrap_mean, default_min_gap,
+                                    fidelity_report, naopc, position_scores)
 from oar_verl.core.preprocess import prepare_attribution
 from research import REPO
 from research.common import measure, progress, smollm2_path
@@ -66,7 +68,7 @@ METHODS = {
     "oar_p_segment_mean": {"mode": "perturbation", "perturbation": "segment", "mask": "mean"},
 }
 BASE = {"target": "reference", "conclude_text": "\n#### ", "answer_patterns": ("gsm8k",), "probe": "as_mean"}
-OPERATORS = ("mask", "zero", "delete", "resample")
+OPERATORS = ("token", "zero", "delete", "resample")  # `token`: the model's plain mask token, as the methods mask
 STATS = ("naopc", "naopc_logp", "suppression", "mass", "aopc")
 
 
@@ -328,6 +330,17 @@ def _padded(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
     return s, torch.arange(s.shape[1])[None] < torch.tensor([len(r) for r in rows])[:, None]
 
 
+def parse_operators(text: str) -> tuple[str, ...]:
+    """``--operators``: comma-separated removal operators (:data:`oar_verl.core.fidelity.OPERATORS`); a name from
+    before the metric's operators were OAR-P's (``mask``) maps to its name now."""
+    ops = tuple(RENAMED.get(o, o) for o in text.split(",") if o)
+    unknown = [o for o in ops if o not in REMOVAL_OPERATORS]
+    if unknown or not ops:
+        raise SystemExit(f"--operators: unknown {unknown or 'none given'}; allowed: {', '.join(REMOVAL_OPERATORS)} "
+                         f"(old names: {', '.join(f'{k}={v}' for k, v in RENAMED.items())})")
+    return ops
+
+
 def gating_sweep(chunks: list[dict], methods: list[str], gates: list[tuple[float, float]], floor: float = 0.1,
                  target_fraction: float = 0.2) -> dict:
     """Mass on target under other gating settings, from the cached scores (no model pass).
@@ -336,7 +349,7 @@ def gating_sweep(chunks: list[dict], methods: list[str], gates: list[tuple[float
     ``target_fraction`` (the best method by KL NAOPC on that row), mean and paired-bootstrap interval over rows; and
     ``ceiling``: the share if the gate had the best ranking itself (what the gate allows at that setting).
     """
-    from oar_verl.core.fidelity.metric import mass_on_target, ranks_from_scores, top_removal
+    from oar_verl.core.fidelity import mass_on_target, ranks_from_scores, top_removal
     from oar_verl.core.reshaping.gating import oar_token_weights
 
     scores = {n: _padded([row for c in chunks for row in c["scores"][n]]) for n in methods}
@@ -405,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     if "OMP_NUM_THREADS" not in os.environ:  # a shared machine: OMP_NUM_THREADS=1 wastes no time spinning
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     methods = [x for x in a.methods.split(",") if x]
+    operators = parse_operators(a.operators)
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; allowed: {', '.join(METHODS)}")
@@ -430,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         if (i // a.chunk) % n_workers != worker:  # another process's chunk, not done yet
             continue
         t0 = time.perf_counter()
-        res = chunk_result(m, rows[i:i + a.chunk], methods, operators=tuple(a.operators.split(",")), draws=a.draws,
+        res = chunk_result(m, rows[i:i + a.chunk], methods, operators=operators, draws=a.draws,
                            random_rankings=a.random, limits=limits, seed=i)
         path.write_text(json.dumps(res))
         chunks.append(res)
@@ -452,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             elif method_chunk.exists() and (i // a.chunk) % n_workers == worker:
                 t0 = time.perf_counter()
                 res = control_result(m, rows[i:i + a.chunk], json.loads(method_chunk.read_text()), name,
-                                     operators=tuple(a.operators.split(",")), draws=a.draws,
+                                     operators=operators, draws=a.draws,
                                      random_rankings=a.random, limits=limits, seed=i)
                 path.write_text(json.dumps(res))
                 controls[name].append(res)

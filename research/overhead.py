@@ -51,7 +51,7 @@ def fidelity_share(args) -> dict:
 
     from oar_verl.core.backends.budget import PassLimits
     from oar_verl.core.config import OARConfig
-    from oar_verl.core.fidelity.metric import default_min_gap
+    from oar_verl.core.fidelity import default_min_gap
     from oar_verl.core.fidelity.step import RANDOM_RANKINGS, step_fidelity
     from oar_verl.core.methods.gradient import sequence_seeds
     from research.attribution import build_model, make_batch, sync, timed
@@ -79,9 +79,13 @@ def fidelity_share(args) -> dict:
     cfg = OARConfig(fidelity_every=1, fidelity_rows=args.fidelity_rows)
     from oar_verl.core.methods.attribution import module_backend
 
+    from oar_verl.core.methods.mask_operator import mask_replacement
+
     def fidelity():
         with torch.no_grad():
-            return step_fidelity(module_backend(model, cfg, limits=limits), batch, importance, cfg, 0, token=0,
+            backend = module_backend(model, cfg, limits=limits)
+            replacement = mask_replacement(backend, batch, cfg.mask, None, seeds)  # the run's operator (mean)
+            return step_fidelity(backend, batch, importance, cfg, 0, replacement=replacement,
                                  min_gap=default_min_gap(model))
 
     t_f = timed(fidelity, args.device)

@@ -1,8 +1,8 @@
 """From a rank's rows to what the attribution methods run on: spans → target → attribution batch (→ reasoning
 segments, for OAR-P's segment-level policies) → seeds.
 
-One function, :func:`prepare_attribution`, shared by the verl worker (after it has unpacked verl's batch into token
-rows) and by the tests that check the worker against the core. Everything here is verl-free.
+One function, :func:`prepare_attribution`, called by :func:`oar_verl.core.pipeline.attribute` (the one way in, for
+every integration) and by the tests that check the integrations against the core. Everything here is verl-free.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from oar_verl.core.methods.attribution import METHODS, probe_kinds
+from oar_verl.core.checks.startup import check_config
 from oar_verl.core.config import OARConfig
 from oar_verl.core.methods.gradient import sequence_seeds
-from oar_verl.core.batch.layout import AttributionBatch, build_attribution_batch, build_reference_responses, with_segments
+from oar_verl.core.batch.layout import (AttributionBatch, build_attribution_batch, build_reference_responses,
+                                        with_segments)
 from oar_verl.core.checks.mask_token import check_mask_token
 from oar_verl.core.text.segments import reasoning_segments
 from oar_verl.core.text.spans import AnswerSpans, locate_answer_spans
@@ -49,17 +51,34 @@ class PreparedAttribution:
         ``target=reference``, the ground truth's; False where it read LT-Logits."""
         return self.batch.probe.reads_span.cpu()
 
-    def response_importance(self, importance: torch.Tensor) -> list[torch.Tensor]:
-        """Per row, the (n_i,) float32 CPU importance of its response tokens from (B, L) full-sequence scores.
+    @property
+    def response_mask(self) -> torch.Tensor:
+        """(B, T) bool valid tokens of the responses (T: the longest response), as :attr:`spans` is laid out."""
+        lengths = torch.tensor(self.response_lengths, dtype=torch.long)
+        return torch.arange(self.spans.reasoning_mask.shape[1])[None, :] < lengths[:, None]
+
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest attributed sequence (0 without rows): what a pass budget must at least hold."""
+        lengths = self.batch.attention_mask.sum(-1)
+        return int(lengths.max()) if lengths.numel() else 0
+
+    def padded_importance(self, importance: torch.Tensor) -> torch.Tensor:
+        """(B, T) float32 CPU importance of the response tokens from (B, L) full-sequence scores, 0 on padding.
 
         With ``target=reference`` the attributed response is reasoning + conclusion + ground truth; the reasoning is a
         prefix of both it and the real response, so the scores map back position by position (0 beyond).
         """
-        start = self.batch.response_start
-        scores = importance[:, start:].float().cpu()
-        width = scores.shape[1]
-        return [scores[i, :n] if n <= width else torch.cat([scores[i], scores.new_zeros(n - width)])
-                for i, n in enumerate(self.response_lengths)]
+        mask = self.response_mask
+        scores = importance[:, self.batch.response_start:].float().cpu()[:, :mask.shape[1]]
+        padded = scores.new_zeros(mask.shape)
+        padded[:, :scores.shape[1]] = scores
+        return torch.where(mask, padded, 0.0)
+
+    def response_importance(self, importance: torch.Tensor) -> list[torch.Tensor]:
+        """Per row, the (n_i,) float32 CPU importance of its response tokens (:meth:`padded_importance`, unpadded)."""
+        padded = self.padded_importance(importance)
+        return [padded[i, :n] for i, n in enumerate(self.response_lengths)]
 
 
 def pad_rows(rows: Sequence[torch.Tensor], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +134,7 @@ def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[tor
         OARConfigError: ``mask=pad`` / ``mask=token`` with an unsafe token (an EOS, end-of-turn or other special
             token; :func:`oar_verl.core.checks.mask_token.unsafe_mask_reason`).
     """
+    check_config(cfg)  # the names and their combinations (core-only users have no start-up)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     prompt_ids, prompt_mask = pad_rows(prompts, pad_id, left=True)
     response_ids, response_mask = pad_rows(responses, pad_id, left=False)

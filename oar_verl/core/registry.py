@@ -1,5 +1,8 @@
 """Named registries, the way verl keeps its advantage estimators and engines: an attribution method is looked up by
-``algorithm.oar.mode``, a backend by the runtime that runs it, never picked by a chain of ``if`` tests."""
+``algorithm.oar.mode``, a perturbation policy by ``algorithm.oar.perturbation``, a mask operator by
+``algorithm.oar.mask``, a backend by the runtime that runs it; never picked by a chain of ``if`` tests. An entry
+carries the facts the layers around it need (a method's traits, an operator's), so the registry is their one source.
+"""
 
 from __future__ import annotations
 
@@ -36,6 +39,11 @@ class Registry(Generic[T]):
 
         return add
 
+    def unregister(self, name: str) -> T:
+        """Remove ``name`` and return its entry (a plug-in withdrawn, a test's temporary entry)."""
+        self.get(name)
+        return self._entries.pop(name)
+
     def get(self, name: str) -> T:
         if name not in self._entries:
             raise ValueError(f"{self.key}={name!r} is not a registered {self.what}; registered: "
@@ -43,7 +51,8 @@ class Registry(Generic[T]):
         return self._entries[name]
 
     def names(self) -> tuple[str, ...]:
-        return tuple(sorted(self._entries))
+        """The registered names, in the order they were registered (the order errors and docs list them in)."""
+        return tuple(self._entries)
 
 
 def _origin(entry) -> str:

@@ -3,9 +3,9 @@
 :class:`TokenImportanceMixin` adds one RPC, ``compute_token_importance``, dispatched over the actor mesh exactly
 like ``compute_log_prob``, to verl's actor worker (:class:`OARActorRolloutRefWorker`) and to the detachable actor
 worker of verl's ``separate_async`` trainer (:class:`OARDetachActorWorker`). Each data-parallel rank unpacks its
-shard into token rows, prepares them with the core (:func:`oar_verl.core.preprocess.prepare_attribution`),
-attributes them with the engine's (sharded) module under ``engine.eval_mode()`` (parameters loaded as the engine
-does, offloaded again after), and returns response-aligned nested tensors that the TransferQueue bridge stores under
+shard into token rows, attributes them with the core's one way in (:func:`oar_verl.core.pipeline.attribute`) on
+the engine's (sharded) module under ``engine.eval_mode()`` (parameters loaded as the engine does, offloaded again
+after), and returns response-aligned nested tensors that the TransferQueue bridge stores under
 the batch keys (V1) or that the legacy trainer reads back.
 """
 
@@ -22,12 +22,12 @@ from verl.utils import tensordict_utils as tu
 from verl.experimental.separation.engine_workers import DetachActorWorker
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from oar_verl.core.methods.attribution import run_attribution
 from oar_verl.core.config import OARConfig
-from oar_verl.core.fidelity.metric import default_min_gap
+from oar_verl.core.fidelity.summary import default_min_gap
 from oar_verl.core.fidelity.step import due, step_fidelity
 from oar_verl.core.methods.mask_operator import mask_replacement
-from oar_verl.core.preprocess import prepare_attribution
+from oar_verl.core.pipeline import attribute
+from oar_verl.core.preprocess import PreparedAttribution
 from oar_verl.integration.actor_budget import actor_token_budget
 from oar_verl.integration.backends import ENGINE_BACKENDS
 from oar_verl.core.backends.collectives import max_over_ranks
@@ -64,8 +64,9 @@ def _config(serialised: str) -> OARConfig:
     return OARConfig.from_mapping(json.loads(serialised))
 
 
-def _nested(rows: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+def _nested(padded: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """The jagged (B, T_i) rows of a right-padded (B, T) tensor, T_i = ``lengths[i]``."""
+    return torch.nested.as_nested_tensor([padded[i, :n] for i, n in enumerate(lengths)], layout=torch.jagged)
 
 
 def params_fingerprint(engine) -> float:
@@ -119,36 +120,38 @@ class TokenImportanceMixin:
         prompts, responses = unpack_rows(data)
         truths = ground_truths(data) if cfg.target == "reference" else None
         tokenizer = self.actor.model_config.tokenizer
-        prepared = prepare_attribution(prompts, responses, tokenizer, cfg, step, ground_truths=truths, device=device)
-        # the actor's own token budget; the longest sequence of any rank, so that every rank packs by the same budget
-        lengths = prepared.batch.attention_mask.sum(-1)
-        longest = max_over_ranks(int(lengths.max()) if lengths.numel() else 0, device)
-        backend = kind.make(engine, cfg, actor_token_budget(cfg, self.actor.engine_config, longest),
-                            pad_id=tokenizer.pad_token_id or 0,
-                            checkpointing=bool(getattr(self.actor.model_config, "enable_gradient_checkpointing", False)),
-                            align=lambda n: max_over_ranks(n, device))
+
+        def backend(prepared: PreparedAttribution):
+            # the actor's own token budget; the longest sequence of any rank, so that every rank packs by the same one
+            longest = max_over_ranks(prepared.longest, device)
+            return kind.make(engine, cfg, actor_token_budget(cfg, self.actor.engine_config, longest),
+                             pad_id=tokenizer.pad_token_id or 0,
+                             checkpointing=bool(getattr(self.actor.model_config, "enable_gradient_checkpointing",
+                                                        False)),
+                             align=lambda n: max_over_ranks(n, device))
+
         with engine.eval_mode():
             kind.eval_numerics(engine)
-            result = run_attribution(backend, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
-                                     seeds=prepared.seeds)
+            att = attribute(backend, prompts, responses, tokenizer, cfg, step, ground_truths=truths, device=device)
             # the step's fidelity, every rank alike (fillers align the pass counts); NaN when not due
+            prepared = att.prepared
             gap = default_min_gap(engine.module[0] if isinstance(engine.module, (list, tuple)) else engine.module)
-            replacement = (mask_replacement(backend, prepared.batch, cfg.mask, prepared.mask_token_id, prepared.seeds)
-                           if due(cfg, step) else None)
-            fidelity = step_fidelity(backend, prepared.batch, result.importance, cfg, step, replacement=replacement,
-                                     min_gap=gap)
+            replacement = (mask_replacement(att.backend, prepared.batch, cfg.mask, prepared.mask_token_id,
+                                            prepared.seeds) if due(cfg, step) else None)
+            fidelity = step_fidelity(att.backend, prepared.batch, att.result.importance, cfg, step,
+                                     replacement=replacement, min_gap=gap)
         if not engine.is_mp_src_rank_with_outputs():
             return None
-        lens, spans = prepared.response_lengths, prepared.spans
+        lens = att.lengths
         return TensorDict({
-            "token_importance": _nested(prepared.response_importance(result.importance)),
-            "oar_reasoning_mask": _nested([spans.reasoning_mask[i, :n].float() for i, n in enumerate(lens)]),
-            "oar_answer_mask": _nested([spans.answer_mask[i, :n].float() for i, n in enumerate(lens)]),
-            "oar_span_found": spans.found.float(),
-            "oar_answer_probe": prepared.answer_probe.float(),
-            "oar_passes": torch.full((len(lens),), float(result.passes)),
-            "oar_copies": torch.full((len(lens),), -1.0) if result.copies is None else result.copies.float().cpu(),
-            "oar_refined": torch.full((len(lens),), -1.0) if result.refined is None else result.refined.float().cpu(),
+            "token_importance": _nested(att.importance, lens),
+            "oar_reasoning_mask": _nested(att.reasoning_mask.float(), lens),
+            "oar_answer_mask": _nested(att.answer_mask.float(), lens),
+            "oar_span_found": att.span_found.float(),
+            "oar_answer_probe": att.answer_probe.float(),
+            "oar_passes": torch.full((len(lens),), float(att.passes)),
+            "oar_copies": torch.full((len(lens),), -1.0) if att.copies is None else att.copies.float(),
+            "oar_refined": torch.full((len(lens),), -1.0) if att.refined is None else att.refined.float(),
             "oar_params_fingerprint": torch.full((len(lens),), fingerprint, dtype=torch.float64),
             "oar_log_prob_params_fingerprint": torch.full((len(lens),), float("nan") if log_prob_fingerprint is None
                                                           else log_prob_fingerprint, dtype=torch.float64),

@@ -3,6 +3,7 @@
 * :func:`check_openrlhf_version`: the adapter reaches into OpenRLHF's internals (the replay buffer's items, the policy
   actor's ``fit``, the CLI module's actor class), so an OpenRLHF outside the tested release is refused by default.
 * :func:`check_policy_loss`: loss forms under which a mass-preserving reshaping cannot change the gradient.
+* :func:`startup_check_flags`: the start-up checks every integration runs, on the ``--oar.*`` flags and the policy.
 * :func:`guard_actor_groups`: the policy actor group OpenRLHF builds must be OAR's, checked when the group is built and
   again, on the actors themselves, at the first ``fit``.
 
@@ -86,32 +87,29 @@ def check_policy_loss(args) -> None:
                                 f"gradient. {INVARIANT_LOSSES[loss]}")
 
 
-def check_mask_token_flags(args, cfg) -> None:
-    """Refuse an unsafe OAR-P / fisher mask token (``--oar.mask=pad|token``: an EOS of the policy's tokenizer or
-    generation config, a chat-template token, another special token), naming the flag and how to override
-    (:func:`oar_verl.core.checks.mask_token.check_model_mask_token`; a policy path that is not a local directory is checked
-    at the first step)."""
+def startup_check_flags(args, cfg) -> list[str]:
+    """The start-up checks every integration runs (:func:`oar_verl.core.checks.startup.startup_checks`) on OpenRLHF's
+    flags: the ``--oar.*`` values, an unsafe mask token of the policy (``--actor.model_name_or_path``: an EOS of its
+    tokenizer or generation config, a chat-template token, another special token; a path that is not a local directory
+    is checked at the first step), and a gradient method on a sliding-window policy past its window (rows:
+    ``--data.max_len``), warned of. Returns the warnings.
+
+    Raises:
+        OpenRLHFArgsError: an error of the checks, naming the flag and how to override.
+    """
+    from oar_verl.core.checks.startup import startup_checks
     from oar_verl.core.config import OARConfigError
-    from oar_verl.core.checks.mask_token import check_model_mask_token
 
     actor = getattr(args, "actor", None)
+    max_len = getattr(getattr(args, "data", None), "max_len", None)
     try:
-        check_model_mask_token(cfg, getattr(actor, "model_name_or_path", None),
-                               trust_remote_code=bool(getattr(actor, "trust_remote_code", False)))
+        return startup_checks(cfg, model_path=getattr(actor, "model_name_or_path", None),
+                              trust_remote_code=bool(getattr(actor, "trust_remote_code", False)),
+                              max_tokens=None if max_len is None else int(max_len),
+                              fidelity_check="oar_verl.core.fidelity.fidelity_report on a few rollouts "
+                                             "(docs/fidelity.md)")
     except OARConfigError as e:
         raise OpenRLHFArgsError(str(e)) from e
-
-
-def warn_sliding_window_flags(args, cfg) -> str | None:
-    """Warn (logged, returned) of ``--oar.mode=gradient|fisher`` on a local policy whose attention layers slide, with
-    rows (``--data.max_len``) longer than the window (:mod:`oar_verl.core.checks.sliding_window`)."""
-    from oar_verl.core.checks.sliding_window import check_model_sliding_window
-
-    max_len = getattr(getattr(args, "data", None), "max_len", None)
-    return check_model_sliding_window(cfg, getattr(getattr(args, "actor", None), "model_name_or_path", None),
-                                      None if max_len is None else int(max_len),
-                                      check="oar_verl.core.fidelity.metric.fidelity_report on a few rollouts "
-                                            "(docs/fidelity.md)")
 
 
 def is_policy_actor_class(actor_type: Any, base: type) -> bool:

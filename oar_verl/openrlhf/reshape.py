@@ -1,4 +1,4 @@
-"""OAR on OpenRLHF's replay buffer: per-item rows -> core attribution -> gate -> w_t x A_seq assigned back.
+"""OAR on OpenRLHF's replay buffer: per-item rows -> the core's attribute + reshape -> w_t x A_seq assigned back.
 
 OpenRLHF 0.11 stores one unpadded :class:`openrlhf.trainer.ppo_utils.experience.Experience` per sample: ``sequences``
 (L,) prompt + response ids, ``action_mask`` (L-1,) with ``action_mask[j]`` marking ``sequences[j + 1]`` as a generated
@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from oar_verl.core.methods.attribution import module_backend, pass_limits, run_attribution
+from oar_verl.core.methods.attribution import module_backend, pass_limits
 from oar_verl.core.backends.collectives import max_over_ranks
 from oar_verl.core.config import OARConfig
+from oar_verl.core.pipeline import RowAttribution, attribute, reshape
+from oar_verl.core.preprocess import PreparedAttribution
 from oar_verl.core.reshaping.gating import TokenWeights
-from oar_verl.core.preprocess import prepare_attribution
-from oar_verl.core.reshaping.reshape import attribution_rows, reshape_advantages
+from oar_verl.core.reshaping.reshape import attribution_rows
 
 __all__ = ["ItemRows", "assign_reshaped", "item_rows", "reshape_replay_buffer"]
 
@@ -208,10 +209,8 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
     has_action = action.any(-1)
     wanted = attribution_rows(base, action, cfg, has_action)
     sel = wanted.nonzero().flatten()
-    importance = torch.zeros(len(items), width, dtype=torch.float64)
-    reasoning = torch.zeros(len(items), width, dtype=torch.bool)
-    found = torch.zeros(len(items), dtype=torch.bool)
-    probe = torch.zeros(len(items), dtype=torch.bool)
+    response_mask = torch.arange(width)[None, :] < torch.tensor([len(a) for a in rows.actions])[:, None]  # (N, T)
+    att = RowAttribution.unattributed(response_mask)
     if max_over_ranks(len(sel), device) > 0:  # every rank takes part as soon as one has a row to attribute
         run = sel if len(sel) else has_action.nonzero().flatten()[:1]  # filler: one own row, result discarded
         if len(run) == 0:
@@ -219,37 +218,28 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
                                "attribution passes on")
         truths = [items[i].labels[0] if items[i].labels else None for i in run.tolist()] \
             if cfg.target == "reference" else None
-        prepared = prepare_attribution([rows.prompts[i] for i in run.tolist()],
-                                       [rows.responses[i] for i in run.tolist()], tokenizer, cfg, global_step,
-                                       ground_truths=truths, device=device)
-        lengths = prepared.batch.attention_mask.sum(-1)
-        longest = max_over_ranks(int(lengths.max()), device)
-        limits = pass_limits(cfg, max(max_tokens or 0, longest) or None)
+
+        def backend(prepared: PreparedAttribution):
+            longest = max_over_ranks(prepared.longest, device)
+            return module_backend(model, cfg, limits=pass_limits(cfg, max(max_tokens or 0, longest) or None),
+                                  checkpointing=checkpointing, align=align, pad_id=tokenizer.pad_token_id or 0)
+
         was_training = model.training
         model.eval()  # eval numerics (no dropout) for the attribution passes
         try:
-            backend = module_backend(model, cfg, limits=limits, checkpointing=checkpointing, align=align,
-                                     pad_id=tokenizer.pad_token_id or 0)
-            result = run_attribution(backend, prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
-                                     seeds=prepared.seeds)
+            ran = attribute(backend, [rows.prompts[i] for i in run.tolist()], [rows.responses[i] for i in run.tolist()],
+                            tokenizer, cfg, global_step, ground_truths=truths, device=device)
         finally:
             model.train(was_training)
         if len(sel):
-            scores = prepared.response_importance(result.importance)
-            importance[sel] = _pad_float(scores, width)
-            spans = prepared.spans.reasoning_mask.bool()
-            reasoning[sel, : spans.shape[1]] = spans[:, :width]
-            found[sel] = prepared.spans.found.bool()
-            probe[sel] = prepared.answer_probe.bool()
-    attributed = torch.zeros(len(items), dtype=torch.bool)
-    attributed[sel] = True
-    res = reshape_advantages(base, importance, reasoning & action, action, cfg, attributed=attributed,
-                             base_returns=base_ret)
+            att = ran.placed(sel, response_mask)
+    res = reshape(base, att, cfg, response_mask=action, base_returns=base_ret)
     assign_reshaped(items, rows, res.advantages, res.returns)
-    metrics = res.metrics(span_found=found[attributed], answer_probe=probe[attributed])
+    metrics = res.metrics()
+    attributed = att.attributed
     metrics["oar/attributed_seq_frac"] = float(attributed.float().mean()) if len(items) else 0.0
     metrics["oar/global_step"] = float(global_step)
     counts = {"items": float(len(items)), "attributed": float(attributed.sum()),
               "reshaped": float(res.token_weights.reshaped.any(-1).sum())}
     metrics = _reduce_metrics(metrics, counts, device)
-    return ReshapeResult(res.token_weights, base, res.advantages, attributed, importance, metrics)
+    return ReshapeResult(res.token_weights, base, res.advantages, attributed, att.importance.double(), metrics)

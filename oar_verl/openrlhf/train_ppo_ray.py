@@ -28,9 +28,10 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from oar_verl.core.checks.startup import check_config
 from oar_verl.core.config import OARConfig, OARConfigError
 from oar_verl.openrlhf.checks import (OpenRLHFArgsError, OpenRLHFVersionError, check_openrlhf_version,  # noqa: F401
-                                      check_mask_token_flags, check_policy_loss, warn_sliding_window_flags)
+                                      check_policy_loss, startup_check_flags)
 
 FLAG_PREFIX = "--oar"
 OUTCOME_ESTIMATORS = ("group_norm", "rloo", "reinforce_baseline", "dr_grpo", "flash_reinforce", "reinforce")
@@ -39,7 +40,7 @@ UNSUPPORTED = {"dump_every": "token dumps are written by the verl trainer only; 
                "dump_dir": "token dumps are written by the verl trainer only",
                "base_estimator": "the base advantage is OpenRLHF's own --algo.advantage.estimator",
                "fidelity_every": "the fidelity logged while training is measured by the verl trainer only (the offline "
-                                 "oar_verl.core.fidelity.metric.fidelity_report works on any Hugging Face model); keep "
+                                 "oar_verl.core.fidelity.fidelity_report works on any Hugging Face model); keep "
                                  "--oar.fidelity_every=0",
                "fidelity_rows": "the fidelity logged while training is measured by the verl trainer only"}
 # keys whose "off" value is accepted: an explicit never
@@ -88,7 +89,7 @@ def oar_config(values: dict[str, Any]) -> OARConfig:
         if key in values and not (key in _OFF and values[key] == _OFF[key]):
             raise OpenRLHFArgsError(f"{FLAG_PREFIX}.{key}: not available with OpenRLHF ({why})")
     try:
-        return OARConfig.from_mapping(values, prefix=FLAG_PREFIX)
+        return check_config(OARConfig.from_mapping(values, prefix=FLAG_PREFIX))
     except OARConfigError as e:
         raise OpenRLHFArgsError(str(e)) from e
 
@@ -101,7 +102,7 @@ def check_args(args, cfg: OARConfig) -> None:
     per-token rewards (use it as a loss), gamma 1 (a discounted return is not one value per sequence), no ring
     attention and no DeepSpeed tensor parallelism in the actor (a rank does not hold whole sequences / whole layers for
     the attribution passes), no vision-language inputs (the attribution passes feed token ids only). Warns of a
-    gradient method on a sliding-window policy past its window (:func:`warn_sliding_window_flags`).
+    gradient method on a sliding-window policy past its window (:func:`startup_check_flags`).
     """
     est = args.algo.advantage.estimator
     if est not in OUTCOME_ESTIMATORS:
@@ -127,8 +128,7 @@ def check_args(args, cfg: OARConfig) -> None:
     if cfg.target == "reference" and not getattr(args.data, "label_key", None):
         raise OpenRLHFArgsError("--oar.target=reference needs the ground truth of every sample: set --data.label_key")
     check_policy_loss(args)
-    check_mask_token_flags(args, cfg)
-    warn_sliding_window_flags(args, cfg)
+    startup_check_flags(args, cfg)
 
 
 def add_oar_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oar_verl.core import OARConfig, response_importance
+from oar_verl.core import OARConfig
+from oar_verl.core.methods.attribution import response_importance
 from devtools import reference
 from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.methods.gradient import sequence_seeds

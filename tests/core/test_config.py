@@ -1,10 +1,12 @@
-"""OARConfig: presets, probe schedule, and every invalid value named with its key and allowed range."""
+"""OARConfig: presets, probe schedule, and every invalid value named with its key and allowed range (types and ranges
+at construction, names and their combinations at the start-up check, oar_verl.core.checks.startup.check_config)."""
 
 from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
 
+from oar_verl.core.checks.startup import check_config
 from oar_verl.core.config import OARConfig, OARConfigError
 
 
@@ -31,14 +33,17 @@ def test_probe_schedule():
 
 
 @pytest.mark.parametrize("values,message", [
-    ({"mode": "grad"}, r"algorithm\.oar\.mode='grad' is not allowed; choose one of: gradient, perturbation"),
+    ({"mode": "grad"}, r"algorithm\.oar\.mode='grad' is not allowed; choose one of: fisher, gradient, perturbation"),
+    ({"mode": 3}, r"algorithm\.oar\.mode=3 must be a name"),
+    ({"probe": None}, r"algorithm\.oar\.probe=None must be a name"),
     ({"tau": 1.0}, r"algorithm\.oar\.tau=1\.0 is out of range: must satisfy 0\.0 <= tau < 1\.0"),
     ({"tau": -0.1}, r"algorithm\.oar\.tau=-0\.1 is out of range"),
     ({"tau": float("nan")}, r"algorithm\.oar\.tau=nan must be a finite number"),
     ({"tau": "0.4"}, r"algorithm\.oar\.tau='0\.4' must be a finite number"),
     ({"beta": -1}, r"algorithm\.oar\.beta=-1 is out of range: must satisfy 0\.0 <= beta"),
     ({"floor": 0.0}, r"algorithm\.oar\.floor=0\.0 is out of range: must satisfy 0\.0 < floor <= 1\.0"),
-    ({"probe": "mean"}, r"algorithm\.oar\.probe='mean' is not allowed"),
+    ({"probe": "mean"}, r"algorithm\.oar\.probe='mean' is not allowed; choose one of: auto, lt_logits, as_mean, "
+                        r"as_joint"),
     ({"probe_warmup_steps": -1}, r"algorithm\.oar\.probe_warmup_steps=-1 is out of range"),
     ({"probe_warmup_steps": 2.5}, r"algorithm\.oar\.probe_warmup_steps=2\.5 must be an integer"),
     ({"target": "gold"}, r"algorithm\.oar\.target='gold' is not allowed"),
@@ -49,7 +54,8 @@ def test_probe_schedule():
     ({"micro_batch_size": True}, r"algorithm\.oar\.micro_batch_size=True must be an integer"),
     ({"mask": "token", "mask_token_id": -3}, r"algorithm\.oar\.mask_token_id=-3 is out of range"),
     ({"mask": "eos"}, r"algorithm\.oar\.mask='eos' is not allowed; choose one of: mean, zero, resample, pad, token"),
-    ({"mask": "token"}, r"algorithm\.oar\.mask=token needs algorithm\.oar\.mask_token_id"),
+    ({"mask": "token"}, r"algorithm\.oar\.mask=token needs algorithm\.oar\.mask_token_id \(a plain token id\); or "
+                        r"choose algorithm\.oar\.mask=mean\|zero\|resample\|pad$"),
     ({"mask_token_id": 5}, r"algorithm\.oar\.mask_token_id=5 is used only with algorithm\.oar\.mask=token \(got "
                            r"algorithm\.oar\.mask='mean'\)"),
     ({"mask": "pad", "mask_token_id": 5}, r"algorithm\.oar\.mask_token_id=5 is used only with algorithm\.oar\.mask="
@@ -90,7 +96,32 @@ def test_probe_schedule():
 ])
 def test_invalid_values_name_the_key(values, message):
     with pytest.raises(OARConfigError, match=message):
-        OARConfig.from_mapping(values)
+        check_config(OARConfig.from_mapping(values))
+
+
+@pytest.mark.parametrize("values", [{"mode": "grad"}, {"probe": "mean"}, {"mask": "eos"}, {"perturbation": "fast"},
+                                    {"mask": "token"}, {"mode": "fisher", "mask": "resample"},
+                                    {"answer_patterns": [r"\d+"]}, {"segment_split": "("}])
+def test_names_are_checked_at_start_up_not_at_construction(values):
+    """A name is checked against its registry by check_config, the one start-up check every entry point runs; the
+    config itself (a leaf) checks types and ranges only."""
+    cfg = OARConfig.from_mapping(values)
+    with pytest.raises(OARConfigError, match=r"algorithm\.oar\."):
+        check_config(cfg)
+
+
+def test_the_config_is_a_leaf():
+    """core/config.py imports nothing of the package but (at most) the leaf registry: the registries' facts reach the
+    configuration only through the start-up check."""
+    import ast
+    from pathlib import Path
+
+    from oar_verl.core import config
+
+    tree = ast.parse(Path(config.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
+               {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert {m for m in imported if m and m.startswith("oar_verl")} <= {"oar_verl.core.registry"}
 
 
 def test_trainer_yaml_lists_every_key_with_its_default():

@@ -1,8 +1,8 @@
-"""The fidelity metric (oar_verl.core.fidelity.metric) against naive, one-row-at-a-time references on a tiny float64 Qwen2."""
+"""The offline fidelity report (oar_verl.core.fidelity) against naive, one-row-at-a-time references on a tiny float64
+Qwen2."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 
@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from devtools import reference
 from oar_verl.core.backends.budget import PassLimits
-from oar_verl.core.fidelity.metric import (
-    FRACTIONS, MEASURES, OPERATORS, bootstrap_mean, fidelity_report, leave_one_out_scores, naopc, outcome_shifts,
-    position_scores, random_scores, ranks_from_scores, removal_count, resample_tokens, suppression_ratio, top_removal,
+from oar_verl.core.fidelity import (
+    DEFAULT_OPERATORS, FRACTIONS, MEASURES, OPERATORS, bootstrap_mean, fidelity_report, leave_one_out_scores, naopc,
+    outcome_shifts, position_scores, random_scores, ranks_from_scores, removal_count, resample_tokens,
+    suppression_ratio, top_removal,
 )
 from oar_verl.core.batch.layout import build_attribution_batch
 from oar_verl.core.batch.probes import ProbeKind
@@ -92,15 +93,17 @@ def naive_shift(model, batch, b, removed, op, sampled=None):
         else:
             row = ids.clone()
             embeds = None
-            if op == "mask":
+            if op in ("token", "pad"):
                 row[list(removed)] = MASK
             elif op == "resample":
                 row[list(removed)] = sampled[b, list(removed), d]
-            if op == "zero":
+            if op in ("zero", "mean"):
+                table = model.get_input_embeddings().weight
+                vector = table.mean(0) if op == "mean" else torch.zeros_like(table[0])
                 embeds = model.get_input_embeddings()(row[cols]).clone()
                 for i, c in enumerate(cols):
                     if c in removed:
-                        embeds[i] = 0.0
+                        embeds[i] = vector
             logits = run(row[cols], embeds)
             logp, phi = naive_probe(logits, pos, [w[j] for j in probe_cols], [tgt[j] for j in probe_cols])
         kl = float((c_logp.exp() * (c_logp - logp)).sum())
@@ -123,28 +126,18 @@ def random_removals(batch, n_per_row, seed):
 
 
 # ------------------------------------------------------------------------------------------------ operators
-@pytest.fixture(scope="module")
-def flat64(lm64):
-    """lm64 with flatter next-token distributions (the fixture's are near one-hot, so every resampling draw would
-    be the same token)."""
-    flat = copy.deepcopy(lm64)
-    with torch.no_grad():
-        flat.get_input_embeddings().weight.mul_(0.1)
-    return flat
-
-
-@pytest.mark.parametrize("op", ["mask", "zero", "delete", "resample"])
-def test_joint_removal_matches_one_row_by_hand(lm64, flat64, make_batch, op):
-    model = flat64 if op == "resample" else lm64
+@pytest.mark.parametrize("op", OPERATORS)  # every removal operator: OAR-P's mask operators and delete
+def test_joint_removal_matches_one_row_by_hand(lm64, make_batch, op):
+    assert set(OPERATORS) == {"mean", "zero", "resample", "pad", "token", "delete"}
     batch = make(make_batch, seed=3)
     removed, src = random_removals(batch, 2, seed=1)
     kw = dict(src=src, mask_token_id=MASK, seed=7, draws=4)
-    fast = outcome_shifts(model, batch, removed, op, limits=PassLimits(40), **kw)  # several packed passes
-    sampled = resample_tokens(model, batch, 4, seed=7) if op == "resample" else None
+    fast = outcome_shifts(lm64, batch, removed, op, limits=PassLimits(40), **kw)  # several packed passes
+    sampled = resample_tokens(batch, 4, seed=7) if op == "resample" else None
     for i in range(len(src)):
         b = int(src[i])
         gone = {c for c in range(removed.shape[1]) if removed[i, c]}
-        ref = naive_shift(model, batch, b, gone, op, sampled)
+        ref = naive_shift(lm64, batch, b, gone, op, sampled)
         for m in range(2):
             if math.isnan(ref[m]):
                 assert math.isnan(float(fast[m, i]))
@@ -154,7 +147,7 @@ def test_joint_removal_matches_one_row_by_hand(lm64, flat64, make_batch, op):
     if op == "resample":  # the draws differ, so the mean over draws is not one draw's shift
         assert (sampled[batch.reasoning_mask][:, 1:] != sampled[batch.reasoning_mask][:, :1]).any()
     # one budget or another, the same numbers
-    alone = outcome_shifts(model, batch, removed, op, limits=PassLimits(10**6), **kw)
+    alone = outcome_shifts(lm64, batch, removed, op, limits=PassLimits(10**6), **kw)
     torch.testing.assert_close(fast, alone, equal_nan=True, rtol=1e-9, atol=1e-12)
 
 
@@ -175,23 +168,27 @@ def test_delete_shortens_rows_and_lt_probe_follows(lm64, make_batch):
     assert L > 0 and fast[0].abs().min() > 0  # the row really changed
 
 
-def test_resample_draws_follow_the_model_and_the_row_only(flat64, make_batch):
-    flat = flat64
+def test_resample_draws_come_from_the_row_and_the_seed_only(make_batch):
+    """``resample`` means what it means for OAR-P: a token drawn from the same row's reasoning tokens."""
+    from oar_verl.core.methods.gradient import sequence_seeds
+    from oar_verl.core.methods.mask_operator import resample_ids
+
     batch = make(make_batch, B=3, seed=2)
-    D = 20000
-    draws = resample_tokens(flat, batch, D, seed=1)
+    D = 4000
+    draws = resample_tokens(batch, D, seed=1)
     r = batch.reasoning_mask
-    assert (draws[~r] == 0).all()
-    b, t = (r.nonzero()[-1]).tolist()  # one reasoning position: empirical vs the model's p(· | prefix)
-    cols = [c for c in range(t) if batch.attention_mask[b, c]]
-    with torch.no_grad():
-        p = torch.softmax(flat(input_ids=batch.input_ids[b, cols][None]).logits[0, -1].double(), -1)
-    assert 0.05 < float(p.max()) < 0.9  # neither one-hot nor uniform: the comparison has teeth
+    assert torch.equal(draws[~r], batch.input_ids[~r][:, None].expand(-1, D))  # the row's own tokens elsewhere
+    b, t = (r.nonzero()[-1]).tolist()  # one reasoning position: empirical vs the row's reasoning-token marginal
+    own = batch.input_ids[b, r[b]]
+    assert own.unique().numel() > 2  # several tokens to draw from: the comparison has teeth
+    p = torch.bincount(own, minlength=int(batch.input_ids.max()) + 1).double() / own.numel()
     freq = torch.bincount(draws[b, t], minlength=p.numel()).double() / D
     assert 0.5 * (freq - p).abs().sum() < 0.05
-    alone = resample_tokens(flat, sub_batch(batch, torch.tensor([b])), 64, seed=1, limits=PassLimits(7))
-    assert torch.equal(alone[0], draws[b, :, :64])  # a row's draws depend on neither the batch nor the budget
-    assert not torch.equal(resample_tokens(flat, batch, 64, seed=2), draws[..., :64])  # but on the seed
+    alone = resample_tokens(sub_batch(batch, torch.tensor([b])), 64, seed=1)
+    assert torch.equal(alone[0], draws[b, :, :64])  # a row's draws depend on neither the batch nor the other rows
+    assert not torch.equal(resample_tokens(batch, 64, seed=2), draws[..., :64])  # but on the seed
+    seeds = sequence_seeds(5, 0, torch.arange(3))  # the run's seeds, one draw: OAR-P's resample exactly
+    assert torch.equal(resample_tokens(batch, 1, seeds=seeds)[..., 0], resample_ids(batch, seeds))
 
 
 # ------------------------------------------------------------------------------------------------ report formulas
@@ -210,7 +207,7 @@ def curve_by_hand(model, batch, scores, ops, fractions, seed=0, draws=4):
     return out
 
 
-OPS3 = ("mask", "zero", "delete")
+OPS3 = ("token", "zero", "delete")
 
 
 @pytest.fixture(scope="module")
@@ -300,15 +297,15 @@ def test_leave_one_out_mask_ranking_is_the_best_at_one_token(lm64, make_batch):
     batch = make(make_batch, B=4, seed=8)
     R = batch.reasoning_mask.sum(-1)
     assert (R >= 2).all() and (R < 100).all()  # f = 1 % covers exactly one token on every row
-    loo = leave_one_out_scores(lm64, batch, "mask", mask_token_id=MASK)
+    loo = leave_one_out_scores(lm64, batch, "token", mask_token_id=MASK)
     # the LOO scores are the shift of each token alone, by hand
     for b in range(4):
         for c in hand_ranking(loo, batch.reasoning_mask, b)[:2]:
-            assert float(loo[b, c]) == pytest.approx(naive_shift(lm64, batch, b, {c}, "mask")[0], rel=1e-6)
+            assert float(loo[b, c]) == pytest.approx(naive_shift(lm64, batch, b, {c}, "token")[0], rel=1e-6)
     g = torch.Generator().manual_seed(1)
     scores = {"loo_copy": loo.clone(), "noise": torch.rand(loo.shape, generator=g, dtype=torch.float64),
               "anti": -loo}
-    rep = fidelity_report(lm64, batch, scores, mask_token_id=MASK, operators=("mask",), fractions=(0.01,),
+    rep = fidelity_report(lm64, batch, scores, mask_token_id=MASK, operators=("token",), fractions=(0.01,),
                           candidates={"loo": loo}, random_rankings=4, seed=0, resamples=200)
     top = rep.methods["loo_copy"].aopc[0]
     for name in ("noise", "anti"):
@@ -415,10 +412,15 @@ def test_model_left_as_found_and_errors(lm64, make_batch):
         assert all(torch.equal(p, before[n]) and p.grad is None for n, p in lm64.named_parameters())
     finally:
         lm64.eval()
-    with pytest.raises(ValueError, match="allowed: mask, zero, delete, resample"):
-        fidelity_report(lm64, batch, scores, mask_token_id=MASK, operators=("mask", "blur"))
+    with pytest.raises(ValueError, match="allowed: mean, zero, resample, pad, token, delete"):
+        fidelity_report(lm64, batch, scores, mask_token_id=MASK, operators=("mean", "blur"))
+    with pytest.raises(ValueError, match="'mask' is now 'token'"):  # the old name says its new one
+        fidelity_report(lm64, batch, scores, mask_token_id=MASK, operators=("mask", "zero"))
     with pytest.raises(ValueError, match="mask_token_id"):
-        fidelity_report(lm64, batch, scores, operators=("mask", "zero"))
+        fidelity_report(lm64, batch, scores, operators=("token", "zero"))
+    with pytest.raises(ValueError, match="draws"):
+        fidelity_report(lm64, batch, scores, operators=("resample",), draws=0)
+    assert "token" not in DEFAULT_OPERATORS and "pad" not in DEFAULT_OPERATORS  # the default needs no mask token
     with pytest.raises(ValueError, match="shape"):
         fidelity_report(lm64, batch, {"m": scores["m"][:, :3]}, operators=("zero",))
     rep = fidelity_report(lm64, batch, {"m": scores["m"][:, batch.response_start:]}, operators=("zero",),

@@ -1,5 +1,5 @@
 """The in-step deletion metric (oar_verl.core.fidelity.step) over the backend interface equals the offline fidelity
-report's mask-operator curves on a tiny float64 Qwen2, whatever the budget and the rank alignment."""
+report's curves under the same mask operator on a tiny float64 Qwen2, whatever the budget and the rank alignment."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import torch
 
 from oar_verl.core.backends.hf import ModuleBackend
 from oar_verl.core.backends.budget import PassLimits
-from oar_verl.core.fidelity.metric import fidelity_report
 from oar_verl.core.backends.base import Replacement
-from oar_verl.core.fidelity.step import deletion_metrics, removal_sets, rows_of
+from oar_verl.core.fidelity import deletion_metrics, fidelity_report, removal_sets, rows_of, suppression_ratio
 from oar_verl.core.batch.layout import build_attribution_batch
 from oar_verl.core.batch.probes import ProbeKind
 
@@ -30,13 +29,13 @@ def make(make_batch, B=5, T=14, seed=11):
 def case(lm64, make_batch):
     batch = make(make_batch)
     scores = torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    rep = fidelity_report(lm64, batch, {"m": scores}, mask_token_id=MASK, operators=("mask",), fractions=FR,
+    rep = fidelity_report(lm64, batch, {"m": scores}, mask_token_id=MASK, operators=("token",), fractions=FR,
                           random_rankings=3, limits=PassLimits(64), seed=3, resamples=10, min_gap=0.0)
     return batch, scores, rep
 
 
 @pytest.mark.parametrize("tokens,prefix_cache,align_to", [(64, True, 0), (10**6, False, 0), (40, True, 50)])
-def test_equals_the_offline_mask_report(lm64, case, tokens, prefix_cache, align_to):
+def test_equals_the_offline_token_report(lm64, case, tokens, prefix_cache, align_to):
     batch, scores, rep = case
     backend = ModuleBackend(lm64, PassLimits(tokens), prefix_cache=prefix_cache, align=lambda n: max(n, align_to))
     got = deletion_metrics(backend, batch, scores, replacement=Replacement(token=MASK), fractions=FR,
@@ -92,7 +91,7 @@ def test_errors(lm64, case):
 
 def test_step_fidelity_measures_the_first_rows_on_due_steps(lm64, case):
     from oar_verl.core.config import OARConfig
-    from oar_verl.core.fidelity.step import step_fidelity, step_metrics
+    from oar_verl.core.fidelity import step_fidelity, step_metrics
 
     batch, scores, _ = case
     cfg = OARConfig(fidelity_every=5, fidelity_rows=2, seed=3, tau=0.4)
@@ -133,3 +132,26 @@ def test_every_mask_operator_is_row_independent(lm64, case, operator):
                                random_rankings=2)
         for k in ("aopc", "aopc_random", "suppression"):
             torch.testing.assert_close(got[k], whole[k][row], rtol=1e-5, atol=1e-9, equal_nan=True)
+
+
+@pytest.mark.parametrize("operator", ["mean", "zero", "resample", "pad", "token"])
+def test_the_offline_report_and_the_in_step_metric_agree_under_every_mask_operator(lm64, case, operator):
+    """One scorer: on the same rows, rankings and seed, the in-step metric of the run's mask operator gives the
+    offline report's figures under that operator (resample: the run's seeds and one draw)."""
+    from oar_verl.core.methods.gradient import sequence_seeds
+    from oar_verl.core.methods.mask_operator import mask_replacement
+
+    batch, scores, _ = case
+    seeds = sequence_seeds(0, 0, torch.arange(batch.input_ids.shape[0]))
+    rep = fidelity_report(lm64, batch, {"m": scores}, mask_token_id=MASK, operators=(operator,), fractions=FR,
+                          random_rankings=3, limits=PassLimits(64), seed=3, draws=1, seeds=seeds, resamples=10,
+                          min_gap=0.0)
+    backend = ModuleBackend(lm64, PassLimits(64))
+    got = deletion_metrics(backend, batch, scores, replacement=mask_replacement(backend, batch, operator, MASK, seeds),
+                           fractions=FR, random_rankings=3, seed=3, suppress_fraction=0.4)
+    m = rep.methods["m"]
+    for key, want in (("aopc", m.aopc[0]), ("aopc_random", rep.random_aopc[0]), ("suppression", m.suppression[0]),
+                      ("gain", suppression_ratio(m.aopc[0], rep.random_aopc[0]))):
+        torch.testing.assert_close(got[key], want, rtol=1e-12, atol=1e-15, equal_nan=True)
+    assert torch.isfinite(got["aopc"]).all() and (got["aopc"] > 1e-6).sum() >= 2  # (resample: a 1-token row stays)
+    assert not torch.equal(m.curve[0, :, 0, 0], m.curve[0, :, 0, -1])  # the fractions differ: not vacuous

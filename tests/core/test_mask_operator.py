@@ -228,3 +228,36 @@ def test_run_time_resolution_refuses_too(tokenizer):
         prepare_attribution(prompts, responses, tok, OARConfig(mode="perturbation", mask="pad"), 0)
     prepared = prepare_attribution(prompts, responses, tok, OARConfig(mode="perturbation"), 0)
     assert prepared.mask_token_id is None  # mean: no token
+
+
+def test_the_mask_operators_are_a_registry_with_their_facts():
+    """What each operator does is read from its registry entry (no name tests): which insert a token, which take
+    mask_token_id, which move a masked token to one embedding (what fisher linearises), in registration order."""
+    from oar_verl.core.methods.contract import METHODS
+    from oar_verl.core.methods.mask_operator import MASK_OPERATORS, operators_for
+
+    facts = {n: (op.inserts_token, op.needs_mask_token_id, op.one_embedding)
+             for n in MASK_OPERATORS.names() for op in [MASK_OPERATORS.get(n)]}
+    assert facts == {"mean": (False, False, True), "zero": (False, False, True), "resample": (False, False, False),
+                     "pad": (True, False, True), "token": (True, True, True)}
+    assert list(facts) == ["mean", "zero", "resample", "pad", "token"]
+    assert operators_for(METHODS.get("fisher")) == ("mean", "zero", "pad", "token")
+    assert operators_for(METHODS.get("perturbation"), inserting=False) == ("mean", "zero", "resample")
+    assert operators_for(METHODS.get("fisher"), inserting=False) == ("mean", "zero")
+    with pytest.raises(ValueError, match=r"mask=pad needs a mask token: .*use mask=mean\|zero\|resample$"):
+        mask_replacement(None, None, "pad", None, None)
+    with pytest.raises(ValueError, match=r"algorithm\.oar\.mask='eos' is not a registered mask operator"):
+        mask_replacement(None, None, "eos", None, None)
+
+
+def test_a_masking_method_without_a_token_names_the_operators_it_takes(lm64, make_batch):
+    """fisher cannot linearise resample: its error offers the embedding operators only; OAR-P offers resample too."""
+    rows = make_batch(B=2, P=3, T=4, seed=4)
+    batch = build_attribution_batch(*rows, torch.full((2,), int(AS_MEAN)))
+    cfg = OARConfig(mode="fisher", mask="pad")
+    with pytest.raises(ValueError, match=r"algorithm\.oar\.mode=fisher needs a mask token: .*"
+                                         r"algorithm\.oar\.mask=mean\|zero$"):
+        run_attribution(module_backend(lm64, cfg), batch, cfg)
+    cfg = OARConfig(mode="perturbation", mask="token", mask_token_id=3)
+    with pytest.raises(ValueError, match=r"OAR-P needs a mask token: .*algorithm\.oar\.mask=mean\|zero\|resample$"):
+        run_attribution(module_backend(lm64, cfg), batch, cfg)

@@ -184,5 +184,44 @@ def test_policy_needs_segments_and_a_known_name():
     mask = torch.ones(1, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="segments"):
         policy_importance(lambda b: torch.zeros(1, 3), mask, None, "hierarchical")
-    with pytest.raises(ValueError, match="exact, segment, hierarchical, auto"):
+    with pytest.raises(ValueError, match=r"algorithm\.oar\.perturbation='fast' is not a registered perturbation "
+                                         r"policy; registered: auto, exact, hierarchical, segment"):
         policy_importance(lambda b: torch.zeros(1, 3), mask, None, "fast")
+
+
+def test_the_policies_are_a_registry_whose_facts_the_layers_read():
+    """Registration order is the listed order; only exact takes mask_span blocks; the segment-level policies read
+    segments, and the perturbation method asks the registry whether a configuration needs them."""
+    from oar_verl.core.methods.contract import METHODS
+    from oar_verl.core.methods.policies import POLICIES
+
+    assert POLICIES.names() == ("exact", "segment", "hierarchical", "auto")
+    assert [n for n in POLICIES.names() if POLICIES.get(n).mask_span] == ["exact"]
+    assert [n for n in POLICIES.names() if POLICIES.get(n).segments] == ["segment", "hierarchical", "auto"]
+    needs = METHODS.get("perturbation").segments
+    cfgs = [OARConfig(mode="perturbation", perturbation=n) for n in POLICIES.names()]
+    assert [needs(cfg) for cfg in cfgs] == [False, True, True, True]
+
+
+def test_a_registered_policy_runs_without_any_other_change():
+    """A policy registered under a new name is dispatched by policy_importance and accepted by the start-up check:
+    nothing else names the policies."""
+    from oar_verl.core.checks.startup import check_config
+    from oar_verl.core.methods.policies import POLICIES, PolicyResult, register_policy
+
+    @register_policy("test_first_only", segments=False)
+    def first_only(run_blocks, reasoning_mask, segments, options):  # one copy: the row's first reasoning token
+        first = reasoning_mask & (reasoning_mask.long().cumsum(-1) == 1)
+        blocks = torch.where(first, 0, -1)
+        reasoning = reasoning_mask.sum(-1)
+        return PolicyResult(run_blocks(blocks), first.sum(-1), first.sum(-1), reasoning)
+
+    try:
+        mask = torch.tensor([[False, True, True], [True, True, False]])
+        res = policy_importance(lambda b: (b >= 0).float() * 2.0, mask, None, "test_first_only")
+        assert res.importance.tolist() == [[0.0, 2.0, 0.0], [2.0, 0.0, 0.0]] and res.copies.tolist() == [1, 1]
+        check_config(OARConfig(mode="perturbation", perturbation="test_first_only"))
+    finally:
+        POLICIES.unregister("test_first_only")
+    with pytest.raises(ValueError, match="not a registered perturbation policy"):
+        policy_importance(lambda b: b.float(), mask, None, "test_first_only")

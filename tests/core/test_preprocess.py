@@ -1,12 +1,15 @@
-"""Rows → attribution inputs (oar_verl.core.preprocess): the function the verl worker and the tests share."""
+"""Rows → attribution inputs (oar_verl.core.preprocess) → importance → advantages (oar_verl.core.pipeline): the one way
+in that the verl worker, the OpenRLHF adapter and core-only users share, against the hand-rolled steps."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from oar_verl.core import OARConfig, module_backend, prepare_attribution, run_attribution
+from oar_verl.core import (OARConfig, RowAttribution, attribute, module_backend, oar_advantages, prepare_attribution,
+                           reshape, run_attribution)
 from oar_verl.core.preprocess import pad_rows, row_fingerprints
+from oar_verl.core.reshaping.reshape import attribution_rows, reshape_advantages
 from oar_verl.quickstart.tokenizers import train_tiny_bpe
 
 
@@ -101,3 +104,125 @@ def test_segments_follow_the_responses_reasoning(tok, target):
         got = seg[b, P:P + n]
         assert torch.equal(got[got >= 0], want[b, :n][want[b, :n] >= 0])
         assert int(got.max()) >= 1  # the sentence rule split the reasoning
+
+
+# ------------------------------------------------------------------------------------------- the one way in (pipeline)
+PROMPTS = ["What is 3 plus 4?", "What is 3 plus 4?", "Add.", "Add.", "Add."]
+ANSWERS = ["3 plus 4 is 7. The answer is 7.", "so the sum is 9", "#### 12", "3 plus 4 is 7. so the sum is 9. #### 9",
+           "The answer is 7."]
+
+
+def hand_rolled(model, p, r, tok, cfg, step, **kw):
+    """prepare → run → per-row importance, as the worker and the adapter did it before the pipeline."""
+    prepared = prepare_attribution(p, r, tok, cfg, step, **kw)
+    result = run_attribution(module_backend(model, cfg), prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
+                             seeds=prepared.seeds)
+    return prepared, result, prepared.response_importance(result.importance)
+
+
+@pytest.mark.parametrize("mode,target", [("perturbation", "response"), ("gradient", "response"),
+                                         ("gradient", "reference")])
+def test_attribute_is_prepare_run_and_pad_bit_for_bit(tok, make_lm, mode, target):
+    cfg = OARConfig(mode=mode, probe="as_mean", target=target, conclude_text="The answer is ")
+    truths = ["7", "9", "12", "9", "7"] if target == "reference" else None
+    p, r = rows(tok, PROMPTS, ANSWERS)
+    model = make_lm(torch.float64, vocab=len(tok))
+    prepared, result, per_row = hand_rolled(model, p, r, tok, cfg, 3, ground_truths=truths)
+    att = attribute(model, p, r, tok, cfg, 3, ground_truths=truths)
+    T = max(len(x) for x in r)
+    assert att.importance.shape == (len(r), T) and att.importance.dtype == torch.float32
+    assert att.lengths == [len(x) for x in r] and att.attributed.all()
+    for i, n in enumerate(att.lengths):
+        assert torch.equal(att.importance[i, :n], per_row[i]) and (att.importance[i, n:] == 0).all()
+        assert torch.equal(att.reasoning_mask[i, :n], prepared.spans.reasoning_mask[i, :n].bool())
+        assert torch.equal(att.answer_mask[i, :n], prepared.spans.answer_mask[i, :n].bool())
+        assert not att.reasoning_mask[i, n:].any() and att.response_mask[i, :n].all()
+    assert torch.equal(att.span_found, prepared.spans.found) and torch.equal(att.answer_probe, prepared.answer_probe)
+    assert att.passes == result.passes and torch.equal(att.result.importance, result.importance)
+    assert (att.copies is None) == (mode == "gradient")
+    if att.copies is not None:
+        assert torch.equal(att.copies, result.copies.cpu()) and torch.equal(att.refined, result.refined.cpu())
+    assert att.importance.abs().sum() > 0  # not vacuous
+
+
+def test_attribute_takes_a_backend_or_a_function_of_the_prepared_batch(tok, make_lm):
+    cfg = OARConfig(mode="gradient", probe="as_mean")
+    p, r = rows(tok, PROMPTS[:3], ANSWERS[:3])
+    model = make_lm(torch.float64, vocab=len(tok))
+    via_module = attribute(model, p, r, tok, cfg)
+    backend = module_backend(model, cfg)
+    via_backend = attribute(backend, p, r, tok, cfg)
+    seen = []
+    via_function = attribute(lambda prepared: seen.append(prepared.longest) or backend, p, r, tok, cfg)
+    assert via_backend.backend is backend and via_function.backend is backend
+    assert seen == [max(len(a) + len(b) for a, b in zip(p, r))]
+    assert torch.equal(via_module.importance, via_backend.importance)
+    assert torch.equal(via_module.importance, via_function.importance)
+    with pytest.raises(TypeError, match="neither a Hugging Face module, an attribution backend"):
+        attribute("model", p, r, tok, cfg)
+
+
+def test_placed_rows_leave_the_others_unattributed(tok, make_lm):
+    cfg = OARConfig(mode="perturbation", probe="as_mean")
+    p, r = rows(tok, PROMPTS[:2], ANSWERS[:2])
+    att = attribute(make_lm(torch.float64, vocab=len(tok)), p, r, tok, cfg)
+    mask = torch.arange(att.importance.shape[1] + 3)[None, :] < torch.tensor([4, 9, 2, 30, 5])[:, None]
+    big = att.placed(torch.tensor([3, 1]), mask)
+    assert big.attributed.tolist() == [False, True, False, True, False]
+    assert torch.equal(big.importance[3, :att.importance.shape[1]], att.importance[0])
+    assert torch.equal(big.importance[1, :att.importance.shape[1]], att.importance[1])
+    assert big.importance[[0, 2, 4]].abs().sum() == 0 and not big.reasoning_mask[[0, 2, 4]].any()
+    assert big.copies[[0, 2, 4]].tolist() == [-1, -1, -1] and big.copies[3] == att.copies[0]
+    assert big.span_found[3] == att.span_found[0] and torch.equal(big.response_mask, mask)
+    with pytest.raises(ValueError, match="tokens wide"):
+        att.placed(torch.tensor([0, 1]), mask[:, :2])
+
+
+def test_reshape_is_the_estimators_reshape_and_takes_sequence_advantages(tok, make_lm):
+    cfg = OARConfig(mode="gradient", probe="as_mean")
+    p, r = rows(tok, PROMPTS, ANSWERS)
+    att = attribute(make_lm(torch.float64, vocab=len(tok)), p, r, tok, cfg)
+    seq = torch.tensor([0.5, -0.5, 0.0, 1.0, -1.0])
+    per_token = torch.where(att.response_mask, seq[:, None], 0.0)
+    out = reshape(seq, att, cfg)
+    want = reshape_advantages(per_token, att.importance, att.reasoning_mask, att.response_mask, cfg)
+    assert torch.equal(out.advantages, want.advantages) and torch.equal(reshape(per_token, att, cfg).advantages,
+                                                                          want.advantages)
+    assert torch.equal(out.token_weights.weights, want.token_weights.weights)
+    # row 2: zero advantage; row 4 ("The answer is 7.") has no reasoning token to reshape
+    assert (out.advantages[2] == 0).all() and out.token_weights.reshaped.any(-1).tolist() == [True, True, False,
+                                                                                              True, False]
+    m = out.metrics()
+    assert m["oar/span_found_frac"] == float(att.span_found.float().mean())
+    with pytest.raises(ValueError, match=r"advantages: shape \(4,\)"):
+        reshape(seq[:4], att, cfg)
+
+
+def test_oar_advantages_attributes_only_the_rows_it_reshapes(tok, make_lm):
+    """oar_advantages = attribution_rows → attribute those rows → reshape, bit for bit; zero-advantage rows are never
+    attributed and keep A = 0; Σw = R on every reshaped row."""
+    cfg = OARConfig(mode="perturbation", probe="as_mean")
+    p, r = rows(tok, PROMPTS, ANSWERS)
+    model = make_lm(torch.float64, vocab=len(tok))
+    seq = torch.tensor([1.0, -1.0, 0.0, 0.7, 0.0])
+    out = oar_advantages(model, p, r, seq, tok, cfg, step=2)
+    mask = torch.arange(max(map(len, r)))[None, :] < torch.tensor([len(x) for x in r])[:, None]
+    base = torch.where(mask, seq[:, None], 0.0)
+    sel = attribution_rows(base, mask, cfg).nonzero().flatten()
+    assert sel.tolist() == [0, 1, 3]
+    att = attribute(model, [p[i] for i in sel], [r[i] for i in sel], tok, cfg, 2)
+    importance = torch.zeros(mask.shape)
+    importance[sel, :att.importance.shape[1]] = att.importance
+    reasoning = torch.zeros(mask.shape, dtype=torch.bool)
+    reasoning[sel, :att.importance.shape[1]] = att.reasoning_mask
+    attributed = torch.zeros(len(r), dtype=torch.bool)
+    attributed[sel] = True
+    want = reshape_advantages(base, importance, reasoning, mask, cfg, attributed=attributed)
+    assert torch.equal(out.advantages, want.advantages) and out.advantages.shape == mask.shape
+    assert (out.advantages[[2, 4]] == 0).all()
+    w, gated = out.token_weights.weights.double(), out.token_weights.reshaped
+    assert gated[sel].any(-1).all() and not gated[[2, 4]].any()
+    torch.testing.assert_close((w * gated).sum(-1), gated.sum(-1).double(), rtol=0, atol=1e-4)
+    empty = oar_advantages(model, p, r, torch.zeros(len(r)), tok, cfg)
+    assert (empty.advantages == 0).all() and (empty.token_weights.weights == mask.float()).all()
+    assert isinstance(RowAttribution.unattributed(mask), RowAttribution)

@@ -250,8 +250,10 @@ def test_custom_regex_needs_an_answer_group():
 def test_a_regex_refused_on_bytes_fails_at_start_up_naming_the_key(pattern):
     """Validation and use compile through one function: what start-up accepts, every step can run (a str-mode check
     once accepted (?u), which bytes patterns reject, and the run failed at its first attribution step)."""
+    from oar_verl.core.checks.startup import check_config
+
     with pytest.raises(OARConfigError, match=r"algorithm\.oar\.answer_patterns entry"):
-        OARConfig(answer_patterns=(pattern,))
+        check_config(OARConfig(answer_patterns=(pattern,)))
 
 
 @pytest.mark.parametrize("pattern", [r"answer: (?P<answer>\d+)", r"(?i)ANSWER\s*=\s*(?P<answer>[-\w.]+)",

@@ -1,4 +1,5 @@
-"""Start-up checks (oar_verl.integration.startup) on a minimal config: what each engine refuses, named by key."""
+"""Start-up checks (oar_verl.integration.startup, and OpenRLHF's oar_verl.openrlhf.checks: both run
+oar_verl.core.checks.startup.startup_checks) on a minimal config: what each engine refuses, named by key."""
 
 from __future__ import annotations
 
@@ -54,12 +55,16 @@ def test_an_unsafe_mask_token_of_the_model_dir_is_refused(tmp_path):
     from types import SimpleNamespace
 
     from oar_verl.core.config import OARConfig
-    from oar_verl.openrlhf.checks import OpenRLHFArgsError, check_mask_token_flags
+    from oar_verl.openrlhf.checks import OpenRLHFArgsError, startup_check_flags
 
     args = SimpleNamespace(actor=SimpleNamespace(model_name_or_path=str(tmp_path)))
     with pytest.raises(OpenRLHFArgsError, match=r"--oar\.mask=pad: the mask token .*--oar\.mask=mean\|zero\|resample"):
-        check_mask_token_flags(args, OARConfig.from_mapping({"mode": "perturbation", "mask": "pad"}, prefix="--oar"))
-    check_mask_token_flags(args, OARConfig.from_mapping({"mode": "perturbation"}, prefix="--oar"))
+        startup_check_flags(args, OARConfig.from_mapping({"mode": "perturbation", "mask": "pad"}, prefix="--oar"))
+    assert startup_check_flags(args, OARConfig.from_mapping({"mode": "perturbation"}, prefix="--oar")) == []
+    # fisher cannot take resample: the one check names the flags, and offers what fisher takes
+    with pytest.raises(OpenRLHFArgsError, match=r"--oar\.mask=resample is not allowed with --oar\.mode=fisher .*"
+                                                r"--oar\.mask=mean\|zero\|pad\|token"):
+        startup_check_flags(args, OARConfig.from_mapping({"mode": "fisher", "mask": "resample"}, prefix="--oar"))
 
 
 @pytest.mark.parametrize("response, warned", [(1024, True), (256, False)])
@@ -72,7 +77,7 @@ def test_gradient_attribution_past_a_sliding_window_is_warned_of(tmp_path, caplo
     from transformers import Gemma3TextConfig
 
     from oar_verl.core.config import OARConfig
-    from oar_verl.openrlhf.checks import warn_sliding_window_flags
+    from oar_verl.openrlhf.checks import startup_check_flags
 
     gemma = Gemma3TextConfig(num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                              num_key_value_heads=1, head_dim=32, vocab_size=300, sliding_window=512)
@@ -87,8 +92,20 @@ def test_gradient_attribution_past_a_sliding_window_is_warned_of(tmp_path, caplo
     args = SimpleNamespace(actor=SimpleNamespace(model_name_or_path=str(tmp_path)),
                            data=SimpleNamespace(max_len=128 + response))
     with caplog.at_level(logging.WARNING, logger="oar_verl.core.checks.sliding_window"):
-        msg = warn_sliding_window_flags(args, OARConfig.from_mapping({"mode": "fisher"}, prefix="--oar"))
-    assert (msg is not None) is warned
+        warnings = startup_check_flags(args, OARConfig.from_mapping({"mode": "fisher"}, prefix="--oar"))
+    assert len(warnings) == warned
     if warned:
+        msg = warnings[0]
         assert "--oar.mode=fisher" in caplog.text and "--oar.mode=perturbation" in caplog.text
         assert "fidelity_report" in msg and "fidelity_every" not in msg  # OpenRLHF has no in-step fidelity
+
+
+def test_a_bad_name_fails_at_start_up_naming_the_key():
+    """Names are checked against the registries by the one start-up check, before any engine setting is read."""
+    from oar_verl.core.config import OARConfigError
+
+    with pytest.raises(OARConfigError, match=r"algorithm\.oar\.mode='sideways' is not allowed; choose one of: "
+                                             r"fisher, gradient, perturbation"):
+        validate_oar_setup(config("fsdp", mode="sideways"))
+    with pytest.raises(OARConfigError, match=r"algorithm\.oar\.perturbation='fast' is not allowed"):
+        validate_oar_setup(config("dtensor_magic", mode="perturbation", perturbation="fast"))

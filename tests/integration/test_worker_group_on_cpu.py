@@ -64,7 +64,7 @@ def check_fidelity(model_dir, res):
     call would hang)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oar_verl.core.fidelity.metric import default_min_gap
+    from oar_verl.core.fidelity import default_min_gap
     from oar_verl.core.fidelity.step import step_fidelity
     from oar_verl.core.methods.mask_operator import mask_replacement
 

@@ -283,4 +283,4 @@ def test_the_quickstart_recipe_runs_the_module_the_wheel_test_runs():
     tests/e2e/test_quickstart_on_cpu.py runs from the wheel (so the two cannot drift)."""
     script = (ROOT / "recipes" / "quickstart_cpu.sh").read_text()
     assert 'bash "$ROOT/scripts/setup_env.sh"' in script
-    assert script.rstrip().endswith('exec "$VENV/bin/python" -m oar_verl.quickstart.main "$@"')
+    assert script.rstrip().endswith('exec "$VENV/bin/python" -m oar_verl.quickstart "$@"')

@@ -221,6 +221,40 @@ def first_row(batch: AttributionBatch) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.long, device=batch.input_ids.device)
 
 
+def shift_callback(backend: AttributionBackend, passes: Sequence[Pass], size: int, joint: torch.Tensor,
+                   emit: Callable[[Pass, torch.Tensor], None], *, source: torch.Tensor | None = None,
+                   clean: Callable[[int, Pass], bool] | None = None) -> OnProbe:
+    """The ``on_probe`` of a method that compares perturbed rows with clean ones (OAR-P's masked copies, the fidelity
+    metric's removals): a clean pass keeps its rows' probes in a table of the backend's form, every other pass's
+    probes are read against their rows' clean probes with ``backend.shift``, filler passes are skipped.
+
+    Args:
+        backend: the runtime (its ``table`` and ``shift``).
+        passes: the passes ``backend.run`` runs, fillers included.
+        size: rows of the table of clean probes.
+        joint: (N,) bool per batch row: read φ_clean − φ instead of KL (the probe's ``joint``); or (S, N): S shifts
+            per row, one per flag row (the fidelity metric's measures).
+        emit: (pass, shift (n,) or (S, n) of the pass's rows) -> None.
+        source: (N,) long the table row of every batch row (default: the row itself).
+        clean: (pass index, pass) -> whether the pass is a clean one (default: it replaces nothing, ``first`` is None).
+    """
+    table = backend.table(size)
+    key = (lambda rows: rows) if source is None else (lambda rows: source[rows.to(source.device)])
+
+    def on_probe(i: int, probe) -> None:
+        p = passes[i]
+        if p.filler:
+            return
+        if p.first is None if clean is None else clean(i, p):
+            table.put(key(p.rows), probe)
+            return
+        ref, flags = table.get(key(p.rows)), joint[..., p.rows.to(joint.device)]
+        emit(p, backend.shift(ref, probe, flags) if flags.dim() == 1
+             else torch.stack([backend.shift(ref, probe, f) for f in flags]))  # S <= 2 measures, never per token
+
+    return on_probe
+
+
 def plan_draws(backend: AttributionBackend, batch: AttributionBatch, draws: int, kind: str
                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """K draws per row, packed: draw row e = b·K + k is draw k of row b (a noise draw, an outcome).

@@ -1,8 +1,8 @@
 """Seeded integer hashing on int64 tensors (splitmix64): random numbers that are pure functions of a seed and integer
 keys, so a draw does not depend on batching, padding, sharding, rank or device.
 
-Used by the fidelity metric's random rankings and resampling draws (:mod:`oar_verl.core.fidelity.metric`) and by the fisher
-mode's Rademacher sketches (:mod:`oar_verl.core.methods.fisher`), whose sign of vocabulary entry v must be the same on every
+Used by the fidelity metric's random rankings (:mod:`oar_verl.core.fidelity.curves`) and by the fisher mode's
+Rademacher sketches (:mod:`oar_verl.core.methods.fisher`), whose sign of vocabulary entry v must be the same on every
 tensor-parallel shard.
 """
 

@@ -1,7 +1,8 @@
-"""The refusal of mask tokens that would end a turn mid-reasoning (``algorithm.oar.mask=pad|token``).
+"""The refusal of mask tokens that would end a turn mid-reasoning (a mask operator that inserts a token:
+``algorithm.oar.mask=pad|token``), for the methods that mask (registered with ``uses_mask_token``).
 
-Called at start-up (verl, OpenRLHF) and where the token is resolved at run time (:mod:`oar_verl.core.preprocess`);
-docs/method.md §3.
+Called at start-up (:func:`oar_verl.core.checks.startup.startup_checks`, for verl and OpenRLHF) and where the token is
+resolved at run time (:mod:`oar_verl.core.preprocess`); docs/method.md §3.
 
 In many chat models the pad token is the EOS or an end-of-turn marker (SmolLM2's pad is ``<|im_end|>``,
 Qwen2.5-Instruct's ``<|endoftext|>`` is one of its generation EOS ids): masking with it inserts an end of turn in the
@@ -14,8 +15,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from oar_verl.core.checks.registries import mask_operator_of, method_of
 from oar_verl.core.config import OARConfigError
-from oar_verl.core.methods.mask_operator import TOKEN_OPERATORS
+from oar_verl.core.methods.mask_operator import operators_for
 
 __all__ = ["check_mask_token", "check_model_mask_token", "generation_eos_ids", "resolve_mask_token",
            "template_token_ids", "unsafe_mask_reason"]
@@ -109,41 +111,49 @@ def unsafe_mask_reason(tokenizer, token_id: int, eos_ids: Iterable[int] | int | 
     return None
 
 
+def _instead(cfg) -> str:
+    """What to set instead of an inserting operator: the operators this mode takes that insert no token, or
+    ``mask_token_id``."""
+    p = cfg.prefix
+    return (f"{p}.mask={'|'.join(operators_for(method_of(cfg), inserting=False))}, or {p}.mask=token "
+            f"{p}.mask_token_id=<a plain token>")
+
+
 def resolve_mask_token(cfg, tokenizer) -> int | None:
-    """The token id of a token operator (``pad``: the tokenizer's pad token, ``token``: ``mask_token_id``); None for
-    the others.
+    """The token id of an operator that inserts one (``mask_token_id`` where the operator takes it, else the
+    tokenizer's pad token); None for the others.
 
     Raises:
-        OARConfigError: ``mask=pad`` with a tokenizer that has no pad token.
+        OARConfigError: an operator that inserts the tokenizer's pad token, and a tokenizer without one.
     """
-    if cfg.mask == "token":
+    op = mask_operator_of(cfg)
+    if op.needs_mask_token_id:
         return cfg.mask_token_id
-    if cfg.mask != "pad":
+    if not op.inserts_token:
         return None
     if tokenizer.pad_token_id is None:
-        raise OARConfigError(f"{cfg.prefix}.mask=pad but the tokenizer has no pad token; set {cfg.prefix}.mask="
-                             f"mean|zero|resample, or {cfg.prefix}.mask=token {cfg.prefix}.mask_token_id=<a plain token>")
+        raise OARConfigError(f"{cfg.prefix}.mask={cfg.mask} but the tokenizer has no pad token; set {_instead(cfg)}")
     return int(tokenizer.pad_token_id)
 
 
 def check_mask_token(cfg, tokenizer, eos_ids: Iterable[int] | int | None = ()) -> int | None:
-    """:func:`resolve_mask_token`, refused when :func:`unsafe_mask_reason` objects (only OAR-P and fisher mask).
+    """:func:`resolve_mask_token`, refused when :func:`unsafe_mask_reason` objects (vetted for the methods that mask
+    tokens, ``Method.uses_mask_token``; returned as is for the others).
 
     Raises:
         OARConfigError: naming ``algorithm.oar.mask``, the token id and text, why, and how to override.
     """
     token = resolve_mask_token(cfg, tokenizer)
-    if token is None or cfg.mode == "gradient":
+    if token is None or not method_of(cfg).uses_mask_token:
         return token
     why = unsafe_mask_reason(tokenizer, token, eos_ids)
     if why is None:
         return token
     p = cfg.prefix
-    source = f"{p}.mask_token_id={token}" if cfg.mask == "token" else "the tokenizer's pad token"
+    source = f"{p}.mask_token_id={token}" if mask_operator_of(cfg).needs_mask_token_id else "the tokenizer's pad token"
     text = tokenizer.convert_ids_to_tokens(token) if 0 <= token < len(tokenizer) else None
     raise OARConfigError(f"{p}.mask={cfg.mask}: the mask token {token} ({text!r}, {source}) {why}; masking with it "
-                         f"inserts it mid-reasoning and OAR would score the reaction to it. Set {p}.mask=mean|zero|"
-                         f"resample, or {p}.mask=token {p}.mask_token_id=<a plain token>")
+                         f"inserts it mid-reasoning and OAR would score the reaction to it. Set {_instead(cfg)}")
 
 
 def generation_eos_ids(path: str | None) -> list[int]:
@@ -171,7 +181,7 @@ def check_model_mask_token(cfg, model_path: str | None, tokenizer=None, *, token
     Raises:
         OARConfigError: an unsafe mask token (see :func:`check_mask_token`).
     """
-    if cfg.mode == "gradient" or cfg.mask not in TOKEN_OPERATORS:
+    if not method_of(cfg).uses_mask_token or not mask_operator_of(cfg).inserts_token:
         return None
     if tokenizer is None:
         path = tokenizer_path or model_path

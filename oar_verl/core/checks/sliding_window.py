@@ -1,10 +1,10 @@
 """A start-up warning for gradient attribution on models whose attention layers slide.
 
-On Gemma 3 with rows longer than its sliding window, the gradient methods (``mode=gradient``: OAR-G, ``mode=fisher``)
-ranked the reasoning tokens about as well as a random ranking by the fidelity metric, and put much of their mass near
-the window's edge, while OAR-P found what the answer depends on (docs/performance.md, "Which attribution on long rows").
-One model family measured: a warning that names the check and the alternative, not a refusal. Read from the model
-directory's ``config.json`` alone (no model or transformers import at start-up).
+On Gemma 3 with rows longer than its sliding window, the methods that read gradients (registered with
+``reads_gradients``: OAR-G, fisher) ranked the reasoning tokens about as well as a random ranking by the fidelity
+metric, while OAR-P found what the answer depends on (docs/performance.md, "Which attribution on long rows"). One model
+family measured: a warning naming the check and the alternative, not a refusal. Read from the model directory's
+``config.json`` alone (no model or transformers import).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import logging
 import os
 from collections.abc import Mapping
 
-__all__ = ["GRADIENT_MODES", "check_model_sliding_window", "sliding_window", "sliding_window_warning"]
+from oar_verl.core.checks.registries import method_of
+
+__all__ = ["check_model_sliding_window", "sliding_window", "sliding_window_warning"]
 
 logger = logging.getLogger(__name__)
-
-GRADIENT_MODES = ("gradient", "fisher")  # the methods that read a gradient of the outcome
 
 
 def sliding_window(model_config: Mapping) -> int | None:
@@ -41,10 +41,11 @@ def sliding_window(model_config: Mapping) -> int | None:
 
 def sliding_window_warning(cfg, model_config: Mapping, max_tokens: int | None, check: str | None = None
                            ) -> str | None:
-    """The warning for this run (None: nothing to warn of): a gradient method on a model with a sliding window and
-    rows that may be longer than the window (``max_tokens``, prompt + response; None: unknown, warned). ``check``:
-    how a user of this trainer measures the fidelity (default: verl's ``fidelity_every``)."""
-    if cfg.mode not in GRADIENT_MODES:
+    """The warning for this run (None: nothing to warn of): a method that reads gradients
+    (:attr:`~oar_verl.core.methods.contract.Method.reads_gradients`) on a model with a sliding window and rows that may
+    be longer than the window (``max_tokens``, prompt + response; None: unknown, warned). ``check``: how a user of
+    this trainer measures the fidelity (default: verl's ``fidelity_every``)."""
+    if not method_of(cfg).reads_gradients:
         return None
     width = sliding_window(model_config)
     if width is None or (max_tokens is not None and max_tokens <= width):

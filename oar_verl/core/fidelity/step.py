@@ -1,78 +1,59 @@
-"""The fidelity deletion metric inside the training step, on every backend.
+"""The fidelity deletion metric inside the training step, on every backend (docs/fidelity.md §5).
 
-The metric of :mod:`oar_verl.core.fidelity.metric`, written once over the backend interface (:mod:`oar_verl.core.backends.base`),
-so that it runs on every engine (a Hugging Face module, Ulysses, Megatron) with the data-parallel rank alignment of
-the attribution methods (docs/fidelity.md, "Logged while training").
+The offline report's metric (:mod:`oar_verl.core.fidelity.report`) on the step's own attribution, through the same
+scorer (:func:`~oar_verl.core.fidelity.shifts.removal_shifts`) over the backend interface, so that it runs on every
+engine (a Hugging Face module, Ulysses, Megatron) with the data-parallel rank alignment of the attribution methods.
 
-Per row and ranking r (the method's importance, J seeded random rankings: :func:`~oar_verl.core.fidelity.metric.
-random_scores`) and fraction f, the row's top ⌈f·R⌉ reasoning tokens under r are replaced **jointly** by the run's
-mask operator (``algorithm.oar.mask``: :mod:`oar_verl.core.methods.mask_operator`), and the outcome shift KL(P_clean ‖ P_perturbed) (φ_clean − φ on AS-Joint rows) is read; plus the method's
-bottom ⌈s·R⌉ and each random ranking's top ⌈s·R⌉ (s = ``suppress_fraction``) for the suppression ratio S. Only the
-run's own operator and no "best" ranking: no NAOPC here (the offline :func:`~oar_verl.core.fidelity.metric.fidelity_report`
-has the four operators and the best rankings).
-
-Each perturbed row is a :class:`~oar_verl.core.backends.base.Pass` row of an *expanded batch*: the B rows, then one copy of
-its source row per non-empty removal set, with a block layout that is 1 exactly at the removed tokens, so that
-``Pass.replaced()`` is the removal set. Cost: one clean forward per row and (1 + J)·(F + 1) perturbed rows per row,
-packed under the backend's token budget; independent of R. Shapes: B rows, L columns, G = (1 + J)·(F + 1) removal
-sets per row, N perturbed rows.
+Per row, ranking r (the method's importance, J seeded random rankings) and fraction f, the row's top ⌈f·R⌉ reasoning
+tokens under r are replaced **jointly** by the run's mask operator (``algorithm.oar.mask``), and the outcome shift
+KL(P_clean ‖ P_perturbed) (φ_clean − φ on AS-Joint rows) is read; plus the method's bottom ⌈s·R⌉ and each random
+ranking's top ⌈s·R⌉ (s = ``suppress_fraction``) for the suppression ratio S. Only the run's own operator and no "best"
+ranking: no NAOPC here (:func:`~oar_verl.core.fidelity.report.fidelity_report` has them). Cost: one clean forward per
+row and (1 + J)·(F + 1) perturbed rows per row, packed under the backend's token budget; independent of R. Shapes:
+B rows, L columns, G = (1 + J)·(F + 1) removal sets per row.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 
 import torch
 
-from oar_verl.core.backends.base import AttributionBackend, Pass, Replacement, first_row, with_fillers
-from oar_verl.core.fidelity.metric import (FRACTIONS, bottom_removal, random_scores, ranks_from_scores, suppression_ratio,
-                                    top_removal)
+from oar_verl.core.backends.base import AttributionBackend, Replacement
 from oar_verl.core.batch.layout import AttributionBatch
-from oar_verl.core.backends.memory import PassKind
+from oar_verl.core.fidelity.curves import FRACTIONS, deletion_sets, rankings
+from oar_verl.core.fidelity.shifts import removal_shifts, replacement_rows, rows_of
+from oar_verl.core.fidelity.summary import suppression_ratio
 
-__all__ = ["FIELDS", "RANDOM_RANKINGS", "deletion_metrics", "due", "removal_sets", "rows_of", "step_fidelity",
-           "step_metrics"]
+__all__ = ["FIELDS", "RANDOM_RANKINGS", "deletion_metrics", "due", "removal_sets", "step_fidelity", "step_metrics"]
 
 # the per-row results, in the order deletion_metrics returns them
 FIELDS = ("aopc", "aopc_random", "gain", "suppression")
 RANDOM_RANKINGS = 4  # J of the in-step measurement: the offline report's default
 
 
-def rows_of(batch: AttributionBatch, rows: torch.Tensor) -> AttributionBatch:
-    """The batch's rows ``rows`` (n,) (repeats allowed), same columns: (n, L) everywhere."""
-    pick = (lambda t: None if t is None else t[rows])
-    return dataclasses.replace(batch, input_ids=pick(batch.input_ids), attention_mask=pick(batch.attention_mask),
-                               position_ids=pick(batch.position_ids), reasoning_mask=pick(batch.reasoning_mask),
-                               probe=batch.probe.index(rows), segments=pick(batch.segments))
+def _check(fractions: tuple[float, ...], random_rankings: int) -> None:
+    if not fractions or any(not 0.0 < f <= 1.0 for f in fractions):
+        raise ValueError(f"fidelity: fractions must lie in (0, 1], got {fractions}")
+    if random_rankings < 1:
+        raise ValueError(f"fidelity: random_rankings must be >= 1, got {random_rankings}")
 
 
 def removal_sets(batch: AttributionBatch, importance: torch.Tensor, *, fractions: Sequence[float],
                  random_rankings: int, seed: int, suppress_fraction: float) -> torch.Tensor:
     """(G, B, L) bool removal sets, G = (1 + J)·(F + 1), in this order: the method's top ⌈f·R⌉ per f, then each random
     ranking's top ⌈f·R⌉ per f (ranking-major), then the method's bottom ⌈s·R⌉, then each random ranking's top ⌈s·R⌉
-    (the same order as :func:`~oar_verl.core.fidelity.metric.fidelity_report`'s for one method and no candidates)."""
-    reasoning = batch.reasoning_mask.bool()
-    scores = [importance.to(reasoning.device)] + [random_scores(batch, seed, j) for j in range(random_rankings)]
-    ranks = [ranks_from_scores(s, reasoning) for s in scores]
-    tops = [top_removal(r, reasoning, f) for r in ranks for f in fractions]
-    bottom = bottom_removal(ranks[0], reasoning, suppress_fraction)
-    rand_s = [top_removal(r, reasoning, suppress_fraction) for r in ranks[1:]]
-    return torch.stack(tops + [bottom] + rand_s)
-
-
-def _expanded(replacement: Replacement, rows: torch.Tensor) -> Replacement:
-    """The run's replacement (``algorithm.oar.mask``) on the expanded batch whose row i is batch row ``rows[i]``:
-    per-position ids (``resample``) follow their rows; a token or an embedding vector is the same for every row."""
-    if replacement.ids is None:
-        return replacement
-    return dataclasses.replace(replacement, ids=replacement.ids[rows.to(replacement.ids.device)])
+    (:func:`~oar_verl.core.fidelity.curves.deletion_sets` of one method: the report's order)."""
+    ranks = rankings(batch, [importance], random_rankings, seed)
+    return deletion_sets(ranks, batch.reasoning_mask.bool(), fractions, methods=1, random_rankings=random_rankings,
+                         suppress_fraction=suppress_fraction)
 
 
 def deletion_metrics(backend: AttributionBackend, batch: AttributionBatch, importance: torch.Tensor, *,
-                     replacement: Replacement, fractions: Sequence[float] = FRACTIONS, random_rankings: int = RANDOM_RANKINGS, seed: int = 0,
-                     suppress_fraction: float = 0.4, min_gap: float = 0.0) -> dict[str, torch.Tensor]:
+                     replacement: Replacement, fractions: Sequence[float] = FRACTIONS,
+                     random_rankings: int = RANDOM_RANKINGS, seed: int = 0, suppress_fraction: float = 0.4,
+                     min_gap: float = 0.0) -> dict[str, torch.Tensor]:
     """Per-row deletion metric of ``importance`` on any backend (see the module docstring).
 
     Args:
@@ -87,66 +68,31 @@ def deletion_metrics(backend: AttributionBackend, batch: AttributionBatch, impor
             seed (a row's ranking depends on the seed and the row's content only).
         suppress_fraction: the bottom share s of S, in (0, 1].
         min_gap: the smallest random-side denominator trusted (shift units, e.g.
-            :func:`~oar_verl.core.fidelity.metric.default_min_gap` of the model); below it ``gain`` / ``suppression`` are NaN.
+            :func:`~oar_verl.core.fidelity.summary.default_min_gap` of the model); below it ``gain`` /
+            ``suppression`` are NaN.
 
     Returns:
         ``aopc``, ``aopc_random`` (B,) float64: mean over f of the shift under the method's / the random rankings'
         removal (random: also the mean over J); ``gain`` = aopc / aopc_random and ``suppression`` = shift(the method's
-        bottom share) / shift(random share of the same size) (:func:`~oar_verl.core.fidelity.metric.suppression_ratio`);
-        NaN on rows without reasoning tokens and below ``min_gap``; ``passes``: (B,) the passes this rank needed
-        (clean and perturbed, before alignment), the same on every row.
+        bottom share) / shift(random share of the same size) (:func:`~oar_verl.core.fidelity.summary.
+        suppression_ratio`); NaN on rows without reasoning tokens and below ``min_gap``; ``passes``: (B,) the passes
+        this rank needed (clean and perturbed, before alignment), the same on every row.
     """
     fractions = tuple(float(f) for f in fractions)
-    if not fractions or any(not 0.0 < f <= 1.0 for f in fractions):
-        raise ValueError(f"fidelity: fractions must lie in (0, 1], got {fractions}")
-    if random_rankings < 1:
-        raise ValueError(f"fidelity: random_rankings must be >= 1, got {random_rankings}")
+    _check(fractions, random_rankings)
     B, L = batch.input_ids.shape
-    dev = batch.input_ids.device
     removed = removal_sets(batch, importance, fractions=fractions, random_rankings=random_rankings, seed=seed,
                            suppress_fraction=suppress_fraction)
     G = removed.shape[0]
-    flat = removed.reshape(G * B, L)
-    entry = flat.any(-1).nonzero().squeeze(1)  # non-empty removal sets only (rows with R = 0 have none)
-    src = entry % B  # entry g·B + b removes from row b
-    measured = batch.reasoning_mask.bool().any(-1)
-    clean_rows = measured.nonzero().squeeze(1)
-    # the expanded batch: the B rows (clean passes, and the row filler passes repeat), then the N perturbed rows
-    sources = torch.cat([torch.arange(B, device=dev), src])
-    expanded = rows_of(batch, sources)
-    replacement = _expanded(replacement, sources)
-    blocks = torch.cat([torch.zeros(B, L, dtype=torch.long, device=dev), flat[entry].long()])  # (B + N, L)
-    first = blocks.argmax(-1)  # a perturbed row's first removed column: its block is exactly the removal set
-    pert = torch.arange(B, B + entry.shape[0], device=dev)
-    kind = PassKind.FORWARD
-    own = ([Pass(clean_rows[p]) for p in backend.plan(expanded, clean_rows, kind)]
-           + [Pass(pert[p], first[pert[p]], blocks, replacement) for p in backend.plan(expanded, pert, kind)])
-    passes = with_fillers(own, backend.align(len(own)), Pass(first_row(expanded), filler=True), expanded)
-    table = backend.table(B)
-    shifts = torch.zeros(entry.shape[0], dtype=torch.float64, device=dev)
-
-    def on_probe(i: int, probe) -> None:
-        p = passes[i]
-        if p.filler:
-            return
-        if p.first is None:
-            table.put(p.rows, probe)
-            return
-        rows = p.rows.to(dev)
-        shift = backend.shift(table.get(src[rows - B]), probe, expanded.probe.joint[rows])
-        shifts[rows - B] = shift.to(dev, torch.float64)
-
-    backend.run(expanded, passes, on_probe)
-    shifts = backend.share(shifts)  # from the probe-reading ranks (Megatron's last stage) to every rank
-    per = torch.full((G * B,), float("nan"), dtype=torch.float64, device=dev)
-    per[entry] = shifts.to(dev)
-    return _summary(per.view(G, B), len(fractions), random_rankings, min_gap, len(own))
+    src = torch.arange(B, device=batch.input_ids.device).repeat(G)  # set g·B + b removes from row b
+    got = removal_shifts(backend, batch, removed.reshape(G * B, L), src, [[replacement]])
+    return _summary(got.values[0, 0].view(G, B), len(fractions), random_rankings, min_gap, got.passes)
 
 
 def _summary(shift: torch.Tensor, F: int, J: int, min_gap: float, passes: int) -> dict[str, torch.Tensor]:
     """The per-row metrics from the (G, B) shifts of :func:`removal_sets`' order (NaN: an empty removal set)."""
     curves = shift[:(1 + J) * F].view(1 + J, F, -1)  # (1 + J, F, B)
-    aopc = curves.mean(1)  # (1 + J, B): mean over f (fidelity.aopc with one operator)
+    aopc = curves.mean(1)  # (1 + J, B): mean over f (summary.aopc with one operator)
     bottom, rand_s = shift[(1 + J) * F], shift[(1 + J) * F + 1:].mean(0)
     rand = aopc[1:].mean(0)
     return {"aopc": aopc[0], "aopc_random": rand,
@@ -161,17 +107,18 @@ def due(cfg, global_step: int) -> bool:
 
 
 def step_fidelity(backend: AttributionBackend, batch: AttributionBatch, importance: torch.Tensor, cfg,
-                  global_step: int, *, replacement: Replacement | None, min_gap: float = 0.0) -> dict[str, torch.Tensor]:
+                  global_step: int, *, replacement: Replacement | None, min_gap: float = 0.0
+                  ) -> dict[str, torch.Tensor]:
     """A rank's fidelity measurement of a training step: on a :func:`due` step, :func:`deletion_metrics` of the first
     ``cfg.fidelity_rows`` rows with reasoning tokens (the attribution's own importance, the run's mask operator,
-    :data:`~oar_verl.core.fidelity.metric.FRACTIONS`, J = :data:`RANDOM_RANKINGS` rankings seeded by ``cfg.seed``, S's share
-    = ``cfg.tau``: the share the gating suppresses), timed.
+    :data:`~oar_verl.core.fidelity.curves.FRACTIONS`, J = :data:`RANDOM_RANKINGS` rankings seeded by ``cfg.seed``,
+    S's share = ``cfg.tau``: the share the gating suppresses), timed.
 
     Args:
         backend, batch (B, L), importance (B, L): as the attribution ran them. cfg: OARConfig.
         global_step: the training step. replacement: the run's mask operator on ``batch``
-            (:func:`~oar_verl.core.methods.mask_operator.mask_replacement`; None only on a step not :func:`due`). min_gap: as
-            :func:`deletion_metrics`.
+            (:func:`~oar_verl.core.methods.mask_operator.mask_replacement`; None only on a step not :func:`due`).
+            min_gap: as :func:`deletion_metrics`.
 
     Returns:
         :data:`FIELDS`, ``passes`` and ``seconds`` (this rank's time measuring), each (B,) float64 on the CPU: NaN on
@@ -186,7 +133,7 @@ def step_fidelity(backend: AttributionBackend, batch: AttributionBatch, importan
     has = batch.reasoning_mask.bool().any(-1).nonzero().squeeze(1)[:cfg.fidelity_rows]  # host sync, once per step
     rows = has if has.numel() else torch.zeros(min(B, 1), dtype=torch.long, device=has.device)  # fillers only
     got = deletion_metrics(backend, rows_of(batch, rows), importance[rows],
-                           replacement=_expanded(replacement, rows),
+                           replacement=replacement_rows(replacement, rows),
                            random_rankings=RANDOM_RANKINGS, seed=cfg.seed, suppress_fraction=cfg.tau,
                            min_gap=min_gap)
     for k, v in got.items():

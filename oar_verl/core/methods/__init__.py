@@ -1,0 +1,2 @@
+"""Attribution methods, each written once over the backend interface and registered under ``algorithm.oar.mode``:
+OAR-G (``gradient``), OAR-P (``perturbation``, with its policies and mask operators) and ``fisher`` (docs/method.md)."""

@@ -1,11 +1,10 @@
-"""The one way in: :func:`run_attribution` runs the configured method (``algorithm.oar.mode``, looked up in
-:data:`~oar_verl.core.methods.contract.METHODS`) on a backend; :func:`module_backend` makes the backend of a Hugging Face module
-(plain, FSDP or sequence-sharded); :func:`response_importance` does both on verl's padded layout for core-only users
-(TRL, plain Hugging Face).
+"""Running the configured method: :func:`run_attribution` runs ``algorithm.oar.mode`` (looked up in
+:data:`~oar_verl.core.methods.contract.METHODS`) on a backend; :func:`module_backend` makes the backend of a Hugging
+Face module (plain, FSDP or sequence-sharded), with the worker's safe settings (a token budget, gradient
+checkpointing in backward passes); :func:`response_importance` does both on verl's padded layout.
 
-The verl worker calls :func:`run_attribution` with its engine's backend (after :func:`oar_verl.core.preprocess.
-prepare_attribution`; :mod:`oar_verl.integration.backends`), the OpenRLHF adapter with its module's. A module's backend
-gets the same safe settings as the worker's: a token budget, gradient checkpointing in backward passes.
+Token rows go through :func:`oar_verl.core.pipeline.attribute` (the one way in, for every integration), which
+prepares them (:func:`oar_verl.core.preprocess.prepare_attribution`) and calls :func:`run_attribution`.
 """
 
 from __future__ import annotations
@@ -22,14 +21,15 @@ from oar_verl.core.backends.base import AttributionBackend
 from oar_verl.core.backends.hf import ModuleBackend
 from oar_verl.core.backends.ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.backends.budget import Fits, PassLimits
+from oar_verl.core.checks.startup import check_config
 from oar_verl.core.config import OARConfig
 from oar_verl.core.batch.layout import AttributionBatch, build_attribution_batch, with_segments
 from oar_verl.core.methods.contract import METHODS, AttributionResult, MethodInputs
 from oar_verl.core.batch.probes import ProbeKind
 from oar_verl.core.registry import Registry
 
-__all__ = ["AttributionResult", "DEFAULT_MAX_TOKENS", "METHODS", "MODULE_BACKENDS", "module_backend", "pass_limits",
-           "probe_kinds", "response_importance", "run_attribution"]
+__all__ = ["AttributionResult", "DEFAULT_MAX_TOKENS", "METHODS", "module_backend", "pass_limits", "probe_kinds",
+           "response_importance", "run_attribution"]
 
 # the budget when neither the configuration nor the trainer gives one (core-only use): a typical verl
 # ppo_max_token_len_per_gpu
@@ -67,7 +67,8 @@ def pass_limits(cfg: OARConfig, default_tokens: int | None = None, fits: Fits | 
 def module_backend(model: torch.nn.Module | None, cfg: OARConfig, *, limits: PassLimits | None = None,
                    checkpointing: bool = True, align: Callable[[int], int] | None = None,
                    shards: SequenceShards | None = None, pad_id: int = 0) -> AttributionBackend:
-    """The backend of a Hugging Face causal LM (:mod:`oar_verl.core.backends.hf`, :mod:`oar_verl.core.backends.ulysses`).
+    """The backend of a Hugging Face causal LM (:mod:`oar_verl.core.backends.hf`,
+    :mod:`oar_verl.core.backends.ulysses`).
 
     Args:
         model: the causal LM in eval mode (plain or FSDP-wrapped; with ``shards``: sharded over a Ulysses group);
@@ -102,6 +103,7 @@ def run_attribution(backend: AttributionBackend, batch: AttributionBatch, cfg: O
     Returns:
         AttributionResult: (B, L) float32 importance (0 off the reasoning tokens) and what ran.
     """
+    check_config(cfg)  # the names and their combinations (core-only users have no start-up)
     return METHODS.get(cfg.mode).run(backend, batch, cfg, MethodInputs(mask_token_id, seeds))
 
 

@@ -1,10 +1,11 @@
 """The attribution methods' common contract: what a method takes and returns, and the registry ``algorithm.oar.mode``
-names them in (docs/method.md §10).
+names them in, each entry with the traits the layers around it read (docs/method.md §10).
 
-A method is a function ``(backend, batch, cfg, inputs) -> AttributionResult``, written once over the backend interface
-(:mod:`oar_verl.core.backends.base`) and registered under its mode with what the layers around it must know (:class:`Method`):
-``gradient`` (:mod:`oar_verl.core.methods.gradient`), ``perturbation`` (:mod:`oar_verl.core.methods.policies`, every perturbation
-policy), ``fisher`` (:mod:`oar_verl.core.methods.fisher`).
+A method is a function ``(backend, batch, cfg, inputs) -> AttributionResult`` written once over the backend interface
+(:mod:`oar_verl.core.backends.base`), registered with :func:`method`: ``gradient``
+(:mod:`oar_verl.core.methods.gradient`), ``perturbation`` (:mod:`oar_verl.core.methods.policies`), ``fisher``
+(:mod:`oar_verl.core.methods.fisher`). Nothing else names a mode: budgets, start-up checks and preprocessing ask
+``METHODS.get(cfg.mode)`` for its traits.
 """
 
 from __future__ import annotations
@@ -49,30 +50,46 @@ class AttributionResult:
     reasoning: torch.Tensor | None = None
 
 
+def _never(cfg) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class Method:
-    """A registered attribution method.
+    """A registered attribution method and its traits.
 
     Attributes:
         run: (backend, batch, cfg, inputs) -> AttributionResult.
         forward_only: its passes are forward-only (they take the budget of the actor's log-prob pass), else forward +
             backward (the budget of the policy update).
+        reads_gradients: its scores read a gradient of the outcome (warned of on sliding-window models past the
+            window, :mod:`oar_verl.core.checks.sliding_window`).
+        uses_mask_token: it masks tokens with ``algorithm.oar.mask`` (a mask operator; a ``pad`` / ``token`` one is
+            vetted at start-up, :mod:`oar_verl.core.checks.mask_token`); else the mask keys are ignored.
+        linearises_mask: it differentiates at the clean point along the move of a masked token to *one* embedding,
+            so it takes only the mask operators that have one (``MaskOperator.one_embedding``: not ``resample``).
         segments: cfg -> whether this configuration needs the rows' reasoning segments (``AttributionBatch.segments``).
     """
 
     run: Callable[..., AttributionResult]
-    forward_only: bool = False
-    segments: Callable[[object], bool] = lambda cfg: False
+    forward_only: bool
+    reads_gradients: bool
+    uses_mask_token: bool
+    linearises_mask: bool = False
+    segments: Callable[[object], bool] = _never
 
 
 METHODS: Registry[Method] = Registry("attribution method", "algorithm.oar.mode")
 
 
-def method(name: str, *, forward_only: bool = False, segments: Callable[[object], bool] | None = None):
-    """Decorator: register the decorated ``run`` function as the method ``name`` (``algorithm.oar.mode``)."""
+def method(name: str, *, forward_only: bool, reads_gradients: bool, uses_mask_token: bool,
+           linearises_mask: bool = False, segments: Callable[[object], bool] | None = None):
+    """Decorator: register the decorated ``run`` function as the method ``name`` (``algorithm.oar.mode``) with its
+    traits (:class:`Method`; the first three have no default: every method declares them)."""
 
     def add(run: Callable[..., AttributionResult]) -> Callable[..., AttributionResult]:
-        METHODS.register(name)(Method(run, forward_only, segments or (lambda cfg: False)))
+        METHODS.register(name)(Method(run, forward_only, reads_gradients, uses_mask_token, linearises_mask,
+                                      segments or _never))
         return run
 
     return add

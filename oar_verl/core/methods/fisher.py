@@ -1,45 +1,10 @@
-"""Second-order attribution patching of OAR-P's masking shift (docs/method.md §11), written once over the attribution
-backend interface (:mod:`oar_verl.core.backends.base`).
+"""``mode=fisher``: OAR-P's masking KL to second order, from clean-point gradients, at about OAR-G's cost; written
+once over the backend interface (:mod:`oar_verl.core.backends.base`). Derivation, variance and cost: docs/method.md §11.
 
-OAR-P scores token t by I_t = KL(P_clean ‖ P^(t)), P^(t) the outcome distribution with y_t swapped for the mask token.
-Write the swap as a move of the token's embedding, δ_t = e_mask − e_t, and the outcome logits as a function of the
-embeddings. The KL's first-order term vanishes at the clean point (a KL is minimal at zero), and its second-order term
-is the Fisher quadratic form of the probe distribution p::
-
-    I_t ≈ ½ δ_tᵀ J_tᵀ F J_t δ_t,     F = Σ_v p_v g_v g_vᵀ,   g_v = ∇_z log p_v,
-
-so, with the Jacobian folded in, I_t ≈ ½ Σ_v p_v ⟨∂ log p_v / ∂e_t, δ_t⟩². The sum over the vocabulary is truncated to
-the ``outcomes`` most likely answers of each row (an answer distribution carries its mass on a few tokens): one
-clean-point backward of log p_v per kept outcome gives ⟨∂ log p_v / ∂e_t, δ_t⟩ for every token t at once, so the cost
-is one forward and ``outcomes`` backwards per sequence, independent of the reasoning length R (OAR-P: R copies). At
-K = 1 the score is ½ p_top ⟨∂ log p_top / ∂e_t, δ_t⟩²: first-order attribution patching of log p(top outcome), a
-lower bound of the Fisher form that keeps only its leading term (docs/method.md §11).
-AS-Joint rows read a scalar φ whose shift has a first-order term: I_t ≈ φ_clean − φ^(t) ≈ −⟨∂φ/∂e_t, δ_t⟩ (signed,
-as OAR-P's).
-
-**The unbiased estimator** (``sketches`` S >= 1): the outcomes beyond the top K are sketched with Rademacher signs
-s_j ∈ {±1}^V. Write a_v = √p_v ⟨∂ log p_v / ∂e_t, δ_t⟩; then E_s[(Σ_v s_v a_v)²] = Σ_{u,v} E[s_u s_v] a_u a_v =
-Σ_v a_v² (E[s_u s_v] = 1 if u = v, else 0), exactly the Fisher sum over those v. Sketch j's loss
-L_j = Σ_{v ∉ top K} s_{j,v} √sg(p_v) log p_v (sg: stop-gradient) has ⟨∂L_j/∂e_t, δ_t⟩ = Σ_{v ∉ top K} s_{j,v} a_v, so
-one backward of L_j is one sample for every token t at once, and
-
-    I_t ≈ ½ [Σ_{k ≤ K} p_k ⟨∂ log p_k / ∂e_t, δ_t⟩² + (1/S) Σ_j ⟨∂L_j/∂e_t, δ_t⟩²]
-
-is unbiased for the full-vocabulary form for any K >= 0, S >= 1. The loss reads log p, not the logits z: with logits
-the Fisher form is Σ_v p_v (Δz_v − Σ_u p_u Δz_u)², whose mean term a sketch of Δz alone would miss; Δ log p_v carries
-it (Δ log p_v = Δz_v − Σ_u p_u Δz_u). Its variance per token: one sample's (Σ_v s_v a_v)² has variance
-2 (Σ_v a_v²)² − 2 Σ_v a_v⁴ (fourth moments of Rademacher signs), the mean of S of them 1/S of that, so the tail
-term's relative standard deviation is at most √(2/S). The signs are a hash of (``seed``, j, global vocabulary id v)
-(:func:`sketch_signs`): the same on every tensor-parallel shard, batch and rank; every row shares them (unbiased per
-row). Cost: one forward and K + S backwards per sequence; AS-Joint rows run φ's loss only.
-
-The forward is the clean one (no noise, no teacher pass): the row's top outcomes are read from the very probe that is
-differentiated, and on a backend whose forward serves several backwards (``shared_backwards``: Hugging Face modules,
-Ulysses) its K log-probabilities (and S sketches) are loss columns of one pass. Megatron's schedule runs one
-backward per micro-batch, so there each loss column (an outcome or a sketch) is a *draw row* of its own, packed like
-OAR-G's noise draws (:func:`fisher_plan`). AS-Joint rows have one loss (φ), never a pass of their own for the other
-columns. The projection on δ_t = e_mask − e_t is this module's (:func:`oar_verl.core.methods.gradient.embedding_projection`
-with the backend's embedding of the mask token).
+Token t's swap for the mask is the embedding move δ_t = e_mask − e_t, and I_t ≈ ½ Σ_v p_v ⟨∂ log p_v / ∂e_t, δ_t⟩²:
+the top ``fisher_outcomes`` outcomes of each row's probe kept exactly, the rest sketched with ``fisher_sketches``
+Rademacher sign vectors (unbiased; :func:`sketch_signs`); AS-Joint rows score −⟨∂φ/∂e_t, δ_t⟩. One clean forward and
+K + S backwards per sequence (:func:`fisher_plan`: loss columns of one pass, or draw rows on Megatron).
 """
 
 from __future__ import annotations
@@ -207,7 +172,7 @@ def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: 
     return backend.share(torch.where(batch.reasoning_mask, scores, 0.0)), len(packs)
 
 
-@method("fisher")
+@method("fisher", forward_only=False, reads_gradients=True, uses_mask_token=True, linearises_mask=True)
 def run_fisher(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
     """``mode=fisher``: :func:`fisher` with ``mask``, ``fisher_outcomes``, ``fisher_sketches`` and ``seed`` of the
     configuration."""

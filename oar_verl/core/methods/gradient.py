@@ -1,21 +1,11 @@
-"""OAR-G: gradient x input saliency of the outcome (docs/method.md §4, with the official code's gradient leak and
-LT-Logits position fixed, §7), written once over the backend interface (:mod:`oar_verl.core.backends.base`).
+"""OAR-G: gradient × input saliency of the outcome under seeded embedding noise (docs/method.md §4, with the
+official code's gradient leak and LT-Logits position fixed, §7), written once over the backend interface
+(:mod:`oar_verl.core.backends.base`).
 
-Per pass (rows packed under the token budget by the backend): a clean no-grad pass gives the teacher p0 (or φ0) --
-the teacher passes run first, one per student pass over its distinct rows -- and the student pass adds seeded
-Gaussian noise of std σ to the reasoning-token embeddings, J = KL(p0 ‖ p_noisy) (or φ0 − φ_noisy), and the score is
-|⟨∂J/∂e_t, e_t⟩| with the clean embedding e_t. The noise (:func:`reasoning_noise_at`) and the projection
-(:func:`embedding_projection`) are this module's; the backend only runs the passes with them
-(:class:`~oar_verl.core.backends.base.EmbeddingHook`).
-
-With K noise draws (``algorithm.oar.noise_samples``) each row becomes K *draw rows* e = b·K + k (row b, draw k, with
-the seed :func:`draw_seeds` gives it) and the score is the mean of the K single-draw scores. Draw rows are packed like
-rows, so a row's K draws share a pass while the budget allows and spread over more passes when not (every pass stays
-within the budget); a student pass's clean teacher pass runs once per distinct row in it, not once per draw.
-
-The noise is what makes the gradient non-zero: at p_noisy = p0 the KL sits at its minimum. How the gradient is taken
-(a detached embedding leaf, frozen parameters, checkpointed layers with eval numerics, logits only at probe positions)
-is each backend's job: :mod:`oar_verl.core.backends.hf`, :mod:`oar_verl.core.backends.ulysses`, Megatron's backend.
+This module owns the noise (:func:`reasoning_noise_at`: a token's draw depends only on its row's seed and its
+reasoning rank, so every layout adds the same noise), the seeds (:func:`sequence_seeds`, :func:`draw_seeds`) and the
+projection (:func:`embedding_projection`); the backend runs the passes (teacher passes first, then the noisy student
+passes, K noise draws per row packed as draw rows: docs/method.md §10).
 """
 
 from __future__ import annotations
@@ -153,7 +143,7 @@ def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Ten
     return torch.where(batch.reasoning_mask, mean, 0.0), len(packs)
 
 
-@method("gradient")
+@method("gradient", forward_only=False, reads_gradients=True, uses_mask_token=False)
 def run_oar_g(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
     """``mode=gradient``: :func:`oar_g` with ``noise_std`` and ``noise_samples`` of the configuration."""
     seeds = require(inputs.seeds, "OAR-G needs per-sequence noise seeds",

@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from oar_verl.core.backends.base import AttributionBackend, Pass, Replacement, first_row, with_fillers
+from oar_verl.core.backends.base import (AttributionBackend, Pass, Replacement, first_row, shift_callback,
+                                         with_fillers)
 from oar_verl.core.batch.layout import AttributionBatch
 from oar_verl.core.backends.memory import PassKind
 
@@ -124,19 +125,11 @@ def oar_p(backend: AttributionBackend, batch: AttributionBatch, blocks: torch.Te
     own = oar_p_passes(backend, batch, blocks, mask)
     passes = with_fillers(own, backend.align(len(own)), Pass(first_row(batch), filler=True), batch)
     importance = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
-    table = backend.table(batch.input_ids.shape[0])
 
-    def on_probe(i: int, probe) -> None:
-        p = passes[i]
-        if p.filler:
-            return
-        if p.first is None:
-            table.put(p.rows, probe)
-            return
-        shift = backend.shift(table.get(p.rows), probe, batch.probe.joint[p.rows]).float().to(importance.device)
+    def emit(p: Pass, shift: torch.Tensor) -> None:
         r, j = p.replaced().nonzero().unbind(1)  # every token a copy masked gets the copy's score
-        importance[p.rows[r], j] = shift[r]
+        importance[p.rows[r], j] = shift.float().to(importance.device)[r]
 
-    backend.run(batch, passes, on_probe)
+    backend.run(batch, passes, shift_callback(backend, passes, batch.input_ids.shape[0], batch.probe.joint, emit))
     # every rank of a model-parallel group needs the scores: a policy's next level is planned from them
     return backend.share(importance), len(own)

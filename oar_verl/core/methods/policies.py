@@ -1,22 +1,11 @@
-"""OAR-P's perturbation policies: exact, and for long reasoning segment-level and hierarchical (docs/method.md §8,
-docs/scaling.md).
+"""OAR-P's perturbation policies (``algorithm.oar.perturbation``), a registry: ``exact`` (one masked copy per
+reasoning token) and, for long reasoning, ``segment``, ``hierarchical`` and ``auto`` over reasoning segments
+(:mod:`oar_verl.core.text.segments`). What each computes, and why the segment score is spread s / n over its n tokens:
+docs/method.md §8; costs: docs/scaling.md.
 
-Exact OAR-P runs one masked copy per reasoning token, and each copy recomputes its suffix, so its cost grows with the
-square of the reasoning length. Two cheaper policies mask whole reasoning *segments* (steps or sentences,
-:mod:`oar_verl.core.text.segments`):
-
-* **segment**: one copy per segment (every token of the segment replaced by the mask token, length unchanged); the
-  segment's score s (the probe's KL, as in OAR-P) is spread evenly over its n tokens, s / n each, so that a
-  segment's tokens carry its score in total and long segments do not dominate the per-sequence gating quantiles;
-* **hierarchical**: the segment pass first, then exact token-level OAR-P only inside the top segments by score --
-  those covering ``refine_share`` of the row's reasoning tokens -- while the other tokens keep their segment's spread
-  score. With every segment refined (``refine_share = 1``) every token has its exact score: the result *is* exact
-  OAR-P;
-* **auto**: exact OAR-P on rows whose reasoning has at most ``exact_max_tokens`` tokens, hierarchical above.
-
-Every level runs through the same OAR-P passes (a block layout in, one score per block out: prefix key/value reuse,
-token budget and rank alignment included: :func:`oar_verl.core.methods.perturbation.oar_p` on the step's backend), given
-here as a callable.
+Every policy runs its levels through the same OAR-P passes (a block layout in, one score per block out:
+:func:`oar_verl.core.methods.perturbation.oar_p` on the step's backend), given to it as a callable; each level runs on
+every data-parallel rank alike. The registered ``perturbation`` method (:func:`run_oar_p`) is OAR-P under the policy.
 """
 
 from __future__ import annotations
@@ -28,17 +17,17 @@ import torch
 
 from oar_verl.core.backends.base import AttributionBackend
 from oar_verl.core.batch.layout import AttributionBatch
-from oar_verl.core.methods.mask_operator import method_replacement
 from oar_verl.core.methods.contract import AttributionResult, MethodInputs, method
+from oar_verl.core.methods.mask_operator import method_replacement
 from oar_verl.core.methods.perturbation import block_copies, mask_blocks, oar_p
+from oar_verl.core.registry import Registry
 
-POLICIES = ("exact", "segment", "hierarchical", "auto")
-
-# (B, L) block ids -> (B, L) float32 score of each token's block (0 off the blocks); see oar_verl.core.methods.perturbation.oar_p
+# (B, L) block ids -> (B, L) float32 score of each token's block (0 off the blocks); see
+# oar_verl.core.methods.perturbation.oar_p
 RunBlocks = Callable[[torch.Tensor], torch.Tensor]
 
-__all__ = ["POLICIES", "PolicyResult", "policy_importance", "refined_segments", "segment_table",
-           "spread_segment_scores", "token_blocks"]
+__all__ = ["POLICIES", "Policy", "PolicyOptions", "PolicyResult", "policy_importance", "refined_segments",
+           "register_policy", "segment_table", "spread_segment_scores", "token_blocks"]
 
 
 @dataclass(frozen=True)
@@ -117,47 +106,134 @@ def refined_segments(scores: torch.Tensor, lengths: torch.Tensor, share: float) 
     return torch.zeros_like(pick).scatter(1, order, pick)
 
 
+@dataclass(frozen=True)
+class PolicyOptions:
+    """The settings a policy reads.
+
+    Attributes:
+        refine_share: share of a row's reasoning tokens refined at token level (``hierarchical``, ``auto``), in (0, 1].
+        exact_max_tokens: ``auto`` runs exact OAR-P on rows with at most this many reasoning tokens.
+        exact_blocks: (B, L) long token-level layout of ``exact`` (None: one block per reasoning token;
+            :func:`~oar_verl.core.methods.perturbation.mask_blocks` for ``mask_span`` blocks).
+    """
+
+    refine_share: float = 0.1
+    exact_max_tokens: int = 512
+    exact_blocks: torch.Tensor | None = None
+
+
+# (run_blocks, reasoning_mask (B, L) bool, segments (B, L) long ids inside the reasoning or None, options) -> result
+RunPolicy = Callable[[RunBlocks, torch.Tensor, "torch.Tensor | None", PolicyOptions], "PolicyResult"]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A registered perturbation policy and its facts.
+
+    Attributes:
+        run: (run_blocks, reasoning_mask, segments, options) -> PolicyResult.
+        segments: it reads the rows' reasoning segments (preprocessing builds them only then).
+        mask_span: its token level takes ``algorithm.oar.mask_span`` > 1 blocks (elsewhere mask_span must be 1).
+    """
+
+    run: RunPolicy
+    segments: bool
+    mask_span: bool
+
+
+POLICIES: Registry[Policy] = Registry("perturbation policy", "algorithm.oar.perturbation")
+
+
+def register_policy(name: str, *, segments: bool, mask_span: bool = False) -> Callable[[RunPolicy], RunPolicy]:
+    """Decorator: register the decorated function as the policy ``name`` (``algorithm.oar.perturbation``)."""
+
+    def add(run: RunPolicy) -> RunPolicy:
+        POLICIES.register(name)(Policy(run, segments, mask_span))
+        return run
+
+    return add
+
+
 def policy_importance(run_blocks: RunBlocks, reasoning_mask: torch.Tensor, segments: torch.Tensor | None,
                       policy: str, *, refine_share: float = 0.1, exact_max_tokens: int = 512,
                       exact_blocks: torch.Tensor | None = None) -> PolicyResult:
-    """OAR-P importance under a perturbation policy (see the module docstring).
+    """OAR-P importance under the registered perturbation policy ``policy`` (see the module docstring).
 
     Args:
         run_blocks: runs OAR-P on a block layout: (B, L) long block ids (-1 = not perturbed) -> (B, L) score of each
             token's block. Called once per level the policy has, on every data-parallel rank alike (a level with no
             local copies still runs, to align collectives).
         reasoning_mask: (B, L) bool.
-        segments: (B, L) long segment ids (-1 off), required unless ``policy='exact'``; segments lie inside the
+        segments: (B, L) long segment ids (-1 off), required by a policy that reads segments; segments lie inside the
             reasoning.
-        policy: ``exact`` | ``segment`` | ``hierarchical`` | ``auto``.
-        refine_share: share of a row's reasoning tokens refined at token level (hierarchical), in (0, 1].
-        exact_max_tokens: ``auto`` runs exact OAR-P on rows with at most this many reasoning tokens.
-        exact_blocks: the token-level layout of ``exact`` (default one block per reasoning token; ``mask_span`` blocks
-            otherwise).
+        policy: a name in :data:`POLICIES`: ``exact`` | ``segment`` | ``hierarchical`` | ``auto``.
+        refine_share, exact_max_tokens, exact_blocks: :class:`PolicyOptions`.
 
     Returns:
         PolicyResult.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"perturbation policy {policy!r} is not one of {', '.join(POLICIES)}")
+    entry = POLICIES.get(policy)
     reasoning_mask = reasoning_mask.bool()
+    if entry.segments:
+        if segments is None:
+            raise ValueError(f"the {policy!r} perturbation policy needs reasoning segments")
+        segments = torch.where(reasoning_mask, segments, -1)
+    return entry.run(run_blocks, reasoning_mask, segments, PolicyOptions(refine_share, exact_max_tokens, exact_blocks))
+
+
+@register_policy("exact", segments=False, mask_span=True)
+def exact_policy(run_blocks: RunBlocks, reasoning_mask: torch.Tensor, segments: torch.Tensor | None,
+                 options: PolicyOptions) -> PolicyResult:
+    """One masked copy per reasoning token (or per ``mask_span`` block): one level."""
     reasoning = reasoning_mask.sum(-1)
-    if policy == "exact":
-        blocks = token_blocks(reasoning_mask) if exact_blocks is None else exact_blocks
-        importance = run_blocks(blocks)
-        return PolicyResult(importance, _copies_per_row(blocks), reasoning.clone(), reasoning)
-    if segments is None:
-        raise ValueError(f"the {policy!r} perturbation policy needs reasoning segments")
-    segments = torch.where(reasoning_mask, segments, -1)
-    by_segment = (reasoning > exact_max_tokens) if policy == "auto" else torch.ones_like(reasoning, dtype=torch.bool)
+    blocks = token_blocks(reasoning_mask) if options.exact_blocks is None else options.exact_blocks
+    return PolicyResult(run_blocks(blocks), _copies_per_row(blocks), reasoning.clone(), reasoning)
+
+
+@register_policy("segment", segments=True)
+def segment_policy(run_blocks: RunBlocks, reasoning_mask: torch.Tensor, segments: torch.Tensor,
+                   options: PolicyOptions) -> PolicyResult:
+    """One copy per segment, its score spread s / n over its n tokens: one level."""
+    reasoning = reasoning_mask.sum(-1)
+    _, _, spread, copies = _segment_level(run_blocks, segments, torch.ones_like(reasoning, dtype=torch.bool))
+    return PolicyResult(spread, copies, torch.zeros_like(reasoning), reasoning)
+
+
+@register_policy("hierarchical", segments=True)
+def hierarchical_policy(run_blocks: RunBlocks, reasoning_mask: torch.Tensor, segments: torch.Tensor,
+                        options: PolicyOptions) -> PolicyResult:
+    """The segment level, then exact OAR-P inside the top segments covering ``refine_share`` of each row: two
+    levels."""
+    by_segment = torch.ones(reasoning_mask.shape[0], dtype=torch.bool, device=reasoning_mask.device)
+    return _refined(run_blocks, reasoning_mask, segments, by_segment, options.refine_share)
+
+
+@register_policy("auto", segments=True)
+def auto_policy(run_blocks: RunBlocks, reasoning_mask: torch.Tensor, segments: torch.Tensor,
+                options: PolicyOptions) -> PolicyResult:
+    """Exact OAR-P on rows with at most ``exact_max_tokens`` reasoning tokens, hierarchical on the others: two
+    levels (run on every rank whatever its rows)."""
+    by_segment = reasoning_mask.sum(-1) > options.exact_max_tokens
+    return _refined(run_blocks, reasoning_mask, segments, by_segment, options.refine_share)
+
+
+def _segment_level(run_blocks: RunBlocks, segments: torch.Tensor, by_segment: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The segment level on the rows ``by_segment`` (B,) bool: (segment blocks (B, L), their scores (B, L), the
+    spread scores (B, L) float32, copies per row (B,))."""
     seg_blocks = torch.where(by_segment[:, None], segments, -1)
     seg_scores = run_blocks(seg_blocks)
-    spread = spread_segment_scores(seg_scores, seg_blocks)
-    copies = _copies_per_row(seg_blocks)
-    if policy == "segment":
-        return PolicyResult(spread, copies, torch.zeros_like(reasoning), reasoning)
+    return seg_blocks, seg_scores, spread_segment_scores(seg_scores, seg_blocks), _copies_per_row(seg_blocks)
+
+
+def _refined(run_blocks: RunBlocks, reasoning_mask: torch.Tensor, segments: torch.Tensor, by_segment: torch.Tensor,
+             share: float) -> PolicyResult:
+    """The segment level on the rows ``by_segment`` (B,) bool, then a token level over the top segments of those
+    rows (:func:`refined_segments`) and every reasoning token of the others."""
+    reasoning = reasoning_mask.sum(-1)
+    seg_blocks, seg_scores, spread, copies = _segment_level(run_blocks, segments, by_segment)
     scores, lengths = segment_table(seg_scores, seg_blocks)
-    refine = refined_segments(scores, lengths, refine_share)
+    refine = refined_segments(scores, lengths, share)
     in_refined = (seg_blocks >= 0) & refine.gather(1, seg_blocks.clamp(min=0)) if refine.numel() else \
         torch.zeros_like(reasoning_mask)
     refine_mask = torch.where(by_segment[:, None], in_refined, reasoning_mask)
@@ -173,10 +249,11 @@ def _copies_per_row(blocks: torch.Tensor) -> torch.Tensor:
     return torch.bincount(rows, minlength=blocks.shape[0])
 
 
-@method("perturbation", forward_only=True, segments=lambda cfg: cfg.perturbation != "exact")
+@method("perturbation", forward_only=True, reads_gradients=False, uses_mask_token=True,
+        segments=lambda cfg: POLICIES.get(cfg.perturbation).segments)
 def run_oar_p(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
-    """``mode=perturbation``: OAR-P under ``perturbation`` (exact, segment, hierarchical, auto), each level one
-    :func:`~oar_verl.core.methods.perturbation.oar_p` over the backend (levels are aligned over the ranks one by one)."""
+    """``mode=perturbation``: OAR-P under the policy ``perturbation`` (:data:`POLICIES`), each level one
+    :func:`~oar_verl.core.methods.perturbation.oar_p` over the backend (levels aligned over the ranks one by one)."""
     mask = method_replacement(backend, batch, cfg, inputs, "OAR-P")  # once for every level
     own = 0
 

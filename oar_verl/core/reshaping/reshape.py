@@ -12,6 +12,8 @@ from oar_verl.core.reshaping.gating import TokenWeights, oar_token_weights
 from oar_verl.core.reshaping.metrics import oar_metrics
 from oar_verl.core.batch.selection import rows_to_reshape, sequence_advantage
 
+__all__ = ["Reshaped", "attribution_rows", "reshape_advantages"]
+
 
 def attribution_rows(base_advantages: torch.Tensor, response_mask: torch.Tensor, cfg: OARConfig,
                      eligible: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,6 +40,8 @@ class Reshaped:
         base_advantages: (B, T) the base estimator's advantages.
         token_weights: TokenWeights (B, T); w = 1 on rows left alone.
         response_mask: (B, T) valid response tokens.
+        span_found: (N,) bool over the attributed rows, an answer span was found (None: not known here).
+        answer_probe: (N,) bool over the attributed rows, the probe read answer tokens (None: not known here).
     """
 
     advantages: torch.Tensor
@@ -45,12 +49,16 @@ class Reshaped:
     base_advantages: torch.Tensor
     token_weights: TokenWeights
     response_mask: torch.Tensor
+    span_found: torch.Tensor | None = None
+    answer_probe: torch.Tensor | None = None
 
     def metrics(self, span_found: torch.Tensor | None = None, answer_probe: torch.Tensor | None = None,
                 prefix: str = "oar/") -> dict[str, float]:
-        """``oar/*`` scalars of this batch (:func:`oar_verl.core.reshaping.metrics.oar_metrics`)."""
+        """``oar/*`` scalars of this batch (:func:`oar_verl.core.reshaping.metrics.oar_metrics`); ``span_found`` /
+        ``answer_probe`` default to this batch's own."""
         return oar_metrics(self.token_weights, self.base_advantages, self.advantages, self.response_mask,
-                           span_found=span_found, answer_probe=answer_probe, prefix=prefix)
+                           span_found=self.span_found if span_found is None else span_found,
+                           answer_probe=self.answer_probe if answer_probe is None else answer_probe, prefix=prefix)
 
 
 def reshape_advantages(base_advantages: torch.Tensor, importance: torch.Tensor, reasoning_mask: torch.Tensor,

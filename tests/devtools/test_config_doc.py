@@ -64,3 +64,15 @@ def test_preset_help_states_the_preset_values():
         assert f"`{name}`" in help_text
         for key, value in values.items():
             assert f"{key} = {value}" in help_text, (name, key)
+
+
+def test_every_registered_name_is_documented():
+    """Each key that names a registry's entry (mode, probe, mask, perturbation) documents every registered name in
+    its help: registering a method, operator or policy without documenting it fails here, and with it the generated
+    reference."""
+    from oar_verl.core.checks.startup import registered_names
+
+    helps = {f.name: f.metadata["help"] for f in config_doc.key_fields()}
+    for key, names in registered_names().items():
+        missing = [name for name in names if f"`{name}`" not in helps[key]]
+        assert not missing, (key, missing)

@@ -1,0 +1,111 @@
+"""The start-up checks, in one place: :func:`check_config` (the names a registry resolves, and the combinations that
+depend on its entries' facts) and :func:`startup_checks` (that, then the model-dependent checks: an unsafe mask token
+refused, gradient attribution past a sliding window warned of). verl's start-up
+(:mod:`oar_verl.integration.startup`) and OpenRLHF's entry point (:mod:`oar_verl.openrlhf.checks`) call
+:func:`startup_checks`; :func:`~oar_verl.core.preprocess.prepare_attribution` and
+:func:`~oar_verl.core.methods.attribution.run_attribution` call :func:`check_config` for core-only users.
+
+:class:`~oar_verl.core.config.OARConfig` itself checks types and ranges when built; every error here is an
+:class:`~oar_verl.core.config.OARConfigError` naming the key and the allowed values (docs/config.md).
+"""
+
+from __future__ import annotations
+
+from oar_verl.core.batch.probes import ProbeKind
+from oar_verl.core.checks.mask_token import check_model_mask_token
+from oar_verl.core.checks.registries import MASK_OPERATORS, METHODS, POLICIES
+from oar_verl.core.checks.sliding_window import check_model_sliding_window
+from oar_verl.core.config import AUTO_PROBE, OARConfig, OARConfigError
+from oar_verl.core.methods.mask_operator import operator_names, operators_for
+from oar_verl.core.text.answer_patterns import BUILTIN_PATTERNS, compile_answer_pattern
+from oar_verl.core.text.segments import SEGMENT_SPLITS, compile_segment_split
+
+__all__ = ["check_config", "registered_names", "startup_checks"]
+
+
+def registered_names() -> dict[str, tuple[str, ...]]:
+    """The allowed values of every key that names a registry's entry, in the order errors list them: ``mode``
+    (:data:`~oar_verl.core.methods.contract.METHODS`, sorted: its entries register from several modules), ``probe``
+    (the schedule ``auto``, then every :class:`~oar_verl.core.batch.probes.ProbeKind`), ``mask``
+    (:data:`~oar_verl.core.methods.mask_operator.MASK_OPERATORS`), ``perturbation``
+    (:data:`~oar_verl.core.methods.policies.POLICIES`)."""
+    return {"mode": tuple(sorted(METHODS.names())), "probe": (AUTO_PROBE, *(k.name.lower() for k in ProbeKind)),
+            "mask": MASK_OPERATORS.names(), "perturbation": POLICIES.names()}
+
+
+def check_config(cfg: OARConfig) -> OARConfig:
+    """Check the names of ``cfg`` against the registries and the combinations their facts rule out; returns ``cfg``.
+
+    Raises:
+        OARConfigError: a name no registry holds (``mode``, ``perturbation``, ``mask``, ``probe``), an answer pattern
+            or segment split that is neither built in nor a usable regex, ``mask_token_id`` missing for an operator
+            that needs it or set for one that does not, an operator the mode cannot linearise (fisher + resample), or
+            ``mask_span`` > 1 with a policy whose token level does not take it.
+    """
+    p = cfg.prefix
+    for key, allowed in registered_names().items():
+        if getattr(cfg, key) not in allowed:
+            raise OARConfigError(f"{p}.{key}={getattr(cfg, key)!r} is not allowed; choose one of: {', '.join(allowed)}")
+    method, mask, policy = METHODS.get(cfg.mode), MASK_OPERATORS.get(cfg.mask), POLICIES.get(cfg.perturbation)
+    _check_patterns(p, cfg.answer_patterns)
+    if mask.needs_mask_token_id and cfg.mask_token_id is None:
+        raise OARConfigError(f"{p}.mask={cfg.mask} needs {p}.mask_token_id (a plain token id); or choose {p}.mask="
+                             f"{'|'.join(operator_names(lambda op: not op.needs_mask_token_id))}")
+    if not mask.needs_mask_token_id and cfg.mask_token_id is not None:
+        takes = '|'.join(operator_names(lambda op: op.needs_mask_token_id))
+        raise OARConfigError(f"{p}.mask_token_id={cfg.mask_token_id} is used only with {p}.mask={takes} (got "
+                             f"{p}.mask={cfg.mask!r}); set {p}.mask={takes} or drop {p}.mask_token_id")
+    if method.linearises_mask and not mask.one_embedding:
+        raise OARConfigError(f"{p}.mask={cfg.mask} is not allowed with {p}.mode={cfg.mode} ({cfg.mode} linearises a "
+                             f"move to one embedding); choose {p}.mask={'|'.join(operators_for(method))}")
+    if cfg.mask_span > 1 and not policy.mask_span:
+        takes = '|'.join(n for n in POLICIES.names() if POLICIES.get(n).mask_span)
+        raise OARConfigError(f"{p}.mask_span={cfg.mask_span} applies to {p}.perturbation={takes} only (got "
+                             f"{p}.perturbation={cfg.perturbation!r}); set mask_span=1 or perturbation={takes}")
+    try:
+        compile_segment_split(cfg.segment_split)
+    except ValueError as e:
+        raise OARConfigError(f"{p}.segment_split={cfg.segment_split!r} is neither a built-in rule "
+                             f"({', '.join(SEGMENT_SPLITS)}) nor a usable regex: {e}") from e
+    return cfg
+
+
+def startup_checks(cfg: OARConfig, *, model_path: str | None = None, tokenizer=None,
+                   tokenizer_path: str | None = None, trust_remote_code: bool = False, max_tokens: int | None = None,
+                   fidelity_check: str | None = None) -> list[str]:
+    """Every start-up check of a run, in order: :func:`check_config`, the mask token
+    (:func:`~oar_verl.core.checks.mask_token.check_model_mask_token`: the model's tokenizer and generation config), the
+    sliding window (:func:`~oar_verl.core.checks.sliding_window.check_model_sliding_window`, logged).
+
+    Args:
+        cfg: the run's OARConfig.
+        model_path: the policy's directory (a remote path: the model-dependent checks wait for the first step).
+        tokenizer: the trainer's tokenizer, when it has one (else loaded from ``tokenizer_path`` or ``model_path``).
+        tokenizer_path, trust_remote_code: how to load it.
+        max_tokens: the longest row (prompt + response); None: unknown.
+        fidelity_check: how users of this trainer check the fidelity (named in the sliding-window warning).
+
+    Returns:
+        the warnings (logged as well); errors raise.
+
+    Raises:
+        OARConfigError: see :func:`check_config`, and an unsafe mask token.
+    """
+    check_config(cfg)
+    check_model_mask_token(cfg, model_path, tokenizer, tokenizer_path=tokenizer_path,
+                           trust_remote_code=trust_remote_code)
+    warning = check_model_sliding_window(cfg, model_path, max_tokens, fidelity_check)
+    return [] if warning is None else [warning]
+
+
+def _check_patterns(prefix: str, patterns: tuple[str, ...]) -> None:
+    """Every answer pattern is a built-in name or a regex the span finder can use (compiled by the very function
+    every step uses)."""
+    for pat in patterns:
+        if pat in BUILTIN_PATTERNS:
+            continue
+        try:
+            compile_answer_pattern(pat)
+        except ValueError as e:
+            raise OARConfigError(f"{prefix}.answer_patterns entry {pat!r} is neither a built-in pattern "
+                                 f"({', '.join(BUILTIN_PATTERNS)}) nor a usable answer regex: {e}") from e
