@@ -1,5 +1,5 @@
-"""The refusal of mask tokens that would end a turn mid-reasoning (a mask operator that inserts a token:
-``algorithm.oar.mask=pad|token``), for the methods that mask (registered with ``uses_mask_token``).
+"""The refusal of mask tokens that would end a turn mid-reasoning, for the methods that mask (registered with
+``uses_mask_token``) with an operator that inserts a token, ``algorithm.oar.mask=pad|token``.
 
 Called at start-up (:func:`oar_verl.core.checks.startup.startup_checks`, for verl and OpenRLHF) and where the token is
 resolved at run time (:mod:`oar_verl.core.preprocess`); docs/method.md §3.

@@ -1,4 +1,4 @@
-"""The registries the start-up checks read, filled: importing the method modules is what registers the built-in
+"""The registries the start-up checks read, always filled: importing the method modules is what registers the built-in
 methods (``gradient``, ``perturbation`` with its policies, ``fisher``) in
 :data:`~oar_verl.core.methods.contract.METHODS`, so a check never meets a registry that is still empty. The lookups
 of a configuration's entries (:func:`method_of`, :func:`mask_operator_of`) are the checks' only way to a mode's or an
