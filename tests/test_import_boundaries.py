@@ -3,12 +3,13 @@ tooling."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from devtools.imports import imported_modules as _imported_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,21 +43,6 @@ def test_plugin_loads_whatever_is_imported_first(module):
             "get_adv_estimator_fn('oar')\nfrom oar_verl.integration import plugin\nassert plugin.loaded\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "plugin failed to load" not in proc.stderr, proc.stderr[-4000:]
-
-
-def _imported_modules(path: Path) -> set[str]:
-    """Every module a source file imports, relative imports resolved against its package."""
-    rel = path.relative_to(ROOT).with_suffix("")
-    package = list(rel.parts[:-1])
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = package[: len(package) - node.level + 1] if node.level else []
-            mod = ".".join(base + ([node.module] if node.module else []))
-            found |= {mod} | {f"{mod}.{a.name}" for a in node.names}
-    return found
 
 
 @pytest.mark.parametrize("forbidden", ["verl", "oar_verl.integration", "oar_verl.quickstart"])

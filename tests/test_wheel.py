@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_import_boundaries import _imported_modules  # noqa: E402  (one AST reader of imports)
+from devtools.imports import imported_modules as _imported_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 DOTTED = re.compile(r"\boar_verl(?:\.[A-Za-z_][A-Za-z_0-9]*)+")

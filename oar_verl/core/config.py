@@ -173,9 +173,9 @@ class OARConfig:
     fidelity_every: int = _key(0, "fidelity",
                                "Every this-many steps, measure the fidelity of that step's attribution with the "
                                "deletion metric (docs/fidelity.md, \"Logged while training\"; `oar/fidelity/*`); 0 = "
-                               "never, >= 0. Cost per measured row: one clean forward and (1 + 4 random rankings) x "
-                               "(5 fractions + 1) = 30 forwards of the row with tokens masked, independent of its "
-                               "length, packed under the attribution's token budget.")
+                               "never, >= 0. Cost per measured row: one clean forward and 35 of the row with tokens masked "
+                               "((1 + 4 random rankings) x (5 fractions + 1), plus 5 for the position control), "
+                               "independent of its length, packed under the attribution's token budget.")
     fidelity_rows: int = _key(4, "fidelity",
                               "Rows measured per data-parallel rank on a measured step: the first this-many attributed "
                               "rows with reasoning tokens; >= 1.")

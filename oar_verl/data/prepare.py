@@ -9,21 +9,9 @@ usage::
     # or from "train"/"test" in the file name
     python -m oar_verl.data.prepare gsm8k --out DIR --input train=gsm8k_train.jsonl --input test=gsm8k_test.jsonl
 
-Without ``--input`` the data come from the Hugging Face hub (``datasets.load_dataset``).
-
-Every row has verl's columns (as ``verl/examples/data_preprocess/{gsm8k,math_dataset}.py`` write them):
-
-* ``data_source``: ``openai/gsm8k`` | ``DigitalLearningGmbH/MATH-lighteval`` | ``HuggingFaceH4/MATH-500``
-  (validation metrics are reported per source: ``val-core/<data_source>/reward/mean@N``);
-* ``prompt``: ``[{"role": "user", "content": <question> + " " + <instruction>}]``;
-* ``ability``: ``math``;
-* ``reward_model``: ``{"style": "rule", "ground_truth": <answer>}``: for GSM8K the number after ``####`` (commas
-  removed); for MATH the content of the solution's last ``\\boxed{}`` (balanced braces); for MATH-500 its ``answer``
-  column;
-* ``extra_info``: ``split``, ``index``, ``question``, ``solution`` and, for MATH, ``level`` / ``type``.
-
-Source columns: GSM8K ``question``, ``answer``; MATH ``problem``, ``solution`` (``level``, ``type``); MATH-500
-``problem``, ``solution``, ``answer`` (``subject``, ``level``, ``unique_id``).
+Without ``--input`` the data come from the Hugging Face hub (``datasets.load_dataset``). Every row has verl's columns
+(``data_source``, ``prompt``, ``ability``, ``reward_model``, ``extra_info``), as verl's own ``examples/data_preprocess``
+scripts write them; what each holds: docs/verl.md, "The recipes' data and reward".
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ STEP_KEY = "oar_global_step"
 GROUND_TRUTH_KEY = "oar_ground_truth"
 
 # the step's fidelity measurement (oar_verl.core.fidelity.step.step_fidelity), per row as oar_fidelity_<name>: NaN
-# on rows not measured and on steps not due; ``seconds`` is the rank's time measuring
-FIDELITY_FIELDS = ("aopc", "aopc_random", "suppression", "seconds")
+# on rows not measured and on steps not due (aopc_entropy: on every row until the worker passes the policy's entropy);
+# ``seconds`` is the rank's time measuring
+FIDELITY_FIELDS = ("aopc", "aopc_random", "aopc_position", "aopc_entropy", "static", "suppression", "seconds")
 
 # what compute_token_importance returns: per row (nested, response-aligned) and per sequence
 OUTPUT_FIELDS = ("token_importance", "oar_reasoning_mask", "oar_answer_mask", "oar_span_found", "oar_answer_probe",

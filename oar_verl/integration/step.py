@@ -1,32 +1,11 @@
 """One OAR training step, top to bottom, for every trainer.
 
-verl computes the old log-probs, then (after the optional reference and value passes) runs its advantage step. OAR
-attributes right after the old-log-prob pass, with the very weights that computed the old log-probs, and opens the
-handoff around verl's advantage step::
-
-    att = step.attribute(io, global_step, timing_raw)     # right after verl's old-log-prob pass
-    ...
-    with step.advantage(att, global_step, metrics):
-        <verl's own advantage step>
-
-which reads, in order:
-
-1. **rows** -- the batch's response mask, rewards, prompt uids and which rows are real (``io.rows()``);
-2. **base advantage** -- the base estimator (GRPO by default) on those rewards, computed once here;
-3. **selection** -- rows with a non-zero base advantage (and ``apply_to``), topped up to a multiple of the
-   data-parallel size (:func:`oar_verl.integration.rows.select_rows`); groups whose rewards all agree are skipped;
-4. **attribution** -- the actor workers' ``compute_token_importance`` RPC on the selected rows
-   (``io.compute_importance``; :mod:`oar_verl.integration.worker`), timed as ``timing_s/oar``;
-5. **assembly** -- the per-row results scattered back into (B, T) batch tensors (:func:`~oar_verl.integration.rows.
-   assemble`);
-6. **advantage** -- verl's advantage step runs with the handoff open (:mod:`oar_verl.integration.handoff`): the
-   ``oar`` estimator takes the importance and the base advantage and reshapes it (:mod:`~oar_verl.integration.
-   estimator`);
-7. **report** -- ``oar/*`` metrics of what the estimator did, the fidelity of the step's attribution when one is due
-   (``oar/fidelity/*``, ``timing_s/oar_fidelity``; measured by the workers in step 4), and the token dump when one is
-   due.
-
-The trainers (``trainer_v1``, ``trainer_legacy``) only adapt verl's batch to :class:`TrainerIO`.
+Right after verl's old-log-prob pass, with the weights that computed the old log-probs, ``OARStep.attribute`` runs
+steps 1-5 (``timing_s/oar``): (1) rows, (2) the base advantage, once, (3) selection (``rows.select_rows``), (4) the
+workers' ``compute_token_importance`` RPC, (5) assembly into batch tensors (``rows.assemble``). ``OARStep.advantage``
+is a context manager around verl's own advantage step: it opens the handoff (6: the ``oar`` estimator reshapes the
+base advantage), then reports ``oar/*``, the fidelity and the token dump when due (7). The trainers only adapt verl's
+batch to :class:`TrainerIO`. Details: docs/verl.md, "One step" and "Why a handoff".
 """
 
 from __future__ import annotations

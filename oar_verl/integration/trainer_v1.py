@@ -1,18 +1,10 @@
 """OAR on verl's V1 trainers (TransferQueue), every mode: ``oar_sync``, ``oar_colocate_async``, ``oar_separate_async``.
 
-One OAR layer is applied to each of verl's registered trainer modes, without copying them. A mode's OAR trainer is
-``(OARTrainerMixin, <verl's mode class>, OARStepLayer)``, so that
-
-* :class:`OARStepLayer` sits between verl's mode class and ``PPOTrainer``: it attributes inside the old-log-prob pass
-  as the mode runs it (after ``PPOTrainer._compute_old_log_prob``), so attribution sees exactly the weights that
-  computed the old log-probs -- also in ``separate_async``, whose decoupled mode restores the cycle's π_old weights
-  around that pass -- and it opens the handoff around ``_compute_advantage``;
-* :class:`OARTrainerMixin` comes first: it validates the OAR configuration, keeps ``trainer.v1.trainer_mode`` at verl's
-  mode name (upstream branches on it), and gives each actor role the OAR counterpart of the worker verl's mode chose.
-
-The adapter only moves data: verl's batch lives in TransferQueue and the driver holds keys (``KVBatchMeta``), so
-:class:`V1IO` reads the step's fields from TransferQueue, sends the selected keys to the workers' RPC (whose outputs
-TransferQueue stores under the same keys) and reads them back. The step itself is :mod:`oar_verl.integration.step`.
+A mode's OAR trainer is ``(OARTrainerMixin, <verl's mode class>, OARStepLayer)``, without copying verl's: the mixin
+validates the configuration, keeps ``trainer.v1.trainer_mode`` at verl's name and swaps in OAR's actor worker; the
+layer attributes inside the old-log-prob pass (so with π_old's weights, also in ``separate_async``) and opens the
+handoff around ``_compute_advantage``. :class:`V1IO` only moves data between TransferQueue and the step
+(:mod:`oar_verl.integration.step`). Why: docs/verl.md, "Why a trainer subclass, and one for every mode".
 """
 
 from __future__ import annotations

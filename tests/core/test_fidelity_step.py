@@ -145,7 +145,7 @@ def test_the_offline_report_and_the_in_step_metric_agree_under_every_mask_operat
     seeds = sequence_seeds(0, 0, torch.arange(batch.input_ids.shape[0]))
     rep = fidelity_report(lm64, batch, {"m": scores}, mask_token_id=MASK, operators=(operator,), fractions=FR,
                           random_rankings=3, limits=PassLimits(64), seed=3, draws=1, seeds=seeds, resamples=10,
-                          min_gap=0.0)
+                          min_gap=0.0, controls=("random", "position"))  # the step's rankings: the same packing
     backend = ModuleBackend(lm64, PassLimits(64))
     got = deletion_metrics(backend, batch, scores, replacement=mask_replacement(backend, batch, operator, MASK, seeds),
                            fractions=FR, random_rankings=3, seed=3, suppress_fraction=0.4)
@@ -155,3 +155,56 @@ def test_the_offline_report_and_the_in_step_metric_agree_under_every_mask_operat
         torch.testing.assert_close(got[key], want, rtol=1e-12, atol=1e-15, equal_nan=True)
     assert torch.isfinite(got["aopc"]).all() and (got["aopc"] > 1e-6).sum() >= 2  # (resample: a 1-token row stays)
     assert not torch.equal(m.curve[0, :, 0, 0], m.curve[0, :, 0, -1])  # the fractions differ: not vacuous
+
+
+def test_the_controls_are_logged_and_equal_the_offline_report(lm64, case):
+    """(e) the in-step metric logs the gains over random, position and (given entropies) entropy and the static rows;
+    each gain equals the offline report's on the same rows, rankings and operator; without entropies the entropy
+    gain is absent, not faked."""
+    from oar_verl.core.config import OARConfig
+    from oar_verl.core.fidelity import FRACTIONS, entropy_scores, step_fidelity, step_metrics
+
+    batch, scores, _ = case
+    cfg = OARConfig(fidelity_every=1, fidelity_rows=4, seed=3, tau=0.4)
+    backend = ModuleBackend(lm64, PassLimits(64))
+    entropy = entropy_scores(lm64, batch)
+    on = step_fidelity(backend, batch, scores, cfg, 2, replacement=Replacement(token=MASK), entropy=entropy)
+    m = step_metrics(on)
+    for key in ("gain_over_random", "gain_over_position", "gain_over_entropy", "rows_static", "aopc_position",
+                "aopc_entropy"):
+        assert f"oar/fidelity/{key}" in m, key
+    assert m["oar/fidelity/rows_static"] == float((on["static"] == 1).sum()) and on["static"][4:].isnan().all()
+    first = rows_of(batch, torch.arange(4))
+    rep = fidelity_report(lm64, first, {"m": scores[:4]}, mask_token_id=MASK, operators=("token",),
+                          fractions=FRACTIONS, random_rankings=4, seed=3, suppress_fraction=0.4, min_gap=0.0,
+                          entropy=entropy[:4], resamples=10)
+    for c in ("random", "position", "entropy"):
+        assert m[f"oar/fidelity/gain_over_{c}"] == pytest.approx(rep.summary[f"m/gain_over_{c}"].mean, rel=1e-9)
+    torch.testing.assert_close(on["aopc_position"][:4], rep.control_aopc["position"][0], rtol=1e-9, atol=1e-12)
+    assert len({round(m[f"oar/fidelity/gain_over_{c}"], 9) for c in ("random", "position", "entropy")}) == 3
+    assert m["oar/fidelity/gain_over_random"] == pytest.approx(m["oar/fidelity/gain"] - 1, rel=1e-9)
+    # no entropies: the entropy control is skipped and its metric absent; the others unchanged
+    off = step_metrics(step_fidelity(backend, batch, scores, cfg, 2, replacement=Replacement(token=MASK)))
+    assert "oar/fidelity/gain_over_entropy" not in off and "oar/fidelity/aopc_entropy" not in off
+    assert off["oar/fidelity/gain_over_position"] == pytest.approx(m["oar/fidelity/gain_over_position"], rel=1e-9)
+    # the worker's fields today (no position / entropy / static field shipped): those metrics are absent
+    old = step_metrics({k: on[k] for k in ("aopc", "aopc_random", "suppression", "seconds")})
+    assert "oar/fidelity/gain_over_random" in old and "oar/fidelity/gain_over_position" not in old
+    assert "oar/fidelity/rows_static" not in old
+
+
+def test_the_position_control_costs_f_rows_per_row(lm64, case):
+    """The in-step cost: (1 + P + J)·F + 1 + J perturbed rows per row, P = 1 (position) or 2 (with entropy)."""
+    from oar_verl.core.fidelity import position_scores
+
+    batch, scores, _ = case
+    J, F = 4, len(FR)
+    for controls in ([position_scores(batch)], [position_scores(batch), torch.rand(scores.shape, dtype=torch.float64)]):
+        sets = removal_sets(batch, scores, fractions=FR, random_rankings=J, seed=0, suppress_fraction=0.4,
+                            controls=controls)
+        assert sets.shape[0] == (1 + len(controls) + J) * F + 1 + J
+        latest = sets[F + F - 1]  # the position control at the largest fraction: each row's latest tokens
+        for b in range(batch.input_ids.shape[0]):
+            cols = batch.reasoning_mask[b].nonzero().squeeze(1).tolist()
+            k = int(latest[b].sum())
+            assert k >= 1 and latest[b].nonzero().squeeze(1).tolist() == cols[len(cols) - k:]

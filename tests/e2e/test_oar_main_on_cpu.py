@@ -112,7 +112,9 @@ def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
         for m in fidelity:
             print({k: v for k, v in m.items() if "fidelity" in k})
             assert m["oar/fidelity/rows"] >= 1 and m["timing_s/oar_fidelity"] > 0
-            assert all(math.isfinite(m[f"oar/fidelity/{k}"]) for k in ("aopc", "aopc_random", "gain"))
+            assert all(math.isfinite(m[f"oar/fidelity/{k}"])
+                       for k in ("aopc", "aopc_random", "gain", "gain_over_random", "gain_over_position", "rows_static"))
+            assert "oar/fidelity/gain_over_entropy" not in m  # the worker passes no entropy yet: not logged, not faked
             assert m["oar/fidelity/aopc"] >= 0 and "oar/fidelity/suppression" in m
     else:
         assert not fidelity and not any("timing_s/oar_fidelity" in m for m in run.metrics)

@@ -45,12 +45,15 @@ def wheel_venv(tmp: Path) -> Path:
 @pytest.mark.timeout(1800)
 def test_quickstart_from_the_wheel_end_to_end(tmp_path):
     python = wheel_venv(tmp_path)
+    # outside the checkout: without the PYTHONPATH entry the suite adds for devtools/ (the wheel must not need it)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     where = subprocess.run([str(python), "-c", "import importlib.util as u, oar_verl; print(oar_verl.__file__); "
-                            "print(u.find_spec('research'))"], cwd=tmp_path, capture_output=True, text=True)
+                            "print(u.find_spec('research'), u.find_spec('devtools'))"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True)
     lines = where.stdout.split()
-    assert where.returncode == 0 and str(python.parents[1]) in lines[0] and lines[1] == "None", where
+    assert where.returncode == 0 and str(python.parents[1]) in lines[0] and lines[1:] == ["None", "None"], where
     out = tmp_path / "quickstart out"  # a space in the path: users' home directories have them
-    env = {**os.environ, "OAR_QUICKSTART_STEPS": str(STEPS)}
+    env = {**env, "OAR_QUICKSTART_STEPS": str(STEPS)}
     proc = subprocess.run([str(python), "-m", "oar_verl.quickstart", "--out", str(out)], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=1700)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

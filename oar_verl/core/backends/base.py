@@ -1,36 +1,12 @@
 """The interface every attribution method is written on (docs/method.md §10): methods plan passes and own their maths,
 backends run passes.
 
-A *method* (OAR-P under every perturbation policy, OAR-G with K noise draws, the second-order ``fisher`` mode) says
-which passes to run -- rows of the batch, optionally with tokens swapped for a replacement token (OAR-P's copies) --
-what to do with each pass's outcome probe, and, for gradient methods, what happens at the input-embedding output
-(:class:`EmbeddingHook`: the noise to add, how a token's score is read from the embedding gradient). A *backend* says
-where and how passes run: how rows are laid out and packed under the token budget (padded rows of a plain Hugging
-Face module, a packed sequence sharded over a Ulysses group, micro-batches of verl's Megatron engine), the forward
-that reads the outcome probe (vocab-parallel where the logits are sharded), where the embedding output is and how a
-token's embedding is looked up, whether copies can reuse a clean key/value prefix, and how data-parallel ranks agree
-on a pass count. A backend never sees a method setting (noise σ, seeds, the projection, the mask token's role).
-
-The interface, as a method sees it::
-
-    prefix_cache: bool                              copies of one row may reuse its clean key/value prefix
-    shared_backwards: bool                          one forward may serve several backwards (EmbeddingHook.outputs)
-    plan(batch, rows, kind, ordered) -> packs       index packs into ``rows`` (repeats allowed) under the budget
-    align(n) -> n'                                  passes every data-parallel rank runs (the max over ranks)
-    run(batch, passes, on_probe, hook=None)         run passes in order; on_probe(i, probe) per pass; with a hook,
-        -> per pass: None, or (n, [K,] L) scores     each pass is a forward and K backwards from the loss on_probe
-                                                    returns, scored by the hook in batch columns
-    embedding(token_id) -> (H,)                     a token's input embedding as the embedding module outputs it
-    mean_embedding() -> (H,)                        the mean of the embedding table's rows, as the module outputs it
-    table(size) -> ProbeTable                       a store of clean probes in this backend's probe form
-    shift(clean, probe, joint) -> (b,)              KL(P_clean ‖ P) or φ_clean − φ, in that form
-    share(x) -> x                                   a result of the probe-reading ranks, on every rank
-
-A probe handed to ``on_probe`` (:class:`~oar_verl.core.batch.probes.ProbeOutput`, or Megatron's vocab-parallel ``VPProbe``)
-offers ``phi``, ``top(k)`` and ``log_prob(ids)``; the methods read it only through those and the backend's ``shift``.
-
-Backends: :class:`oar_verl.core.backends.hf.ModuleBackend`, :class:`oar_verl.core.backends.ulysses.UlyssesBackend`,
-``oar_verl.integration.megatron.backend.MegatronBackend``.
+A *method* (OAR-P under every policy, OAR-G, ``fisher``) says which passes to run (rows, optionally with tokens
+replaced: OAR-P's copies), what to do with each pass's outcome probe and, for gradient methods, what happens at the
+input-embedding output (:class:`EmbeddingHook`). A *backend* (``hf.ModuleBackend``, ``ulysses.UlyssesBackend``,
+``integration.megatron.backend.MegatronBackend``) lays rows out under the token budget, runs the forward that reads
+the probe and keeps data-parallel ranks in step; it never sees a method setting. The members of
+:class:`AttributionBackend`, with their meaning and shapes: docs/method.md §10.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """How much accelerator memory an attribution pass needs, from the model's shape: the memory guard and the cost model.
 
-The estimates count the tensors a pass holds at its peak, per token position of the pass (rows × window), for a
-decoder-only transformer of the Llama / Qwen2 family (docs/scaling.md derives and checks them):
-
-* **forward, no cache** (clean, teacher, OAR-P batched copies): one layer's transient activations; nothing is kept
-  across layers;
-* **forward with a key/value cache** (OAR-P prefix reuse): the cache of every layer plus one layer's transients;
-* **forward + input-gradient backward** (OAR-G): the saved activations of every layer (or only the layer inputs,
-  under gradient checkpointing, plus one layer recomputed), the embedding leaf and its gradient;
-* **training forward + backward** (the comparator): the same saved activations plus the fp32 log-softmax over the
-  vocabulary at every response position, which attribution never computes (logits only at probe positions).
-
-Parameters and optimizer state are not counted: they are the same for the training step and for attribution.
+Per token position of a pass (rows × window), for a Llama / Qwen2-family decoder, it counts what each kind of pass
+holds at its peak: a forward without cache, a forward on OAR-P's key/value prefix, OAR-G's forward + input-gradient
+backward (with or without gradient checkpointing), and the training step as the comparator. Parameters and optimizer
+state are the same for training and attribution and are not counted. Formulas and their checks: docs/scaling.md,
+"The model".
 """
 
 from __future__ import annotations

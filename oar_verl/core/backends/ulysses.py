@@ -1,21 +1,12 @@
 """The attribution backend of a Hugging Face module whose sequences are sharded over a Ulysses sequence-parallel group,
-as verl's own forward runs under Ulysses (:mod:`oar_verl.core.backends.base`).
+as verl's own forward runs under Ulysses.
 
-Users turn on sequence parallelism when one sequence's activations do not fit a GPU; attribution must then not hold
-whole sequences either. A pass's rows (or OAR-P's masked copies) are packed into one sequence without padding (each
-row restarting its position ids, as verl's remove-padding layout does), padded to a multiple of the group size and
-split into equal contiguous shards: rank r of the group holds shard r, so a pass holds 1/size of its tokens per rank.
-The model's attention all-to-alls the shards and keeps packed rows apart by their position ids (verl's Ulysses patch
-of the flash-attention varlen kernel on GPUs); everything else is per token and stays local.
-
-The outcome probe reads positions that may lie on any rank. Each rank reads the logits at its own probe positions
-(never the others'), forms its part of every row's weighted sum of raw logits (and of AS-Joint's log-probability
-sum), and the group sums the parts; the sum's backward is the identity, so a backward pass's gradient flows once
-through each rank's own positions and the attention's all-to-all routes the rest, exactly as for a sequence-parallel
-loss. Every rank then holds the whole probe and the same outcome shift. A gradient method's noise is asked for each
-rank's own reasoning tokens by their row and reasoning rank (:class:`~oar_verl.core.backends.base.EmbeddingHook`), so each
-rank adds exactly the noise its tokens get unsharded; the scores are all-gathered over the group. The numbers equal the unsharded backend's (tested on
-2 gloo ranks). A key/value prefix cache does not shard: OAR-P runs the batched copies.
+Users turn on sequence parallelism when one sequence's activations do not fit a GPU, so attribution must not hold
+whole sequences either: a pass's rows (or OAR-P's copies) are packed into one sequence without padding and split into
+contiguous shards, one per rank, which the attention all-to-alls. Each rank reads the probe at its own positions and
+the group sums the parts; scores are all-gathered. The numbers equal the unsharded backend's; there is no key/value
+prefix cache (OAR-P runs the batched copies). The interface: :mod:`oar_verl.core.backends.base`; why the numbers are
+exact: docs/verl.md, "The worker RPC" (Ulysses).
 """
 
 from __future__ import annotations

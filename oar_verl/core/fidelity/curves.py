@@ -15,8 +15,8 @@ import torch
 from oar_verl.core.batch.hashing import _mix, _uniform
 from oar_verl.core.batch.layout import AttributionBatch
 
-__all__ = ["FRACTIONS", "bottom_removal", "deletion_sets", "position_scores", "random_scores", "rankings",
-           "ranks_from_scores", "removal_count", "row_keys", "top_removal"]
+__all__ = ["FRACTIONS", "bottom_removal", "deletion_sets", "full_columns", "position_scores", "random_scores",
+           "rankings", "ranks_from_scores", "removal_count", "row_keys", "top_removal"]
 
 FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20)
 _STREAM_RANDOM = 0x52414E44  # the hash stream of the random rankings
@@ -64,6 +64,19 @@ def position_scores(batch: AttributionBatch) -> torch.Tensor:
     suppressing the earliest tokens is a low bar for S (docs/fidelity.md §4)."""
     reasoning = batch.reasoning_mask.bool()
     return torch.where(reasoning, reasoning.double().cumsum(-1), 0.0)
+
+
+def full_columns(scores: torch.Tensor, batch: AttributionBatch, name: str) -> torch.Tensor:
+    """(B, L) scores from (B, L) full-sequence or (B, L − P) response-aligned ones (left-padded with 0 by the P prompt
+    columns); a ValueError naming ``name`` and both shapes otherwise."""
+    B, L = batch.input_ids.shape
+    s = scores.to(batch.input_ids.device)
+    if s.shape == (B, L):
+        return s
+    if s.shape == (B, L - batch.response_start):
+        return torch.nn.functional.pad(s, (batch.response_start, 0))
+    raise ValueError(f"fidelity: scores {name!r} have shape {tuple(s.shape)}; expected (B, L) = {(B, L)} or the "
+                     f"response-aligned {(B, L - batch.response_start)}")
 
 
 def rankings(batch: AttributionBatch, scores: Sequence[torch.Tensor], random_rankings: int, seed: int

@@ -1,20 +1,22 @@
 """The offline fidelity report a user runs on any Hugging Face causal LM (docs/fidelity.md §2): does a ranking of the
 reasoning tokens find the tokens the outcome depends on, whatever "removing a token" means?
 
-For each ranking (the methods' scores, candidate "best" rankings, seeded random rankings) and fraction f, the top
+For each ranking (the methods' scores, candidate "best" rankings, the controls, seeded random rankings) and fraction
+f, the top
 ⌈f·R⌉ reasoning tokens of a row are removed jointly with each operator (:mod:`oar_verl.core.fidelity.operators`: the
 mask operators of OAR-P plus ``delete``) and the outcome shift is measured in two ways (:data:`~oar_verl.core.fidelity.
 shifts.MEASURES`, ``kl`` and ``logp``). The model runs through its module backend
 (:class:`~oar_verl.core.backends.hf.ModuleBackend`) and the scorer the in-step metric uses
-(:func:`~oar_verl.core.fidelity.shifts.removal_shifts`); the curves give AOPC, NAOPC, S and the mass on target
-(:mod:`oar_verl.core.fidelity.summary`), with paired bootstrap intervals. Shapes: B rows, L columns, O operators, F
-fractions, M methods, C candidates, J random rankings, N perturbed rows.
+(:func:`~oar_verl.core.fidelity.shifts.removal_shifts`); the curves give each method's gain over each control (the
+primary statistic, :mod:`oar_verl.core.fidelity.controls`), AOPC, NAOPC (secondary: it names its candidate set), S and
+the mass on target (:mod:`oar_verl.core.fidelity.summary`), with paired bootstrap intervals clustered by prompt.
+Shapes: B rows, L columns, O operators, F fractions, M methods, C candidates, K controls that are one ranking
+(position, entropy), J random rankings, N perturbed rows.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,17 +24,24 @@ import torch
 from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.backends.hf import ModuleBackend
 from oar_verl.core.batch.layout import AttributionBatch
-from oar_verl.core.fidelity.curves import FRACTIONS, deletion_sets, rankings, removal_count, top_removal
+from oar_verl.core.fidelity.controls import CONTROLS, DEFAULT_CONTROLS, check_controls, control_scores, evaluated
+from oar_verl.core.fidelity.curves import (FRACTIONS, deletion_sets, full_columns, rankings, removal_count,
+                                           top_removal)
 from oar_verl.core.fidelity.operators import DEFAULT_OPERATORS, check_operators, operator_draws, resample_seeds
 from oar_verl.core.fidelity.shifts import MEASURES, Shifts, removal_shifts
-from oar_verl.core.fidelity.summary import (Interval, aopc, bootstrap_mean, default_min_gap, mass_on_target, naopc,
-                                            suppression_ratio)
+from oar_verl.core.fidelity.summary import (Interval, aopc, bootstrap_mean, bootstrap_ratio, clusters, default_min_gap,
+                                            gain, mass_on_target, naopc, static_rows, suppression_ratio)
 from oar_verl.core.methods.attribution import DEFAULT_MAX_TOKENS
 from oar_verl.core.reshaping.gating import oar_token_weights
 
 __all__ = ["FidelityReport", "MethodFidelity", "fidelity_report", "leave_one_out_scores", "outcome_shifts"]
 
 _STATS = ("aopc", "naopc", "suppression", "aopc_logp", "naopc_logp", "suppression_logp", "mass")
+
+
+def _suffix(measure: str) -> str:
+    """A statistic's name suffix for a measure: none for ``kl``, ``_logp`` for ``logp``."""
+    return "" if measure == MEASURES[0] else f"_{measure}"
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,12 @@ class MethodFidelity:
         suppression: (2, B) :func:`suppression_ratio` of ``bottom_shift`` and the random removal of the same size.
         mass: (B,) share of this method's gated advantage mass on the best ranking's top ⌈t·R⌉ tokens (t =
             ``target_fraction``, best under the report's ``primary`` measure).
+        gain: control -> (2, B) per-row gain AOPC_method − AOPC_control
+            (:func:`~oar_verl.core.fidelity.summary.gain`), in shift units.
+        gain_over: "<control>" (kl) / "<control>_logp" -> the primary statistic: Σ_rows gain / Σ_rows AOPC_control
+            over every row where both are defined (:func:`~oar_verl.core.fidelity.summary.ratio_of_sums`), with its
+            clustered bootstrap interval. A function of this method's and the control's curves only.
+        mean_gain_over: the same keys -> the plain mean gain (shift units) with its interval.
     """
 
     curve: torch.Tensor
@@ -55,6 +70,9 @@ class MethodFidelity:
     bottom_shift: torch.Tensor
     suppression: torch.Tensor
     mass: torch.Tensor
+    gain: dict[str, torch.Tensor] = field(default_factory=dict)
+    gain_over: dict[str, Interval] = field(default_factory=dict)
+    mean_gain_over: dict[str, Interval] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -64,7 +82,8 @@ class FidelityReport:
     Attributes:
         methods: per method name, its :class:`MethodFidelity`.
         operators, fractions: the O operators and F fractions of the curves.
-        candidates: names of the rankings "best" is taken over (the methods, then the extra candidates).
+        candidates: names of the rankings "best" is taken over (the methods, then the extra candidates; never the
+            controls): NAOPC's candidate set, also :attr:`naopc_candidates`.
         candidate_aopc: (2, C, B) AOPC of every candidate.
         best_aopc: (2, B) max over the candidates. best: (2, B) long index into ``candidates``.
         random_aopc: (2, B) mean AOPC of the random rankings. random_curve: (2, B, O, F) their mean curve.
@@ -72,8 +91,14 @@ class FidelityReport:
         reasoning_tokens: (B,) long R per row. target_baseline: (B,) ⌈t·R⌉ / R, the mass of uniform weights.
         forwards: model forward passes run (the clean ones included). forward_rows: perturbed rows run (with draws).
         summary: "<method>/<stat>" -> :class:`Interval` (stats: aopc, naopc, suppression, aopc_logp, naopc_logp,
-            suppression_logp, mass).
+            suppression_logp, mass; per control c: gain_over_<c>, mean_gain_over_<c> and their ``_logp``).
         primary: the measure "best" (for ``mass``) is chosen by.
+        resamples, seed, alpha: the bootstrap's.
+        controls: the controls the gains are over (:data:`~oar_verl.core.fidelity.controls.CONTROLS`).
+        control_aopc: control -> (2, B) its AOPC (``random``: the mean over the J random rankings).
+        static: (2, B) bool rows where nothing moves: every ranking's |AOPC| within ``min_gap``
+            (:func:`~oar_verl.core.fidelity.summary.static_rows`); counted, and kept in every sum.
+        groups: (B,) long cluster index of each row (rows of one prompt resample together). clusters: K.
     """
 
     methods: dict[str, MethodFidelity]
@@ -94,7 +119,17 @@ class FidelityReport:
     resamples: int = 1000
     seed: int = 0
     alpha: float = 0.05
+    controls: tuple[str, ...] = ()
+    control_aopc: dict[str, torch.Tensor] = field(default_factory=dict)
+    static: torch.Tensor | None = None
+    groups: torch.Tensor | None = None
+    clusters: int = 0
     summary: dict[str, Interval] = field(default_factory=dict)
+
+    @property
+    def naopc_candidates(self) -> tuple[str, ...]:
+        """The rankings NAOPC's "best" is taken over: NAOPC compares only between reports with the same set."""
+        return self.candidates
 
     def stat(self, method: str, name: str) -> torch.Tensor:
         """(B,) per-row values of one statistic (the names of ``summary``)."""
@@ -107,12 +142,13 @@ class FidelityReport:
 
     def difference(self, a: str, b: str, name: str = "naopc") -> Interval:
         """Paired bootstrap of mean(stat_a − stat_b) over the rows where both are defined (same resampling seed)."""
-        return bootstrap_mean((self.stat(a, name) - self.stat(b, name))[None], resamples=self.resamples,
-                              seed=self.seed, alpha=self.alpha)[0]
+        return bootstrap_mean((self.stat(a, name) - self.stat(b, name))[None], groups=self.groups,
+                              resamples=self.resamples, seed=self.seed, alpha=self.alpha)[0]
 
     def metrics(self, prefix: str = "oar/fidelity/") -> dict[str, float]:
         """Scalars for a logger: per method and statistic the mean, the interval ("_lo", "_hi") and the undefined
-        rows ("_undefined"); plus rows, forwards and the random / best mean AOPC."""
+        rows ("_undefined"); plus rows, clusters, ``rows_static`` (and ``rows_static_logp``), forwards, the
+        size of NAOPC's candidate set and the random / best / each control's mean AOPC."""
         out: dict[str, float] = {}
         for key, iv in self.summary.items():
             out[f"{prefix}{key}"] = iv.mean
@@ -120,24 +156,41 @@ class FidelityReport:
             out[f"{prefix}{key}_hi"] = iv.hi
             out[f"{prefix}{key}_undefined"] = float(iv.undefined)
         out[f"{prefix}rows"] = float(self.reasoning_tokens.shape[0])
+        out[f"{prefix}clusters"] = float(self.clusters)
+        if self.static is not None:
+            for i, meas in enumerate(MEASURES):
+                out[f"{prefix}rows_static{_suffix(meas)}"] = float(self.static[i].sum())
+        out[f"{prefix}naopc_candidates"] = float(len(self.naopc_candidates))
+        for c, a in self.control_aopc.items():
+            if c != "random":
+                out[f"{prefix}{c}_aopc"] = float(torch.nanmean(a[0]))
         out[f"{prefix}forwards"] = float(self.forwards)
         out[f"{prefix}forward_rows"] = float(self.forward_rows)
         out[f"{prefix}random_aopc"] = float(torch.nanmean(self.random_aopc[0]))
         out[f"{prefix}best_aopc"] = float(torch.nanmean(self.best_aopc[0]))
         return out
 
-
-@contextlib.contextmanager
-def _evaluated(model: torch.nn.Module) -> Iterator[None]:
-    """Eval mode and no gradient inside; every module's train/eval flag restored on exit."""
-    flags = [(m, m.training) for m in model.modules()]
-    try:
-        with torch.no_grad():
-            model.eval()
-            yield
-    finally:
-        for m, t in flags:
-            m.training = t
+    def table(self, measure: str = "kl") -> str:
+        """A plain-text table: per method its gain over each control (the primary statistic, ratio of sums with the
+        interval), NAOPC (naming its candidate set) and S, under ``measure``; the rows, clusters and static rows."""
+        if measure not in MEASURES:
+            raise ValueError(f"fidelity: unknown measure {measure!r}; allowed: {', '.join(MEASURES)}")
+        sfx = _suffix(measure)
+        fmt = (lambda iv: f"{iv.mean:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}]")
+        head = ["method", *(f"gain over {c}" for c in self.controls), "NAOPC", "S"]
+        rows = [[name, *(fmt(m.gain_over[c + sfx]) for c in self.controls), fmt(self.summary[f"{name}/naopc{sfx}"]),
+                 fmt(self.summary[f"{name}/suppression{sfx}"])] for name, m in self.methods.items()]
+        width = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
+        line = (lambda r: "  ".join(x.ljust(w) for x, w in zip(r, width)).rstrip())
+        i = MEASURES.index(measure)
+        static = "?" if self.static is None else int(self.static[i].sum())
+        return "\n".join([
+            f"fidelity ({measure}) on {self.reasoning_tokens.shape[0]} rows in {self.clusters} clusters, "
+            f"{static} static (nothing moves; kept in the sums); operators {', '.join(self.operators)}",
+            line(head), *map(line, rows),
+            "gain over c = Σ(AOPC_method − AOPC_c) / Σ AOPC_c over every row, "
+            f"{100 * (1 - self.alpha):.0f} % bootstrap clustered by prompt",
+            f"NAOPC (secondary) against the best of: {', '.join(self.naopc_candidates)}"])
 
 
 def _shifts(model: torch.nn.Module, batch: AttributionBatch, removed: torch.Tensor, src: torch.Tensor,
@@ -145,7 +198,7 @@ def _shifts(model: torch.nn.Module, batch: AttributionBatch, removed: torch.Tens
             seeds: torch.Tensor | None) -> Shifts:
     """:func:`removal_shifts` of the removal sets under ``operators`` on the module's backend, both measures, the
     model in eval mode (left as found)."""
-    with _evaluated(model):
+    with evaluated(model):
         backend = ModuleBackend(model, limits or PassLimits(DEFAULT_MAX_TOKENS), prefix_cache=False)
         row_seeds = resample_seeds(batch, draws, seed, seeds)
         variants = [operator_draws(backend, batch, op, token_id=mask_token_id, seeds=row_seeds) for op in operators]
@@ -214,18 +267,6 @@ def leave_one_out_scores(model: torch.nn.Module, batch: AttributionBatch, operat
     return out
 
 
-def _as_full(scores: torch.Tensor, batch: AttributionBatch, name: str) -> torch.Tensor:
-    """(B, L) scores from (B, L) full-sequence or (B, L − P) response-aligned ones."""
-    B, L = batch.input_ids.shape
-    s = scores.to(batch.input_ids.device)
-    if s.shape == (B, L):
-        return s
-    if s.shape == (B, L - batch.response_start):
-        return torch.nn.functional.pad(s, (batch.response_start, 0))
-    raise ValueError(f"fidelity: scores {name!r} have shape {tuple(s.shape)}; expected (B, L) = {(B, L)} or the "
-                     f"response-aligned {(B, L - batch.response_start)}")
-
-
 def fidelity_report(model: torch.nn.Module, batch: AttributionBatch, scores: Mapping[str, torch.Tensor], *,
                     mask_token_id: int | None = None, operators: Sequence[str] = DEFAULT_OPERATORS,
                     fractions: Sequence[float] = FRACTIONS, limits: PassLimits | None = None, seed: int = 0,
@@ -233,7 +274,8 @@ def fidelity_report(model: torch.nn.Module, batch: AttributionBatch, scores: Map
                     candidates: Mapping[str, torch.Tensor] | None = None, random_rankings: int = 4, draws: int = 4,
                     seeds: torch.Tensor | None = None, suppress_fraction: float = 0.4, target_fraction: float = 0.2,
                     primary: str = "kl", resamples: int = 1000, alpha: float = 0.05,
-                    min_gap: float | None = None) -> FidelityReport:
+                    min_gap: float | None = None, controls: Sequence[str] = DEFAULT_CONTROLS,
+                    entropy: torch.Tensor | None = None, groups: torch.Tensor | None = None) -> FidelityReport:
     """Fidelity of token attributions on a batch of rollouts (docs/fidelity.md).
 
     Args:
@@ -257,17 +299,26 @@ def fidelity_report(model: torch.nn.Module, batch: AttributionBatch, scores: Map
         suppress_fraction: the bottom share of S. target_fraction: the top share of the best ranking for ``mass``.
         primary: the measure (:data:`MEASURES`) the best ranking for ``mass`` is chosen by.
         resamples, alpha: the paired bootstrap over rows (percentile interval of coverage 1 − alpha).
-        min_gap: the smallest NAOPC / S denominator trusted, in shift units (default
-            :func:`~oar_verl.core.fidelity.summary.default_min_gap`); rows below it get NaN and are counted as
-            undefined.
+        min_gap: the noise floor in shift units (default :func:`~oar_verl.core.fidelity.summary.default_min_gap`):
+            NAOPC / S denominators not above it give NaN rows (counted as undefined); rows where every ranking's
+            |AOPC| is within it are ``static`` (counted, kept in the gains' sums).
+        controls: what each method's gain is measured over
+            (:data:`~oar_verl.core.fidelity.controls.CONTROLS`: ``random``, ``position``, ``entropy``); the controls
+            are not NAOPC candidates.
+        entropy: (B, L) or response-aligned (B, T) precomputed next-token entropies for the ``entropy`` control (e.g.
+            the old-log-prob pass's); default :func:`~oar_verl.core.fidelity.controls.entropy_scores` of ``model``.
+        groups: (B,) integer cluster ids (e.g. each row's prompt index): the bootstrap resamples clusters, a
+            cluster's rows together (default: every row its own cluster).
 
     Returns:
         FidelityReport (rows without reasoning tokens: NaN). Cost: one clean forward per row, then per ranking (M
-        methods + C candidates + J random) one forward per operator per fraction (D for ``resample``), plus (M + J)
-        for S; i.e. B·[1 + (M+C+J)·F·O' + (M+J)·O'] rows with O' = O − 1 + D if ``resample`` is in ``operators``
-        else O, independent of R.
+        methods + C candidates + K one-ranking controls + J random) one forward per operator per fraction (D for
+        ``resample``), plus (M + J) for S; i.e. B·[1 + (M+C+K+J)·F·O' + (M+J)·O'] rows with O' = O − 1 + D if
+        ``resample`` is in ``operators`` else O, independent of R; plus, for ``entropy`` without ``entropy=``, one
+        forward per row with logits at its reasoning positions.
     """
     operators = check_operators(operators, mask_token_id, draws)
+    controls = check_controls(controls)
     fractions = tuple(float(f) for f in fractions)
     if not scores:
         raise ValueError("fidelity: no method scores given")
@@ -277,15 +328,20 @@ def fidelity_report(model: torch.nn.Module, batch: AttributionBatch, scores: Map
         raise ValueError(f"fidelity: random_rankings must be >= 1, got {random_rankings}")
     if primary not in MEASURES:
         raise ValueError(f"fidelity: unknown measure {primary!r}; allowed: {', '.join(MEASURES)}")
+    if entropy is not None and "entropy" not in controls:
+        raise ValueError(f"fidelity: entropy= was given but 'entropy' is not in controls={controls}")
     reasoning = batch.reasoning_mask.bool()
     B, L = reasoning.shape
-    methods = {k: _as_full(v, batch, k) for k, v in scores.items()}
-    extra = {k: _as_full(v, batch, k) for k, v in (candidates or {}).items()}
+    index, n_clusters = clusters(groups, B)
+    methods = {k: full_columns(v, batch, k) for k, v in scores.items()}
+    extra = {k: full_columns(v, batch, k) for k, v in (candidates or {}).items()}
     clash = set(methods) & set(extra)
     if clash:
         raise ValueError(f"fidelity: names used both as methods and candidates: {sorted(clash)}")
-    M, C, F = len(methods), len(extra), len(fractions)
-    ranks = rankings(batch, [*methods.values(), *extra.values()], random_rankings, seed)  # (Q, B, L)
+    ctrl = {c: control_scores(c, batch, model, entropy if c == "entropy" else None)
+            for c in controls if CONTROLS.get(c).scores is not None}  # the controls that are one ranking
+    M, C, K, F = len(methods), len(extra), len(ctrl), len(fractions)
+    ranks = rankings(batch, [*methods.values(), *extra.values(), *ctrl.values()], random_rankings, seed)  # (Q, B, L)
     Q = ranks.shape[0]
     removed = deletion_sets(ranks, reasoning, fractions, methods=M, random_rankings=random_rankings,
                             suppress_fraction=suppress_fraction)  # (G, B, L)
@@ -300,7 +356,9 @@ def fidelity_report(model: torch.nn.Module, batch: AttributionBatch, scores: Map
     cand_aopc = aopcs[:, :M + C]
     best_aopc, best = torch.nan_to_num(cand_aopc, nan=float("-inf")).max(1)
     best_aopc = torch.where(torch.isinf(best_aopc), float("nan"), best_aopc)
-    random_aopc = aopcs[:, M + C:].mean(1)
+    random_aopc = aopcs[:, M + C + K:].mean(1)
+    one = dict(zip(ctrl, aopcs[:, M + C:M + C + K].unbind(1)))
+    control_aopc = {c: one.get(c, random_aopc) for c in controls}  # random: the mean of the J rankings
     # mass on target: the best ranking (under the primary measure) of each row, its top share
     p = MEASURES.index(primary)
     best_rank = ranks[:M + C].gather(0, best[p][None, :, None].expand(1, B, L)).squeeze(0)
@@ -308,19 +366,37 @@ def fidelity_report(model: torch.nn.Module, batch: AttributionBatch, scores: Map
     r_tok = reasoning.sum(-1)
     tau, beta, floor = gate
     gap = default_min_gap(model) if min_gap is None else float(min_gap)
+    boot = dict(groups=index, resamples=resamples, seed=seed, alpha=alpha)
+    # the primary statistic: per method, control and measure, from the method's and the control's AOPC only
+    gains = {m: {c: gain(aopcs[:, i], control_aopc[c]) for c in controls} for i, m in enumerate(methods)}
+    keys = [(m, c, i) for m in methods for c in controls for i in range(len(MEASURES))]
+    ratio_ivs, mean_ivs = [], []
+    if keys:
+        num = torch.stack([gains[m][c][i] for m, c, i in keys])
+        ratio_ivs = bootstrap_ratio(num, torch.stack([control_aopc[c][i] for _, c, i in keys]), min_gap=gap, **boot)
+        mean_ivs = bootstrap_mean(num, **boot)
+    named = {m: {} for m in methods}
+    for (m, c, i), r, g in zip(keys, ratio_ivs, mean_ivs):
+        named[m][c + _suffix(MEASURES[i])] = (r, g)
     out = {}
     for i, (name, s) in enumerate(methods.items()):
         w = oar_token_weights(s, reasoning, reasoning, tau, beta, floor).weights
         out[name] = MethodFidelity(curves[:, i], aopcs[:, i], naopc(aopcs[:, i], random_aopc, best_aopc, gap),
                                    bottom_shift[:, i], suppression_ratio(bottom_shift[:, i], random_shift, gap),
-                                   mass_on_target(w, target, reasoning))
+                                   mass_on_target(w, target, reasoning), gains[name],
+                                   {k: v[0] for k, v in named[name].items()},
+                                   {k: v[1] for k, v in named[name].items()})
     baseline = torch.where(r_tok > 0, removal_count(target_fraction, r_tok).double() / r_tok.clamp(min=1),
                            float("nan"))
     report = FidelityReport(out, operators, fractions, tuple(methods) + tuple(extra), cand_aopc, best_aopc, best,
-                            random_aopc, curves[:, M + C:].mean(1), random_shift, r_tok, baseline, got.passes,
-                            got.rows, primary, resamples, seed, alpha)
-    keys = [(m, s) for m in methods for s in _STATS]
-    ivs = bootstrap_mean(torch.stack([report.stat(m, s) for m, s in keys]), resamples=resamples, seed=seed,
-                         alpha=alpha)
-    report.summary.update({f"{m}/{s}": iv for (m, s), iv in zip(keys, ivs)})
+                            random_aopc, curves[:, M + C + K:].mean(1), random_shift, r_tok, baseline, got.passes,
+                            got.rows, primary, resamples, seed, alpha, controls=controls, control_aopc=control_aopc,
+                            static=static_rows(aopcs, gap), groups=index, clusters=n_clusters)
+    stat_keys = [(m, s) for m in methods for s in _STATS]
+    ivs = bootstrap_mean(torch.stack([report.stat(m, s) for m, s in stat_keys]), **boot)
+    report.summary.update({f"{m}/{s}": iv for (m, s), iv in zip(stat_keys, ivs)})
+    for m in methods:
+        for k, (r, g) in named[m].items():
+            report.summary[f"{m}/gain_over_{k}"] = r
+            report.summary[f"{m}/mean_gain_over_{k}"] = g
     return report

@@ -1,22 +1,11 @@
 """Outcome shifts of removal sets on any backend: the one place the fidelity metric runs the model, for the offline
-report (:mod:`oar_verl.core.fidelity.report`, on a Hugging Face module's backend) and the in-step metric
-(:mod:`oar_verl.core.fidelity.step`, on the training engine's), over the interface of
-:mod:`oar_verl.core.backends.base`.
+report (:mod:`oar_verl.core.fidelity.report`) and the in-step metric (:mod:`oar_verl.core.fidelity.step`), over the
+interface of :mod:`oar_verl.core.backends.base`.
 
-Each perturbed row is a row of an *expanded batch*: the B rows (their clean passes), then, per operator and draw, one
-copy of its source row per non-empty removal set, whose block layout is 1 exactly at the removed tokens, so that
-``Pass.replaced()`` is the removal set and the operator's Replacement swaps it (``delete``: the source row with those
-tokens dropped, :func:`~oar_verl.core.fidelity.operators.deleted_rows`, run as a plain row). Every perturbed row's probe
-is read against its source row's clean probe (:func:`~oar_verl.core.backends.base.shift_callback`), in up to two
-measures (docs/fidelity.md §1, :data:`MEASURES`):
-
-* ``kl``: ``backend.shift``, KL(P_clean ‖ P_perturbed) of the row's probe (φ_clean − φ on AS-Joint rows);
-* ``logp``: φ_clean − φ_perturbed with φ = Σ_k w_k log p(target_k) of the row's own probe spec (the probe is read
-  as AS-Joint on every row for it); NaN where a probe position's target is padding (:func:`logp_defined`).
-
-Cost: one clean pass per row with a removal set, one perturbed row per non-empty set and draw, packed under the
-backend's budget; independent of R. Shapes: B rows, L columns, N removal sets, n non-empty ones, O operators, E
-expanded rows.
+Each removal set becomes a copy of its source row in one *expanded batch*, replacing exactly the set's tokens
+(``delete`` drops them instead), read against the row's clean probe in the :data:`MEASURES` ``kl`` and ``logp``
+(docs/fidelity.md §1, and §3 "One expanded batch"). Shapes: B rows, L columns, N removal sets, n non-empty ones,
+O operators, E expanded rows.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """OAR-P: counterfactual masking (docs/method.md §3, with the official code's memory blow-up fixed, §7), written once
 over the backend interface (:mod:`oar_verl.core.backends.base`).
 
-For every reasoning position t, replace y_t by the mask (length unchanged; ``algorithm.oar.mask``: a token, the zero or
-mean embedding, or a token resampled from the row, :mod:`oar_verl.core.methods.mask_operator`) and score
-I_t = KL(P_clean ‖ P^(t)) (or φ_clean − φ^(t) with AS-Joint). Full-vocabulary logits are computed only at the probe
-positions, and the masked copies stream through the model in passes packed under a token budget
-(:mod:`oar_verl.core.backends.budget`: a copy holds its whole row, so a pass of c copies of an n-token row holds c × n tokens),
-so peak memory is set by the budget, not by the reasoning length R.
-
-Two plans, same numbers:
-
-* **batched**: the clean rows in packed passes, then the copies of all sequences packed into passes;
-* **prefix cache** (``prefix_cache=True``, on backends that have one): a copy masked at t shares tokens [0, t) with
-  the clean sequence, so each sequence runs one clean forward that keeps its key/value cache, and each pass of its
-  copies (consecutive positions from t_first on) recomputes only the suffix [t_first, n) on top of the cached prefix,
-  read in place, never copied per copy. This saves the prompt and the reasoning before each pass: roughly half the
-  OAR-P compute for typical prompt/response lengths.
-
-``mask_span`` = k > 1 masks k consecutive reasoning tokens per copy (each token of the block gets the block's score):
-k times fewer forwards, an approximation of k = 1 (the exact method). Segment-level policies pass their own block
-layout (:mod:`oar_verl.core.methods.policies`).
+Each reasoning token y_t is replaced by the mask (:mod:`oar_verl.core.methods.mask_operator`) and scored
+I_t = KL(P_clean ‖ P^(t)) (φ_clean − φ^(t) with AS-Joint). The masked copies stream through the model in passes packed
+under the token budget, with full-vocabulary logits only at the probe positions, so peak memory is set by the budget,
+not by the reasoning length R. Two plans give the same numbers: batched copies, or copies continuing their row's clean
+key/value prefix (``prefix_cache``). ``mask_span`` > 1 and the segment policies (:mod:`oar_verl.core.methods.policies`)
+mask blocks. Details: docs/method.md §3 ("Two plans, same numbers") and §8.
 """
 
 from __future__ import annotations

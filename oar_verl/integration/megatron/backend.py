@@ -1,22 +1,12 @@
-"""The attribution backend of verl's Megatron engine (:mod:`oar_verl.core.backends.base`): every method of the core -- OAR-P
-under every perturbation policy, OAR-G with K noise draws, fisher -- runs through it unchanged.
+"""The attribution backend of verl's Megatron engine (:mod:`oar_verl.core.backends.base`): every method of the core
+-- OAR-P under every perturbation policy, OAR-G with K noise draws, fisher -- runs through it unchanged.
 
-* **Layout**: each row's real tokens from position 0 (:class:`.engine.EngineRows`); a pass is one engine
-  micro-batch. Passes are planned as rows (or copies, as long as their rows) per micro-batch under the token budget,
-  rows × the longest sequence of any rank (the engine pads a micro-batch to its longest row).
-* **Run**: all passes of a ``run`` go through ONE engine call (megatron-core pipelines the micro-batches), each padded
-  to the same row count with copies of its first row whose results are dropped; the micro-batch size is all-reduced,
-  so every data-parallel rank issues the same call with the same number of micro-batches. Forward-only passes call
-  ``infer_batch``; backward passes (a method's embedding hook) call ``forward_backward_batch`` with frozen parameters,
-  no gradient finalisation and the engine's full recomputation (:func:`.engine.no_param_grads`,
-  :func:`.engine.full_recompute`).
-* **Probe**: the engine's logits processor on the last stage reads the vocab-parallel probe (never gathered,
-  :mod:`.vocab_parallel`) and hands it to the method, whose per-row loss becomes the engine's loss.
-* **Embedding hook**: a forward hook on the first stage's embedding (output ``[s, b, h]``, ``[s/tp, b, h]`` under
-  sequence parallelism) adds the method's noise and returns a detached leaf; a tensor hook turns ∂J/∂e into the
-  method's projection (signed, e.g. ⟨∂J/∂e_t, e_t⟩). Sequence-parallel chunks are gathered over the tensor-parallel
-  group; the scores then go from the first to every pipeline stage with one broadcast. One backward per micro-batch
-  (the engine's schedule runs one): a hook with K > 1 outputs is refused.
+A pass is one engine micro-batch (rows of :class:`.engine.EngineRows`, planned under the token budget as rows × the
+longest sequence of any rank); all passes of a ``run`` go through ONE engine call with an all-reduced micro-batch size,
+so every data-parallel rank issues the same call. The last stage's logits processor reads the vocab-parallel probe
+(:mod:`.vocab_parallel`); a hook on the first stage's embedding adds the method's noise and turns ∂J/∂e into its
+projection, and the scores go to every pipeline stage. One backward per micro-batch: a hook with K > 1 outputs is
+refused. Details: docs/verl.md, "How the Megatron backend runs passes" (in "Ulysses, Megatron, and what is refused").
 """
 
 from __future__ import annotations

@@ -1,0 +1,122 @@
+"""The fidelity metric's controls and its primary statistic's summaries (oar_verl.core.fidelity.controls, .summary):
+the policy's next-token entropy by hand on a tiny float64 Qwen2, and the ratio of sums with its prompt-clustered
+bootstrap on numbers chosen by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from oar_verl.core.batch.layout import build_attribution_batch
+from oar_verl.core.batch.probes import ProbeKind
+from oar_verl.core.fidelity import (CONTROLS, DEFAULT_CONTROLS, bootstrap_mean, bootstrap_ratio, check_controls,
+                                    entropy_from_logits, entropy_scores, ratio_of_sums, static_rows)
+
+KINDS = torch.tensor([ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT, ProbeKind.AS_MEAN])
+
+
+def make(make_batch, B=4, P=5, T=12, seed=0, extra_pad=0):
+    prompts, prompt_mask, *rest = make_batch(B=B, P=P, T=T, seed=seed)
+    if extra_pad:  # the same rows with more left padding
+        prompts = torch.nn.functional.pad(prompts, (extra_pad, 0))
+        prompt_mask = torch.nn.functional.pad(prompt_mask, (extra_pad, 0))
+    return build_attribution_batch(prompts, prompt_mask, *rest, KINDS[:B].clone())
+
+
+def entropy_by_hand(model, batch, b, c):
+    """H of the next-token distribution that produced token c of row b: one unpadded row, its full logits."""
+    cols = [j for j in range(batch.input_ids.shape[1]) if batch.attention_mask[b, j]]
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids[b, cols][None]).logits[0].double()
+    p = torch.softmax(logits[cols.index(c) - 1], -1)
+    return float(-(p * p.log()).sum())
+
+
+def test_entropy_scores_by_hand(lm64, make_batch):
+    """(c) the entropy at a reasoning position is the entropy of a direct forward's prediction of it; 0 off the
+    reasoning; the same with more padding and with other rows in the batch."""
+    batch = make(make_batch, seed=3)
+    got = entropy_scores(lm64, batch)
+    r = batch.reasoning_mask
+    assert got.dtype == torch.float64 and (got[~r] == 0).all() and (got[r] > 0).all()
+    for b, c in r.nonzero().tolist():
+        assert float(got[b, c]) == pytest.approx(entropy_by_hand(lm64, batch, b, c), rel=1e-9)
+    assert got[r].max() > 2 * got[r].min()  # positions differ: not a constant
+    padded = entropy_scores(lm64, make(make_batch, seed=3, extra_pad=3))
+    torch.testing.assert_close(padded[:, 3:], got, rtol=1e-9, atol=1e-12)
+    for rows in ([2], [3, 0]):
+        idx = torch.tensor(rows)
+        sub = dataclasses.replace(batch, input_ids=batch.input_ids[idx], attention_mask=batch.attention_mask[idx],
+                                  position_ids=batch.position_ids[idx], reasoning_mask=r[idx],
+                                  probe=batch.probe.index(idx))
+        torch.testing.assert_close(entropy_scores(lm64, sub), got[idx], rtol=1e-9, atol=1e-12)
+    # from logits already computed (the old-log-prob pass's): a padded batch's full forward gives the same
+    with torch.no_grad():
+        logits = lm64(**batch.model_inputs()).logits
+    torch.testing.assert_close(entropy_from_logits(logits, batch), got, rtol=1e-7, atol=1e-10)
+    torch.testing.assert_close(entropy_from_logits(torch.log_softmax(logits, -1), batch), got, rtol=1e-7, atol=1e-10)
+
+
+def test_entropy_from_logits_on_numbers_by_hand(make_batch):
+    batch = make(make_batch, B=2, seed=1)
+    B, L = batch.input_ids.shape
+    logits = torch.zeros(B, L, 4, dtype=torch.float64)  # uniform over 4 tokens: H = log 4
+    b, c = batch.reasoning_mask.nonzero()[0].tolist()
+    logits[b, c - 1] = torch.tensor([0.0, math.log(3.0), -math.inf, -math.inf])  # p = (1/4, 3/4, 0, 0)
+    got = entropy_from_logits(logits, batch)
+    want = torch.where(batch.reasoning_mask, math.log(4.0), 0.0).double()
+    want[b, c] = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="logits have shape"):
+        entropy_from_logits(logits[:, 1:], batch)
+
+
+def test_the_controls_registry():
+    assert DEFAULT_CONTROLS == CONTROLS.names() == ("random", "position", "entropy")
+    assert check_controls(["position", "random", "position"]) == ("position", "random")
+    with pytest.raises(ValueError, match="controls='length' is not a registered fidelity control; registered: "
+                                         "entropy, position, random"):
+        check_controls(["length"])
+
+
+def test_ratio_of_sums_and_static_rows_by_hand():
+    """(b) no row is dropped for its value: a row where the method loses and a row where nothing moves stay in Σ."""
+    method = torch.tensor([0.5, 0.1, 0.0, 0.4, float("nan")], dtype=torch.float64)
+    control = torch.tensor([0.2, 0.3, 0.0, 0.1, 0.2], dtype=torch.float64)
+    got = float(ratio_of_sums(method - control, control))
+    assert got == pytest.approx((0.3 - 0.2 + 0.0 + 0.3) / (0.2 + 0.3 + 0.0 + 0.1))
+    assert math.isnan(float(ratio_of_sums(torch.tensor([0.1, -0.1]), torch.tensor([1e-13, -1e-13]))))
+    aopcs = torch.stack([method, control])  # (Q = 2, B)
+    assert static_rows(aopcs).tolist() == [False, False, True, False, False]
+    assert static_rows(aopcs, min_gap=0.25).tolist() == [False, False, True, False, False]
+    assert static_rows(aopcs, min_gap=0.45).tolist() == [False, True, True, True, False]
+    ivs = bootstrap_ratio((method - control)[None], control[None], resamples=500)
+    assert ivs[0].mean == pytest.approx(got) and ivs[0].rows == 4 and ivs[0].undefined == 1
+    assert ivs[0].lo < got < ivs[0].hi
+
+
+def test_the_cluster_bootstrap():
+    """(d) one cluster: every resample is the whole sample, the interval is the point; rows duplicated within their
+    cluster: the interval is the row bootstrap of the distinct rows, not the narrower one of independent copies."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 12, generator=g, dtype=torch.float64)
+    den = 1.0 + torch.rand(1, 12, generator=g, dtype=torch.float64)
+    one = torch.zeros(12, dtype=torch.long)
+    for iv in (bootstrap_mean(x, groups=one)[0], bootstrap_ratio(x, den, groups=one)[0]):
+        assert iv.lo == iv.mean == iv.hi and iv.rows == 12
+    twice, twice_den = torch.cat([x, x], 1), torch.cat([den, den], 1)
+    pairs = torch.arange(12).repeat(2) * 7 + 3  # any integer ids: row i and its copy share one
+    for clustered, independent, alone in (
+            (bootstrap_mean(twice, groups=pairs)[0], bootstrap_mean(twice)[0], bootstrap_mean(x)[0]),
+            (bootstrap_ratio(twice, twice_den, groups=pairs)[0], bootstrap_ratio(twice, twice_den)[0],
+             bootstrap_ratio(x, den)[0])):
+        assert clustered.mean == pytest.approx(independent.mean) and clustered.rows == 24
+        assert (clustered.lo, clustered.hi) == pytest.approx((alone.lo, alone.hi), rel=1e-12)
+        assert clustered.hi - clustered.lo > 1.2 * (independent.hi - independent.lo)
+    # the default is each row its own cluster
+    assert bootstrap_mean(x, groups=torch.arange(12))[0] == bootstrap_mean(x)[0]
+    with pytest.raises(ValueError, match="groups"):
+        bootstrap_mean(x, groups=torch.zeros(11, dtype=torch.long))
