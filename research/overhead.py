@@ -94,7 +94,7 @@ def fidelity_share(args) -> dict:
     F = 5
     return {"device": args.device, "shape": args.shape, "rows": args.rows, "L": int(batch.input_ids.shape[1]),
             "R": args.reasoning, "fidelity_rows": args.fidelity_rows, "J": RANDOM_RANKINGS,
-            "row_forwards": args.fidelity_rows * (1 + (1 + RANDOM_RANKINGS) * (F + 1)),
+            "row_forwards": args.fidelity_rows * (1 + (2 + RANDOM_RANKINGS) * F + 1 + RANDOM_RANKINGS),  # + position
             "train_fwd_bwd_s": t_train, "oar_g_s": t_g, "oar_p_s": t_p, "fidelity_s": t_f,
             "fidelity_over_train": t_f / t_train, "fidelity_over_oar_g": t_f / t_g,
             "fidelity_over_oar_p": t_f / t_p,
