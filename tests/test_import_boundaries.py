@@ -24,24 +24,44 @@ sys.exit(1 if leaked else 0)
 """
 
 
-@pytest.mark.parametrize("package,forbidden", [
+PACKAGE_BOUNDARIES = [
     ("oar_verl.core", "verl"),  # the maths runs without verl
     ("oar_verl.integration", "oar_verl.quickstart"),  # the glue that runs on GPU clusters never loads the CPU shims
-])
-def test_package_does_not_import(package, forbidden):
-    proc = subprocess.run([sys.executable, "-c", CHECK.format(package=package, forbidden=forbidden)],
-                          capture_output=True, text=True, timeout=300)
+]
+PLUGIN_FIRST = ["oar_verl.integration.estimator", "oar_verl.integration.worker", "oar_verl.integration.step",
+                "oar_verl.integration.guard"]
+
+
+def _plugin_first(module: str) -> str:
+    return (f"import {module}\nfrom verl.trainer.ppo.core_algos import get_adv_estimator_fn\n"
+            "get_adv_estimator_fn('oar')\nfrom oar_verl.integration import plugin\nassert plugin.loaded\n")
+
+
+@pytest.fixture(scope="module")
+def fresh_interpreters() -> dict[str, subprocess.CompletedProcess]:
+    """Each check in its own fresh interpreter (an import's side effects are the thing tested), two at a time: each
+    spends ~8 s importing verl, so on 2 cores the six checks take the time of three."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    codes = {f"boundary:{p}:{f}": CHECK.format(package=p, forbidden=f) for p, f in PACKAGE_BOUNDARIES}
+    codes.update({f"first:{m}": _plugin_first(m) for m in PLUGIN_FIRST})
+    with ThreadPoolExecutor(2) as pool:
+        procs = pool.map(lambda code: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                     timeout=300), codes.values())
+        return dict(zip(codes, procs))
+
+
+@pytest.mark.parametrize("package,forbidden", PACKAGE_BOUNDARIES)
+def test_package_does_not_import(fresh_interpreters, package, forbidden):
+    proc = fresh_interpreters[f"boundary:{package}:{forbidden}"]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
-@pytest.mark.parametrize("module", ["oar_verl.integration.estimator", "oar_verl.integration.worker",
-                                    "oar_verl.integration.step", "oar_verl.integration.guard"])
-def test_plugin_loads_whatever_is_imported_first(module):
+@pytest.mark.parametrize("module", PLUGIN_FIRST)
+def test_plugin_loads_whatever_is_imported_first(fresh_interpreters, module):
     """verl loads our plugin on ``import verl``; a module of ours that imports verl first must not leave the plugin
     half-loaded (an import cycle would make it log "plugin failed to load" and drop the ``oar`` estimator)."""
-    code = (f"import {module}\nfrom verl.trainer.ppo.core_algos import get_adv_estimator_fn\n"
-            "get_adv_estimator_fn('oar')\nfrom oar_verl.integration import plugin\nassert plugin.loaded\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = fresh_interpreters[f"first:{module}"]
     assert proc.returncode == 0 and "plugin failed to load" not in proc.stderr, proc.stderr[-4000:]
 
 

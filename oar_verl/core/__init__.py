@@ -3,7 +3,7 @@
     text/        answer spans and reasoning segments of token rows
     batch/       the attribution batch, outcome probes, seeds, row selection
     backends/    the pass interface and its runtimes (plain/FSDP module, Ulysses), budgets, collectives
-    methods/     OAR-G, OAR-P (policies, mask operators), fisher; run_attribution runs the configured one
+    methods/     OAR-G, OAR-P (policies, mask operators), fisher, path; run_attribution runs the configured one
     reshaping/   importance -> gated weights -> advantages; the oar/* metrics
     fidelity/    the deletion-metric fidelity (offline report, in-step)
     checks/      start-up checks (sliding window, mask token)

@@ -18,6 +18,9 @@ from typing import Any
 AUTO_PROBE = "auto"  # the probe schedule: LT-Logits during warm-up, AS-Mean after (:meth:`OARConfig.probe_for_step`)
 TARGETS = ("response", "reference")
 APPLY_TO = ("all", "negative", "positive")
+AUTO_MODE = "auto"  # `mode=auto`: the driver chooses a registered mode per band (oar_verl.core.auto, docs/auto.md)
+AUTO_FALLBACKS = ("grpo", "best")
+AUTO_MAX_CANDIDATES = 8  # the integrations' per-row fields hold this many candidates
 
 # Presets only fill the keys the user did not set.  `paper`: the values the paper's summaries report; `official_code`:
 # the values of the official OAR-main.py (τ = 0.25, β = 1.0).
@@ -34,7 +37,7 @@ class OARConfigError(ValueError):
 
 
 # The groups of `algorithm.oar.*`, in the order docs/config.md and the trainer YAML list them.
-GROUPS = ("method", "gating", "probe", "OAR-G noise", "OAR-P cost", "budgets", "dumps", "fidelity")
+GROUPS = ("method", "gating", "probe", "OAR-G noise", "OAR-P cost", "budgets", "dumps", "fidelity", "auto")
 
 
 def _key(default: Any, group: str, help: str) -> Any:  # noqa: A002  (TRL's name for the same metadata)
@@ -55,8 +58,11 @@ class OARConfig:
 
     mode: str = _key("gradient", "method",
                      "`gradient` (OAR-G: gradient x input under embedding noise), `perturbation` (OAR-P: one-token "
-                     "masking, the probe's change per masked token) or `fisher` (OAR-P's masking KL to second order "
-                     "from clean-point gradients: about OAR-G's cost; docs/method.md §11).")
+                     "masking, the probe's change per masked token), `fisher` (OAR-P's masking KL to second order "
+                     "from clean-point gradients: about OAR-G's cost; docs/method.md §11) or `path` (integrated "
+                     "gradients of the shift along the mask path, every reasoning token moved together: OAR-G's "
+                     "cost with `path_points` draws; docs/method.md §12); `auto`: the run chooses among "
+                     "`auto_candidates` on its own rows (docs/auto.md).")
     preset: str = _key("paper", "method",
                        "`paper` (tau = 0.4, beta = 2.0, the paper's summaries) or `official_code` (tau = 0.25, "
                        "beta = 1.0, the official OAR-main.py); an explicit `tau` / `beta` wins over the preset.")
@@ -110,14 +116,20 @@ class OARConfig:
                                 "sketched; relative standard deviation of a token's tail term <= sqrt(2/S)), signs "
                                 "seeded by `seed`. Cost: one forward and K + S backwards per sequence (Megatron: K + S "
                                 "forward+backwards; AS-Joint rows: one) (docs/method.md §11).")
+    path_points: int = _key(2, "method",
+                            "`path`: points M on the path from the clean embeddings to the mask embedding (midpoints "
+                            "(m - 1/2)/M), in [1, 8]; the score is the M-point Riemann sum of the integrated "
+                            "gradient, whose sum over tokens tends to the shift of removing them all as M grows. "
+                            "Cost: one teacher forward and M forward+backwards per sequence, as OAR-G with "
+                            "`noise_samples` = M (docs/method.md §12).")
     mask: str = _key("mean", "method",
-                     "What replaces a masked token (OAR-P's copies; `fisher`'s embedding move): `mean` (the input-"
-                     "embedding output set to the mean of the embedding table's rows), `zero` (set to the zero "
-                     "vector), `resample` (a token drawn, seeded, from the same row's own reasoning tokens: the "
-                     "policy's empirical marginal, not the model's conditional; not with `fisher`), `pad` (the "
-                     "tokenizer's pad token) or `token` (`mask_token_id`). `pad` / `token` are refused at start-up "
-                     "when the token is an EOS, is written by the chat template or is another special token "
-                     "(docs/method.md §3). Ignored by OAR-G.")
+                     "What replaces a masked token (OAR-P's copies; `fisher`'s and `path`'s embedding move): "
+                     "`mean` (the input-embedding output set to the mean of the embedding table's rows), `zero` (set "
+                     "to the zero vector), `resample` (a token drawn, seeded, from the same row's own reasoning "
+                     "tokens: the policy's empirical marginal, not the model's conditional; not with `fisher` or "
+                     "`path`), `pad` (the tokenizer's pad token) or `token` (`mask_token_id`). `pad` / `token` are "
+                     "refused at start-up when the token is an EOS, is written by the chat template or is another "
+                     "special token (docs/method.md §3). Ignored by OAR-G.")
     mask_token_id: int | None = _key(None, "method",
                                      "The replacement token id with `mask=token`, >= 0 (a plain token; refused at "
                                      "start-up if it is an EOS, end-of-turn or other special token); must be null "
@@ -179,6 +191,25 @@ class OARConfig:
     fidelity_rows: int = _key(4, "fidelity",
                               "Rows measured per data-parallel rank on a measured step: the first this-many attributed "
                               "rows with reasoning tokens; >= 1.")
+    auto_candidates: tuple[str, ...] = _key(("fisher", "gradient"), "auto",
+                                            "`mode=auto`: the registered modes scored on the run's own rows "
+                                            "(docs/auto.md); the cheapest one whose gain over the random and position "
+                                            "controls has a lower bound > 0 is chosen. `perturbation` is opt-in: at "
+                                            "4k tokens one exact OAR-P row costs hundreds of training rows.")
+    auto_default: str = _key("fisher", "auto",
+                             "`mode=auto`: the mode rows attribute with before the first decision; a registered mode.")
+    auto_rows: int = _key(32, "auto", "`mode=auto`: rows (all ranks) a check needs per band before it decides; >= 1.")
+    auto_prompts: int = _key(8, "auto",
+                             "`mode=auto`: distinct prompts among a check's rows (the bootstrap's clusters); >= 1.")
+    auto_every: int = _key(20, "auto",
+                           "`mode=auto`: steps from one check's decision to the next re-check on fresh rows; >= 1. "
+                           "20 keeps calibration + re-checks under 5 % of a 200-step run's compute (docs/auto.md §5).")
+    auto_max_cost: float = _key(2.0, "auto",
+                                "`mode=auto`: the most a candidate may cost, in training forward+backward units "
+                                "(its seconds per token over the actor update's); > 0.")
+    auto_fallback: str = _key("grpo", "auto",
+                              "`mode=auto` when no affordable candidate beats the controls: `grpo` (those rows keep "
+                              "the plain GRPO advantage) or `best` (the candidate with the highest lower bound).")
     prefix: str = field(default=DEFAULT_PREFIX, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -203,6 +234,7 @@ class OARConfig:
         _integer(p, "seed", self.seed, lo=0)
         _integer(p, "noise_samples", self.noise_samples, lo=1)
         _integer(p, "fisher_sketches", self.fisher_sketches, lo=0)
+        _integer(p, "path_points", self.path_points, lo=1, hi=8)
         _integer(p, "fisher_outcomes", self.fisher_outcomes, lo=0)
         if self.fisher_outcomes == 0 and self.fisher_sketches == 0:
             raise OARConfigError(f"{p}.fisher_outcomes=0 needs {p}.fisher_sketches >= 1 (the pure sketch); with "
@@ -238,6 +270,12 @@ class OARConfig:
         _integer(p, "dump_groups", self.dump_groups, lo=1)
         _integer(p, "fidelity_every", self.fidelity_every, lo=0)
         _integer(p, "fidelity_rows", self.fidelity_rows, lo=1)
+        object.__setattr__(self, "auto_candidates", _names(p, "auto_candidates", self.auto_candidates))
+        _name(p, "auto_default", self.auto_default)
+        for key in ("auto_rows", "auto_prompts", "auto_every"):
+            _integer(p, key, getattr(self, key), lo=1)
+        _number(p, "auto_max_cost", self.auto_max_cost, lo=0.0, lo_open=True)
+        _choice(p, "auto_fallback", self.auto_fallback, AUTO_FALLBACKS)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None, prefix: str = DEFAULT_PREFIX) -> OARConfig:
@@ -251,6 +289,9 @@ class OARConfig:
             raise OARConfigError(f"unknown key(s) {', '.join(prefix + '.' + k for k in unknown)}; "
                                  f"allowed: {', '.join(sorted(known))}")
         kwargs = dict(values)
+        if isinstance(kwargs.get("auto_candidates"), (list, str)):
+            ac = kwargs["auto_candidates"]
+            kwargs["auto_candidates"] = (ac,) if isinstance(ac, str) else tuple(ac)
         if "answer_patterns" in kwargs and kwargs["answer_patterns"] is not None:
             ap = kwargs["answer_patterns"]
             kwargs["answer_patterns"] = (ap,) if isinstance(ap, str) else tuple(ap)
@@ -260,6 +301,7 @@ class OARConfig:
         d = dataclasses.asdict(self)
         d.pop("prefix")
         d["answer_patterns"] = list(self.answer_patterns)
+        d["auto_candidates"] = list(self.auto_candidates)
         return d
 
     def probe_for_step(self, global_step: int) -> str:
@@ -298,11 +340,12 @@ def _number(prefix: str, key: str, value: Any, lo: float | None = None, hi: floa
         raise OARConfigError(f"{prefix}.{key}={value!r} is out of range: must satisfy {rng}")
 
 
-def _integer(prefix: str, key: str, value: Any, lo: int) -> None:
+def _integer(prefix: str, key: str, value: Any, lo: int, hi: int | None = None) -> None:
+    allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise OARConfigError(f"{prefix}.{key}={value!r} must be an integer >= {lo}")
-    if value < lo:
-        raise OARConfigError(f"{prefix}.{key}={value!r} is out of range: must be an integer >= {lo}")
+        raise OARConfigError(f"{prefix}.{key}={value!r} must be an integer {allowed}")
+    if value < lo or (hi is not None and value > hi):
+        raise OARConfigError(f"{prefix}.{key}={value!r} is out of range: must be an integer {allowed}")
 
 
 def _name(prefix: str, key: str, value: Any) -> None:
@@ -310,6 +353,19 @@ def _name(prefix: str, key: str, value: Any) -> None:
     :func:`~oar_verl.core.checks.startup.check_config`)."""
     if not isinstance(value, str) or not value:
         raise OARConfigError(f"{prefix}.{key}={value!r} must be a name (a non-empty string)")
+
+
+def _names(prefix: str, key: str, names: Any) -> tuple[str, ...]:
+    """A non-empty tuple of distinct names (which names: at :func:`~oar_verl.core.checks.startup.check_config`)."""
+    if isinstance(names, str):
+        names = (names,)
+    if not isinstance(names, (tuple, list)) or not names or not all(isinstance(n, str) and n for n in names):
+        raise OARConfigError(f"{prefix}.{key}={names!r} must be a non-empty list of registered mode names")
+    if len(set(names)) != len(names):
+        raise OARConfigError(f"{prefix}.{key}={list(names)!r} names a mode twice")
+    if len(names) > AUTO_MAX_CANDIDATES:
+        raise OARConfigError(f"{prefix}.{key} names {len(names)} modes; at most {AUTO_MAX_CANDIDATES}")
+    return tuple(names)
 
 
 def _patterns(prefix: str, patterns: Any) -> tuple[str, ...]:

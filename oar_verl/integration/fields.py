@@ -6,13 +6,25 @@ step) never needs the worker module, which imports verl's workers."""
 CONFIG_KEY = "oar_config"
 STEP_KEY = "oar_global_step"
 GROUND_TRUTH_KEY = "oar_ground_truth"
+AUTO_KEY = "oar_auto"  # on a mode=auto calibration step: {"candidates": [...]} (the workers also score each candidate)
 
 # the step's fidelity measurement (oar_verl.core.fidelity.step.step_fidelity), per row as oar_fidelity_<name>: NaN
-# on rows not measured and on steps not due (aopc_entropy: on every row until the worker passes the policy's entropy);
+# on rows not measured and on steps not due (aopc_entropy also where the batch has no old-log-prob entropies);
 # ``seconds`` is the rank's time measuring
 FIDELITY_FIELDS = ("aopc", "aopc_random", "aopc_position", "aopc_entropy", "static", "suppression", "seconds")
+
+# a mode=auto calibration step's measurement (oar_verl.core.auto.measure.measure_candidates), per row as
+# oar_auto_<name>: ``aopc_c<i>`` candidate i's AOPC (slot i of the step's candidate list, at most AUTO_SLOTS),
+# ``aopc_<control>`` (entropy: NaN where the batch has no old-log-prob entropies), ``static``; NaN on rows not
+# measured and on other steps; ``spt_c<i>`` the rank's seconds per
+# token of candidate i and ``tokens`` its measured tokens, on every row of the rank
+AUTO_SLOTS = 8
+AUTO_CONTROLS = ("random", "position", "entropy")
+AUTO_FIELDS = (tuple(f"aopc_c{i}" for i in range(AUTO_SLOTS)) + tuple(f"aopc_{k}" for k in AUTO_CONTROLS)
+               + ("static", "tokens") + tuple(f"spt_c{i}" for i in range(AUTO_SLOTS)))
 
 # what compute_token_importance returns: per row (nested, response-aligned) and per sequence
 OUTPUT_FIELDS = ("token_importance", "oar_reasoning_mask", "oar_answer_mask", "oar_span_found", "oar_answer_probe",
                  "oar_passes", "oar_copies", "oar_refined", "oar_params_fingerprint",
-                 "oar_log_prob_params_fingerprint") + tuple(f"oar_fidelity_{k}" for k in FIDELITY_FIELDS)
+                 "oar_log_prob_params_fingerprint") + tuple(f"oar_fidelity_{k}" for k in FIDELITY_FIELDS) + \
+    tuple(f"oar_auto_{k}" for k in AUTO_FIELDS)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from oar_verl.integration.fields import FIDELITY_FIELDS
+from oar_verl.integration.fields import AUTO_FIELDS, FIDELITY_FIELDS
 from oar_verl.integration.handoff import EstimatorInputs
 
 
@@ -24,6 +24,8 @@ class BatchRows:
         uids: (B,) prompt uids (numpy object array; a prompt's rollouts share one).
         eligible: (B,) bool rows that may be attributed (not verl's synthetic padding rows).
         responses: (B, T) token ids, when a token dump is due (None otherwise).
+        lengths: (B,) tokens of each row, prompt + response (``mode=auto``: the sliding-window band and the actor
+            update's tokens); None when the trainer does not give them.
     """
 
     response_mask: torch.Tensor
@@ -31,6 +33,7 @@ class BatchRows:
     uids: np.ndarray
     eligible: torch.Tensor
     responses: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
 
 
 def select_rows(wanted: torch.Tensor, eligible: torch.Tensor, dp_size: int) -> torch.Tensor:
@@ -89,6 +92,9 @@ class StepAttribution:
             counted.
         fidelity: name -> (N,) float64 per attributed row, the worker's ``oar_fidelity_<name>`` fields
             (:data:`~oar_verl.integration.fields.FIDELITY_FIELDS`; NaN: not measured); empty when none came back.
+        auto: name -> (N,) float64 per attributed row, the worker's ``oar_auto_<name>`` fields
+            (:data:`~oar_verl.integration.fields.AUTO_FIELDS`: a ``mode=auto`` calibration step's measurement);
+            empty when none came back.
     """
 
     estimator_inputs: EstimatorInputs
@@ -102,6 +108,7 @@ class StepAttribution:
     copies: torch.Tensor
     refined: torch.Tensor
     fidelity: dict[str, torch.Tensor] = field(default_factory=dict)
+    auto: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: BatchRows,
@@ -124,9 +131,10 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
     passes = torch.full((len(rows),), -1.0)
     match = torch.full((len(rows),), float("nan"))
     copies, refined = torch.full((B,), -1.0), torch.full((B,), -1.0)
-    fidelity = {}
+    fidelity, auto = {}, {}
     if out is not None and len(rows):
         fidelity = {k: out[f"oar_fidelity_{k}"].double() for k in FIDELITY_FIELDS if f"oar_fidelity_{k}" in out}
+        auto = {k: out[f"oar_auto_{k}"].double() for k in AUTO_FIELDS if f"oar_auto_{k}" in out}
         passes = out["oar_passes"].float() if "oar_passes" in out else passes
         if "oar_params_fingerprint" in out:
             logp = out["oar_log_prob_params_fingerprint"].double()
@@ -142,4 +150,26 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
     base_adv, base_ret = base if base is not None else (None, None)
     inputs = EstimatorInputs(importance, reasoning & batch.response_mask.bool(), attributed, batch.response_mask,
                              batch.scores if base is not None else None, base_adv, base_ret)
-    return StepAttribution(inputs, rows, answer, found, probe, batch, passes, match, copies, refined, fidelity)
+    return StepAttribution(inputs, rows, answer, found, probe, batch, passes, match, copies, refined, fidelity, auto)
+
+
+def merge_outputs(parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> tuple[torch.Tensor, dict | None]:
+    """Several RPC calls' (rows (N_i,), outputs) as one (rows, outputs) for :func:`assemble`: rows concatenated, (N_i,)
+    fields concatenated, (N_i, T_i) fields right-padded with 0 to the widest; the fields every call returned."""
+    parts = [(r, o) for r, o in parts if o is not None and len(r)]
+    if not parts:
+        return torch.zeros(0, dtype=torch.long), None
+    keys = [k for k in parts[0][1] if all(k in o for _, o in parts)]
+    out = {}
+    for k in keys:
+        vals = [o[k] for _, o in parts]
+        if vals[0].dim() == 2:
+            width = max(v.shape[1] for v in vals)
+            vals = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in vals]
+        out[k] = torch.cat(vals)
+    return torch.cat([r.long() for r, _ in parts]), out
+
+
+def take(rows: torch.Tensor, out: dict[str, torch.Tensor], keep: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The entries ``keep`` (n,) long positions of one call's (rows, outputs)."""
+    return rows[keep], {k: v[keep] for k, v in out.items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from oar_verl.core.checks.mask_token import check_model_mask_token
-from oar_verl.core.checks.startup import startup_checks
+from oar_verl.core.checks.startup import concrete_configs, startup_checks
 from oar_verl.core.config import OARConfig, OARConfigError
 from oar_verl.integration.backends import ENGINE_BACKENDS
 from oar_verl.integration.estimator import OARSetupError, read_oar_config
@@ -66,6 +66,7 @@ def validate_mask_token(cfg: OARConfig, config: DictConfig, tokenizer=None) -> i
     at start-up): the start-up's mask-token check (:func:`oar_verl.core.checks.mask_token.check_model_mask_token`)
     with the trainer's ``tokenizer`` (None: loaded from a local ``actor_rollout_ref.model`` path)."""
     model = config.actor_rollout_ref.get("model", None) or {}
-    return check_model_mask_token(cfg, model.get("path", None), tokenizer,
-                                  tokenizer_path=model.get("tokenizer_path", None),
+    ids = [check_model_mask_token(c, model.get("path", None), tokenizer, tokenizer_path=model.get("tokenizer_path", None),
                                   trust_remote_code=bool(model.get("trust_remote_code", False)))
+           for c in concrete_configs(cfg)]  # mode=auto: every mode it may attribute with
+    return next((i for i in ids if i is not None), None)

@@ -5,29 +5,62 @@ steps 1-5 (``timing_s/oar``): (1) rows, (2) the base advantage, once, (3) select
 workers' ``compute_token_importance`` RPC, (5) assembly into batch tensors (``rows.assemble``). ``OARStep.advantage``
 is a context manager around verl's own advantage step: it opens the handoff (6: the ``oar`` estimator reshapes the
 base advantage), then reports ``oar/*``, the fidelity and the token dump when due (7). The trainers only adapt verl's
-batch to :class:`TrainerIO`. Details: docs/verl.md, "One step" and "Why a handoff".
+batch to :class:`TrainerIO`. Details: docs/verl.md, "One step" and "Why a handoff". With ``mode=auto`` the step's
+selector resolves each band's mode and, on calibration steps, takes every rank's candidate scores (docs/auto.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
 from verl.utils.profiler import marked_timer
 
-from oar_verl.core.config import OARConfig
+from oar_verl.core.auto import UNIFORM, AutoSelector, AutoSettings, Evidence, bands_of
+from oar_verl.core.checks.sliding_window import sliding_window
+from oar_verl.core.checks.startup import require_resolved
+from oar_verl.core.config import AUTO_MODE, OARConfig
 from oar_verl.core.fidelity.step import due as fidelity_due
 from oar_verl.core.fidelity.step import step_metrics
 from oar_verl.core.reshaping.reshape import attribution_rows
 from oar_verl.integration import dumps, handoff
 from oar_verl.integration.estimator import base_advantage
-from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
-from oar_verl.integration.rows import BatchRows, StepAttribution, assemble, select_rows
+from oar_verl.integration.fields import AUTO_CONTROLS, AUTO_KEY, CONFIG_KEY, STEP_KEY
+from oar_verl.integration.rows import BatchRows, StepAttribution, assemble, merge_outputs, select_rows, take
 
 TIMER = "oar"  # -> timing_s/oar (verl times the attribution call inside its old-log-prob pass)
 FIDELITY_TIMER = "oar_fidelity"  # -> timing_s/oar_fidelity: the slowest rank's fidelity measurement (within oar's)
+UPDATE_TIMER = "update_actor"  # verl's timing_raw key of the actor update (timing_s/update_actor)
+AUTO_STATE_FILE = "oar_auto.json"  # the mode=auto selector's state, beside verl's checkpoint of a step
+
+logger = logging.getLogger("oar_verl")
+
+
+def model_window(model_path: str | None) -> int | None:
+    """The sliding window of a local model directory's ``config.json`` (None: none, or not a readable local
+    directory: ``mode=auto`` then decides for one band ``all``)."""
+    try:
+        with open(os.path.join(str(model_path), "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError, TypeError):
+        return None
+    return sliding_window(config) if isinstance(config, dict) else None
+
+
+def checkpoint_folder(trainer_config, global_step: int, load: bool = False) -> str:
+    """verl's checkpoint folder of a step (``trainer.default_local_dir/global_step_N``, made absolute as verl does
+    when loading; ``trainer.resume_from_path`` when loading with ``resume_mode=resume_path``)."""
+    trainer = trainer_config.trainer
+    if load and trainer.get("resume_mode", "auto") == "resume_path" and trainer.get("resume_from_path"):
+        return os.path.abspath(str(trainer.resume_from_path))
+    return os.path.abspath(os.path.join(str(trainer.default_local_dir), f"global_step_{global_step}"))
 
 
 class TrainerIO(Protocol):
@@ -52,22 +85,33 @@ class OARStep:
         algorithm: verl's ``algorithm`` config (base estimator settings, KL-in-reward).
         tokenizer: the policy's tokenizer (token dumps).
         default_local_dir: ``trainer.default_local_dir`` (where dumps go unless ``algorithm.oar.dump_dir``).
+        window: the policy's sliding window (:func:`model_window`; ``mode=auto`` decides inside and past it).
     """
 
-    def __init__(self, cfg: OARConfig, algorithm: Any, tokenizer, default_local_dir: str | None):
+    def __init__(self, cfg: OARConfig, algorithm: Any, tokenizer, default_local_dir: str | None,
+                 window: int | None = None):
         self.cfg = cfg
         self.algorithm = algorithm
         self.tokenizer = tokenizer
         self.default_local_dir = default_local_dir
+        # mode=auto: the one decision, on the driver (docs/auto.md); every rank gets it through worker_options
+        self.selector = AutoSelector(AutoSettings.from_config(cfg, window)) if cfg.mode == AUTO_MODE else None
+        self._prompt_ids: dict[Any, int] = {}  # prompt uid -> bootstrap cluster id
+        self._last_update: tuple[dict, float] | None = None  # (the previous step's timing_raw, its tokens per rank)
+        self._update_spt = float("nan")  # the actor update's seconds per token per rank (the previous step's)
+        self._calibrating = False  # whether the last attributed step was a calibration step
 
     def attribute(self, io: TrainerIO, global_step: int, timing_raw: dict) -> StepAttribution:
         """Steps 1-5, timed as ``timing_s/oar``: rows → base advantage → selection → worker RPC → assembly."""
         with marked_timer(TIMER, timing_raw, color="purple"):
             batch = io.rows(with_responses=dumps.due(self.cfg, global_step))
             base = self.base_advantage(batch)
-            rows = select_rows(self.wanted(batch, base), batch.eligible, io.dp_size())
-            out = io.compute_importance(rows, self.worker_options(global_step)) if len(rows) else None
-            att = assemble(out, rows, batch, base)
+            if self.selector is not None:
+                att = self.attribute_auto(io, batch, base, global_step, timing_raw)
+            else:
+                rows = select_rows(self.wanted(batch, base), batch.eligible, io.dp_size())
+                out = io.compute_importance(rows, self.worker_options(global_step)) if len(rows) else None
+                att = assemble(out, rows, batch, base)
         seconds = att.fidelity.get("seconds")
         if fidelity_due(self.cfg, global_step) and seconds is not None and not bool(seconds.isnan().all()):
             timing_raw[FIDELITY_TIMER] = float(seconds.nan_to_num(0.0).max())  # measured inside the workers
@@ -95,9 +139,132 @@ class OARStep:
             return batch.eligible.clone()
         return attribution_rows(base[0], batch.response_mask, self.cfg, batch.eligible)
 
-    def worker_options(self, global_step: int) -> dict[str, Any]:
-        """Per-call options of the worker RPC (verl fixes the workers' init arguments)."""
-        return {CONFIG_KEY: self.cfg.to_dict(), STEP_KEY: int(global_step)}
+    def worker_options(self, global_step: int, mode: str | None = None,
+                       auto: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Per-call options of the worker RPC (verl fixes the workers' init arguments): the configuration with
+        ``mode`` (``mode=auto`` resolved: a worker never receives ``auto``), the step and, on a calibration step,
+        ``oar_auto`` = {"candidates": [...]}."""
+        cfg = require_resolved(self.cfg if mode is None else dataclasses.replace(self.cfg, mode=mode))
+        return {CONFIG_KEY: cfg.to_dict(), STEP_KEY: int(global_step), **({AUTO_KEY: auto} if auto else {})}
+
+    # -- mode=auto (docs/auto.md) ---------------------------------------------------------------------------------
+    def attribute_auto(self, io: TrainerIO, batch: BatchRows, base, global_step: int,
+                       timing_raw: dict) -> StepAttribution:
+        """Steps 3-5 with ``mode=auto``: one RPC per distinct mode among the bands (each band's rows with the
+        selector's mode; rows of a band on the plain-GRPO fallback attributed only on a calibration step, with
+        ``auto_default``, for the evidence, and left unreshaped); on a calibration step the workers also score every
+        candidate and the selector takes the rows (every rank's: one decision)."""
+        sel, dp = self.selector, io.dp_size()
+        self._note_update(timing_raw, batch, dp)
+        B = batch.response_mask.shape[0]
+        window = sel.settings.window
+        if window is not None and batch.lengths is None:
+            raise RuntimeError("oar: mode=auto on a sliding-window model needs the rows' lengths from the trainer")
+        bands = bands_of(batch.lengths if window is not None else torch.zeros(B, dtype=torch.long), window)
+        in_band = {b: torch.tensor([x == b for x in bands], dtype=torch.bool) for b in dict.fromkeys(bands)}
+        calibrating, modes, wanted = sel.calibrating(global_step), sel.modes(), self.wanted(batch, base)
+        groups: dict[str, torch.Tensor] = {}
+        for b, rows_b in in_band.items():
+            mode = modes[b]
+            if mode == UNIFORM and not calibrating:
+                continue  # plain GRPO for this band: nothing to attribute
+            mode = sel.settings.default if mode == UNIFORM else mode
+            groups[mode] = groups.get(mode, torch.zeros(B, dtype=torch.bool)) | (wanted & rows_b)
+        auto = {"candidates": list(sel.settings.candidates)} if calibrating else None
+        calls, parts, done = [], [], torch.zeros(B, dtype=torch.bool)
+        self._calibrating = calibrating
+        for mode, mask in groups.items():
+            rows = select_rows(mask, batch.eligible, dp)
+            if not len(rows):
+                continue
+            out = io.compute_importance(rows, self.worker_options(global_step, mode, auto))
+            calls.append((rows, out))
+            keep = []  # each wanted row's first result; no top-up row (it may belong to another mode's call)
+            for i, r in enumerate(rows.tolist()):  # per row, not per token
+                if mask[r] and not done[r]:
+                    done[r] = True
+                    keep.append(i)
+            parts.append(take(rows, out, torch.tensor(keep, dtype=torch.long)))
+        rows, out = merge_outputs(parts)
+        att = assemble(out, rows, batch, base)
+        plain = torch.zeros(B, dtype=torch.bool)
+        for b, rows_b in in_band.items():
+            if modes[b] == UNIFORM:
+                plain |= rows_b
+        if bool(plain.any()):  # the fallback: these rows keep the base advantage (w = 1)
+            inputs = att.estimator_inputs
+            att = dataclasses.replace(att, estimator_inputs=dataclasses.replace(
+                inputs, attributed=inputs.attributed & ~plain))
+        if calibrating:
+            evidence, costs = self.auto_evidence(calls, batch, bands)
+            for line in sel.observe(global_step, evidence, costs):
+                print(line, flush=True)
+                logger.warning(line)
+        return att
+
+    def auto_evidence(self, calls, batch: BatchRows, bands: tuple[str, ...]) -> tuple[Evidence, dict[str, float]]:
+        """The selector's rows from the calls' ``oar_auto_*`` fields (each batch row once, where measured; its prompt
+        uid's cluster id; its band) and each candidate's cost: the slowest rank's seconds per token over the actor
+        update's (the previous step's ``timing_s/update_actor`` per token per rank; NaN before the first update)."""
+        cands = self.selector.settings.candidates
+        rows, out = merge_outputs(calls)
+        if out is None or "oar_auto_aopc_c0" not in out:
+            return Evidence.concat([]), {}
+        aopc = {c: out[f"oar_auto_aopc_c{i}"].double() for i, c in enumerate(cands)}
+        # a control measured on no row (entropy without old-log-prob entropies) is left out, not required
+        aopc.update({k: out[f"oar_auto_aopc_{k}"].double() for k in AUTO_CONTROLS
+                     if not bool(out[f"oar_auto_aopc_{k}"].isnan().all())})
+        measured = (~aopc[cands[0]].isnan()).tolist()
+        seen, keep = set(), []
+        for i, r in enumerate(rows.tolist()):  # per row, not per token: each batch row once
+            if measured[i] and r not in seen:
+                seen.add(r)
+                keep.append(i)
+        keep = torch.tensor(keep, dtype=torch.long)
+        picked = rows[keep].tolist()
+        groups = torch.tensor([self._prompt_ids.setdefault(batch.uids[r], len(self._prompt_ids)) for r in picked],
+                              dtype=torch.long)
+        evidence = Evidence({k: v[keep] for k, v in aopc.items()}, out["oar_auto_static"].double()[keep], groups,
+                            tuple(bands[r] for r in picked))
+        costs = {}
+        for i, c in enumerate(cands):
+            spt = out[f"oar_auto_spt_c{i}"].double()
+            slowest = float(spt.nan_to_num(-1.0).max()) if len(spt) else -1.0
+            costs[c] = slowest / self._update_spt if slowest >= 0 and self._update_spt > 0 else float("nan")
+        return evidence, costs
+
+    def _note_update(self, timing_raw: dict, batch: BatchRows, dp: int) -> None:
+        """Read the previous step's actor-update seconds (verl fills ``timing_raw["update_actor"]`` after this call,
+        in the dict the step was given) per token per rank; remember this step's dict and tokens."""
+        if self._last_update is not None:
+            timing, tokens = self._last_update
+            seconds = timing.get(UPDATE_TIMER)
+            if seconds is not None and tokens > 0 and math.isfinite(float(seconds)):
+                self._update_spt = float(seconds) / tokens
+        tokens = float(batch.lengths[batch.eligible].sum()) / max(dp, 1) if batch.lengths is not None else 0.0
+        self._last_update = (timing_raw, tokens)
+
+    def save_state(self, folder: str) -> str | None:
+        """Write the ``mode=auto`` selector's state as ``oar_auto.json`` in ``folder`` (verl's checkpoint of the
+        step); the path, or None without ``mode=auto``."""
+        if self.selector is None:
+            return None
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, AUTO_STATE_FILE)
+        with open(path, "w") as f:
+            json.dump(self.selector.state_dict(), f, allow_nan=False)
+        return path
+
+    def load_state(self, folder: str) -> bool:
+        """Resume the selector from ``folder``'s ``oar_auto.json``; False when there is none (a checkpoint written
+        without ``mode=auto``: the run calibrates again) or without ``mode=auto``."""
+        path = os.path.join(folder, AUTO_STATE_FILE)
+        if self.selector is None or not os.path.exists(path):
+            return False
+        with open(path) as f:
+            self.selector.load_state_dict(json.load(f))
+        print(f"oar auto: resumed from {path}: {self.selector.summary()}", flush=True)
+        return True
 
     def report(self, att: StepAttribution, result, global_step: int) -> dict[str, float]:
         """Step 7: ``oar/*`` metrics from the estimator's result, and the token dump when one is due."""
@@ -120,6 +287,11 @@ class OARStep:
             metrics["oar/policy_matches_old_log_prob"] = float(att.policy_match.min())
         if fidelity_due(self.cfg, global_step) and att.fidelity:  # docs/fidelity.md, "Logged while training"
             metrics.update(step_metrics(att.fidelity))
+        if self.selector is not None:  # docs/auto.md, "What is logged"
+            metrics.update(self.selector.metrics(global_step))
+            metrics["oar/auto/calibrating"] = float(self._calibrating)  # this step scored the candidates
+            if self._update_spt == self._update_spt:
+                metrics["oar/auto/update_s_per_token"] = self._update_spt
         if dumps.due(self.cfg, global_step) and att.batch.responses is not None and len(att.rows):
             dumps.dump_step(self.cfg, global_step, att, result, self.tokenizer, self.default_local_dir)
         return metrics

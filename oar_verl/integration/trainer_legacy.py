@@ -12,6 +12,7 @@ mode skips ``_compute_old_log_prob`` in this trainer, so it is refused at start-
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from oar_verl.integration.guard import uses_oar
 from oar_verl.integration.rows import BatchRows
 from oar_verl.integration.startup import validate_mask_token, validate_oar_setup
-from oar_verl.integration.step import OARStep
+from oar_verl.integration.step import UPDATE_TIMER, OARStep, checkpoint_folder, model_window
 from oar_verl.integration.fields import OUTPUT_FIELDS
 from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
 
@@ -33,9 +34,10 @@ from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
 class LegacyIO:
     """The step's view of one legacy batch (``DataProto``) and the trainer's actor worker group."""
 
-    def __init__(self, trainer: RayPPOTrainer, batch):
+    def __init__(self, trainer: RayPPOTrainer, batch, entropys: torch.Tensor | None = None):
         self.trainer = trainer
         self.batch = batch
+        self.entropys = entropys  # (B, T) the old-log-prob pass's entropies (verl drops them from the batch)
 
     def rows(self, with_responses: bool) -> BatchRows:
         tensors = self.batch.batch
@@ -44,13 +46,15 @@ class LegacyIO:
         eligible = torch.ones(response_mask.shape[0], dtype=torch.bool)  # the legacy trainer adds no padding rows
         # rewards are in the batch before the old-log-prob pass (verl reads them with extract_reward there)
         return BatchRows(response_mask, tensors["rm_scores"], uids, eligible,
-                         tensors["responses"] if with_responses else None)
+                         tensors["responses"] if with_responses else None, tensors["attention_mask"].sum(-1).long())
 
     def dp_size(self) -> int:
         return actor_dp_size(self.trainer.actor_rollout_wg)
 
     def compute_importance(self, rows: torch.Tensor, options: dict[str, Any]) -> dict[str, torch.Tensor]:
         td = left_right_2_no_padding(self.batch.select_idxs(rows.numpy()).to_tensordict())
+        if self.entropys is not None:  # the entropy control of the fidelity metric and of mode=auto
+            td["entropys"] = self.entropys[rows]
         tu.assign_non_tensor(td, **options)
         out = self.trainer.actor_rollout_wg.compute_token_importance(td)
         return {k: (out[k].to_padded_tensor(0.0) if out[k].is_nested else out[k]) for k in OUTPUT_FIELDS}
@@ -67,7 +71,8 @@ class OARRayPPOTrainer(RayPPOTrainer):
         if cfg is not None:  # the trainer's own tokenizer, before the first rollout
             validate_mask_token(cfg, config, self.tokenizer)
         self.oar_step = None if cfg is None else OARStep(cfg, config.algorithm, self.tokenizer,
-                                                         config.trainer.get("default_local_dir"))
+                                                         config.trainer.get("default_local_dir"),
+                                                         model_window(config.actor_rollout_ref.model.get("path")))
         self._oar_open: contextlib.ExitStack | None = None  # the step opened for the current batch
         self._oar_metrics: dict = {}
         self._oar_timing: dict = {}
@@ -77,7 +82,9 @@ class OARRayPPOTrainer(RayPPOTrainer):
         if self.oar_step is not None:
             self._close_oar_step()  # a step left open (no actor update during critic warm-up) reports nothing
             self._oar_metrics, self._oar_timing = {}, {}
-            att = self.oar_step.attribute(LegacyIO(self, batch), self.global_steps, self._oar_timing)
+            old = result[0] if isinstance(result, tuple) else result  # verl 0.9.1: (old log-probs, mfu)
+            entropys = old.batch["entropys"] if "entropys" in old.batch.keys() else None
+            att = self.oar_step.attribute(LegacyIO(self, batch, entropys), self.global_steps, self._oar_timing)
             opened = contextlib.ExitStack()
             opened.enter_context(self.oar_step.advantage(att, self.global_steps, self._oar_metrics))
             self._oar_open = opened
@@ -86,13 +93,27 @@ class OARRayPPOTrainer(RayPPOTrainer):
     def _update_actor(self, batch):
         if self.oar_step is not None:
             self._close_oar_step()
+        start = time.perf_counter()
         output = super()._update_actor(batch)
+        seconds = time.perf_counter() - start
         if self._oar_metrics:
             # timing_s/oar, and timing_s/oar_fidelity on a step that measured fidelity
             output.meta_info["metrics"].update({**self._oar_metrics,
                                                 **{f"timing_s/{k}": v for k, v in self._oar_timing.items()}})
             self._oar_metrics = {}
+        self._oar_timing[UPDATE_TIMER] = seconds  # mode=auto's cost unit, read at the next step (not re-logged)
         return output
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        if self.oar_step is not None:  # mode=auto: the selector's state beside verl's checkpoint of the step
+            self.oar_step.save_state(checkpoint_folder(self.config, self.global_steps))
+
+    def _load_checkpoint(self):
+        out = super()._load_checkpoint()
+        if self.oar_step is not None and self.global_steps > 0:
+            self.oar_step.load_state(checkpoint_folder(self.config, self.global_steps, load=True))
+        return out
 
     def _close_oar_step(self) -> None:
         opened, self._oar_open = self._oar_open, None

@@ -23,7 +23,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from oar_verl.integration.guard import uses_oar
 from oar_verl.integration.rows import BatchRows
 from oar_verl.integration.startup import validate_mask_token, validate_oar_setup
-from oar_verl.integration.step import OARStep
+from oar_verl.integration.step import OARStep, checkpoint_folder, model_window
 from oar_verl.integration.fields import OUTPUT_FIELDS
 from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
 
@@ -40,15 +40,24 @@ class V1IO:
         self.batch = batch
 
     def rows(self, with_responses: bool) -> BatchRows:
-        fields = ["uid", "rm_scores", "response_mask"] + (["responses"] if with_responses else [])
+        auto = self.trainer.oar_step is not None and self.trainer.oar_step.selector is not None
+        fields = ["uid", "rm_scores", "response_mask"] + (["responses"] if with_responses else []) + \
+            (["prompts"] if auto else [])
         data = tq.kv_batch_get(keys=self.batch.keys, partition_id=self.batch.partition_id, select_fields=fields)
+        lengths = None
+        if auto:  # mode=auto: each row's prompt + response tokens (its sliding-window band, the update's tokens)
+            prompts = data["prompts"]
+            plen = (torch.tensor([p.numel() for p in prompts.unbind()]) if prompts.is_nested  # per row, not token
+                    else torch.full((prompts.shape[0],), prompts.shape[1]))  # padded: the padded width, an upper bound
         padded = data.to_padded_tensor()
+        if auto:
+            lengths = plen.long().cpu() + padded["response_mask"].sum(-1).long().cpu()
         uid = padded["uid"]  # a non-tensor field: a list-like of prompt uids
         uids = np.array(uid.tolist() if hasattr(uid, "tolist") else list(uid), dtype=object)
         # verl pads the batch to a multiple of the data-parallel size with tagged synthetic rows
         eligible = torch.tensor([not tag.get("is_padding", False) for tag in self.batch.tags], dtype=torch.bool)
         responses = padded["responses"].long() if with_responses else None
-        return BatchRows(padded["response_mask"], padded["rm_scores"], uids, eligible, responses)
+        return BatchRows(padded["response_mask"], padded["rm_scores"], uids, eligible, responses, lengths)
 
     def dp_size(self) -> int:
         return actor_dp_size(self.trainer.actor_rollout_wg)
@@ -102,12 +111,28 @@ class OARTrainerMixin:
         super()._init_resource_pool_mgr()  # verl's mode picks its actor worker (e.g. separate_async's detachable one)
         swap_actor_worker(self.role_worker_mapping)
 
+    _oar_resume: str | None = None  # the checkpoint folder verl resumed from (read once the step exists)
+
     def on_init_end(self):
         super().on_init_end()
         if self.oar_config is not None:  # the tokenizer exists from here on
             validate_mask_token(self.oar_config, self.config, self.tokenizer)  # before the first rollout
             self.oar_step = OARStep(self.oar_config, self.config.algorithm, self.tokenizer,
-                                    self.config.trainer.get("default_local_dir"))
+                                    self.config.trainer.get("default_local_dir"),
+                                    model_window(self.config.actor_rollout_ref.model.get("path")))
+            if self._oar_resume is not None:  # mode=auto keeps its decision across a resume
+                self.oar_step.load_state(self._oar_resume)
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        if self.oar_step is not None:  # mode=auto: the selector's state beside verl's checkpoint of the step
+            self.oar_step.save_state(checkpoint_folder(self.config, self.global_steps))
+
+    def _load_checkpoint(self):
+        out = super()._load_checkpoint()  # verl loads before on_init_end: the step reads it there
+        if self.oar_config is not None and self.global_steps > 0:
+            self._oar_resume = checkpoint_folder(self.config, self.global_steps, load=True)
+        return out
 
 
 @register_trainer(OAR_MODE_PREFIX + "sync")

@@ -22,7 +22,10 @@ from verl.utils import tensordict_utils as tu
 from verl.experimental.separation.engine_workers import DetachActorWorker
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
+from oar_verl.core.auto.measure import measure_candidates
+from oar_verl.core.checks.startup import require_resolved
 from oar_verl.core.config import OARConfig
+from oar_verl.core.fidelity.controls import response_aligned
 from oar_verl.core.fidelity.summary import default_min_gap
 from oar_verl.core.fidelity.step import due, step_fidelity
 from oar_verl.core.methods.mask_operator import mask_replacement
@@ -31,7 +34,8 @@ from oar_verl.core.preprocess import PreparedAttribution
 from oar_verl.integration.actor_budget import actor_token_budget
 from oar_verl.integration.backends import ENGINE_BACKENDS
 from oar_verl.core.backends.collectives import max_over_ranks
-from oar_verl.integration.fields import CONFIG_KEY, FIDELITY_FIELDS, GROUND_TRUTH_KEY, STEP_KEY
+from oar_verl.integration.fields import (AUTO_CONTROLS, AUTO_FIELDS, AUTO_KEY, AUTO_SLOTS, CONFIG_KEY, FIDELITY_FIELDS,
+                                         GROUND_TRUTH_KEY, STEP_KEY)
 
 logger = logging.getLogger("oar_verl")
 
@@ -58,6 +62,27 @@ def ground_truths(data: TensorDict) -> list | None:
     return None if truths is None else list(truths)
 
 
+# verl's old-log-prob entropies in the batch: the V1 trainers' TransferQueue field, and the legacy trainer's key
+# (which OAR's legacy adapter hands over with the rows: verl drops it from the batch before the advantage step)
+ENTROPY_KEYS = ("entropy", "entropys")
+
+
+def response_entropies(data: TensorDict) -> list[torch.Tensor] | None:
+    """Per-row 1-D policy entropies over each response's tokens from the old-log-prob pass (nested, or padded and cut
+    to each row's response length), or None when the batch carries none (rollout-correction bypass mode computes no
+    old log-probs: the entropy control is then skipped, not faked)."""
+    for key in ENTROPY_KEYS:
+        values = tu.get(data, key)
+        if values is None:
+            continue
+        if values.is_nested:
+            return list(values.unbind())
+        mask = data["response_mask"] if "response_mask" in data.keys() else None
+        lengths = (mask.sum(-1) if mask is not None else torch.full((values.shape[0],), values.shape[1])).tolist()
+        return [v[:int(n)] for v, n in zip(values, lengths)]  # per row, not per token
+    return None
+
+
 @functools.lru_cache(maxsize=8)
 def _config(serialised: str) -> OARConfig:
     """The OARConfig of a JSON-serialised mapping, validated once per distinct configuration (not every step)."""
@@ -78,6 +103,24 @@ def params_fingerprint(engine) -> float:
         return 0.0
     local = [(p.to_local() if hasattr(p, "to_local") else p) for p in (params[0], params[-1])]
     return float(sum(t.detach().double().sum() for t in local))
+
+
+def auto_fields(measured: dict | None, candidates, rows: int) -> dict[str, torch.Tensor]:
+    """The ``oar_auto_*`` fields (:data:`~oar_verl.integration.fields.AUTO_FIELDS`, (rows,) float64 each) of a
+    :func:`~oar_verl.core.auto.measure.measure_candidates` result for ``candidates`` in slot order; all NaN when
+    nothing was measured (not a calibration step)."""
+    out = {f"oar_auto_{k}": torch.full((rows,), float("nan"), dtype=torch.float64) for k in AUTO_FIELDS}
+    if measured is None:
+        return out
+    for i, name in enumerate(candidates[:AUTO_SLOTS]):
+        out[f"oar_auto_aopc_c{i}"] = measured["aopc"][name].double().cpu()
+        out[f"oar_auto_spt_c{i}"][:] = float(measured["seconds_per_token"][name])
+    for k in AUTO_CONTROLS:
+        if k in measured["aopc"]:  # entropy: only where the batch had the old-log-prob entropies
+            out[f"oar_auto_aopc_{k}"] = measured["aopc"][k].double().cpu()
+    out["oar_auto_static"] = measured["static"].double().cpu()
+    out["oar_auto_tokens"][:] = float(measured["tokens"])
+    return out
 
 
 class TokenImportanceMixin:
@@ -108,9 +151,13 @@ class TokenImportanceMixin:
             ``oar_params_fingerprint`` / ``oar_log_prob_params_fingerprint``: :func:`params_fingerprint` now and at
             the last ``compute_log_prob`` (NaN if none ran since the last attribution),
             ``oar_fidelity_*`` (:data:`~oar_verl.integration.fields.FIDELITY_FIELDS`): the step's fidelity per
-            measured row, NaN elsewhere and on steps not due (``fidelity_every``).
+            measured row, NaN elsewhere and on steps not due (``fidelity_every``),
+            ``oar_auto_*`` (:data:`~oar_verl.integration.fields.AUTO_FIELDS`): with ``oar_auto`` = {"candidates":
+            [...]} (a ``mode=auto`` calibration step), every candidate scored on the first ``fidelity_rows`` rows
+            (:func:`auto_fields`), NaN otherwise. ``oar_config`` never has ``mode=auto`` (the driver resolves it).
         """
-        cfg = _config(json.dumps(tu.get(data, CONFIG_KEY), sort_keys=True))
+        cfg = require_resolved(_config(json.dumps(tu.get(data, CONFIG_KEY), sort_keys=True)))  # never mode=auto
+        auto = tu.get(data, AUTO_KEY)  # a mode=auto calibration step: {"candidates": [...]}; else None
         step = int(tu.get(data, STEP_KEY, default=0))
         engine = self.actor.engine
         kind = ENGINE_BACKENDS.get(self.actor.engine_config.strategy)
@@ -121,14 +168,17 @@ class TokenImportanceMixin:
         truths = ground_truths(data) if cfg.target == "reference" else None
         tokenizer = self.actor.model_config.tokenizer
 
-        def backend(prepared: PreparedAttribution):
+        def backend_for(c: OARConfig, prepared: PreparedAttribution):
             # the actor's own token budget; the longest sequence of any rank, so that every rank packs by the same one
             longest = max_over_ranks(prepared.longest, device)
-            return kind.make(engine, cfg, actor_token_budget(cfg, self.actor.engine_config, longest),
+            return kind.make(engine, c, actor_token_budget(c, self.actor.engine_config, longest),
                              pad_id=tokenizer.pad_token_id or 0,
                              checkpointing=bool(getattr(self.actor.model_config, "enable_gradient_checkpointing",
                                                         False)),
                              align=lambda n: max_over_ranks(n, device))
+
+        def backend(prepared: PreparedAttribution):
+            return backend_for(cfg, prepared)
 
         with engine.eval_mode():
             kind.eval_numerics(engine)
@@ -138,8 +188,15 @@ class TokenImportanceMixin:
             gap = default_min_gap(engine.module[0] if isinstance(engine.module, (list, tuple)) else engine.module)
             replacement = (mask_replacement(att.backend, prepared.batch, cfg.mask, prepared.mask_token_id,
                                             prepared.seeds) if due(cfg, step) else None)
+            entropies = response_entropies(data) if due(cfg, step) or auto else None
+            entropy = None if entropies is None else response_aligned(entropies, prepared.batch)
             fidelity = step_fidelity(att.backend, prepared.batch, att.result.importance, cfg, step,
-                                     replacement=replacement, min_gap=gap)
+                                     replacement=replacement, min_gap=gap, entropy=entropy)
+            candidates = list(auto["candidates"]) if auto else []
+            measured = None if not auto else measure_candidates(
+                prompts, responses, tokenizer, cfg, step, candidates, backend_for,
+                has_reasoning=prepared.batch.reasoning_mask.bool().any(-1), ground_truths=truths, device=device,
+                min_gap=gap, entropies=entropies)
         if not engine.is_mp_src_rank_with_outputs():
             return None
         lens = att.lengths
@@ -156,6 +213,7 @@ class TokenImportanceMixin:
             "oar_log_prob_params_fingerprint": torch.full((len(lens),), float("nan") if log_prob_fingerprint is None
                                                           else log_prob_fingerprint, dtype=torch.float64),
             **{f"oar_fidelity_{k}": fidelity[k] for k in FIDELITY_FIELDS},
+            **auto_fields(measured, candidates, len(lens)),
         }, batch_size=[len(lens)]).cpu()
 
 

@@ -15,6 +15,7 @@ from openrlhf.trainer.ray.launcher import RayActorGroup
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
 from oar_verl.core.config import OARConfig
+from oar_verl.openrlhf.auto import AutoStep
 from oar_verl.openrlhf.reshape import reshape_replay_buffer
 
 FLAG_PREFIX = "--oar"  # OAR options on the command line: --oar.<key>=<value>
@@ -45,6 +46,7 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
     """OpenRLHF's policy actor with OAR applied to the replay buffer at the top of ``fit``."""
 
     _oar_step = 0
+    _oar_auto: AutoStep | None = None  # --oar.mode auto: this rank's copy of the one decision (oar_verl.openrlhf.auto)
 
     def fit(self, kl_ctl: float = 0):
         args = self.strategy.args
@@ -57,11 +59,27 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
         model = self.actor.model.module if hasattr(self.actor.model, "module") else self.actor.model
         longest = max((int(it.sequences.numel()) for it in items), default=0)
         budget = token_budget(args) or micro_batch_rows(args) * max(longest, 1)
-        result = reshape_replay_buffer(items, model, self.tokenizer, cfg, self._oar_step, max_tokens=budget,
-                                       checkpointing=bool(args.actor.gradient_checkpointing_enable))
+        checkpointing = bool(args.actor.gradient_checkpointing_enable)
+        reshape_cfg, auto = cfg, None
+        if AutoStep.wanted(cfg):  # every rank decides alike from every rank's rows (docs/auto.md)
+            auto = self._oar_auto = self._oar_auto or AutoStep(cfg)
+            reshape_cfg, run_cfg = auto.resolved(self._oar_step)
+            for line in auto.measure(items, model, self.tokenizer, run_cfg, self._oar_step, max_tokens=budget,
+                                     checkpointing=checkpointing):
+                if self.strategy.is_rank_0():
+                    print(line, flush=True)
+        metrics = {}
+        if reshape_cfg is not None:  # None: mode=auto's plain-GRPO fallback, the items keep their advantages
+            metrics = reshape_replay_buffer(items, model, self.tokenizer, reshape_cfg, self._oar_step,
+                                            max_tokens=budget, checkpointing=checkpointing).metrics
         oar_time = time.time() - t0
+        tokens = sum(int(it.sequences.numel()) for it in items)  # before fit: it clears the replay buffer
+        t1 = time.time()
         status = super().fit(kl_ctl)
-        status.update(result.metrics)
+        if auto is not None:
+            auto.note_update(time.time() - t1, tokens)
+            metrics.update(auto.metrics(self._oar_step))
+        status.update(metrics)
         status["timing/oar"] = oar_time
         return status
 

@@ -21,12 +21,16 @@ import torch.distributed as dist
 from oar_verl.core.methods.attribution import module_backend, pass_limits
 from oar_verl.core.backends.collectives import max_over_ranks
 from oar_verl.core.config import OARConfig
+from oar_verl.core.fidelity.step import due as fidelity_due
+from oar_verl.core.fidelity.step import step_fidelity, step_metrics
+from oar_verl.core.fidelity.summary import default_min_gap
+from oar_verl.core.methods.mask_operator import mask_replacement
 from oar_verl.core.pipeline import RowAttribution, attribute, reshape
 from oar_verl.core.preprocess import PreparedAttribution
 from oar_verl.core.reshaping.gating import TokenWeights
 from oar_verl.core.reshaping.reshape import attribution_rows
 
-__all__ = ["ItemRows", "assign_reshaped", "item_rows", "reshape_replay_buffer"]
+__all__ = ["ItemRows", "assign_reshaped", "gather_rows", "item_rows", "reshape_replay_buffer"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,17 @@ def _reduce_metrics(metrics: dict[str, float], counts: dict[str, float], device:
     return out
 
 
+def gather_rows(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-row values of every data-parallel rank, rank by rank (name -> (N_total,) on the CPU); this rank's alone
+    without a process group. Every rank calls it together."""
+    local = {k: v.detach().cpu() for k, v in values.items()}
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return {k: torch.cat([p[k] for p in parts]) for k in local}
+
+
 def _replaced(old: torch.Tensor, start: int, values: torch.Tensor) -> torch.Tensor:
     """A new tensor equal to ``old`` with ``values`` at the flat positions ``start:start + len(values)``."""
     new = old.detach().clone()
@@ -211,6 +226,7 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
     sel = wanted.nonzero().flatten()
     response_mask = torch.arange(width)[None, :] < torch.tensor([len(a) for a in rows.actions])[:, None]  # (N, T)
     att = RowAttribution.unattributed(response_mask)
+    fidelity = None
     if max_over_ranks(len(sel), device) > 0:  # every rank takes part as soon as one has a row to attribute
         run = sel if len(sel) else has_action.nonzero().flatten()[:1]  # filler: one own row, result discarded
         if len(run) == 0:
@@ -229,6 +245,14 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
         try:
             ran = attribute(backend, [rows.prompts[i] for i in run.tolist()], [rows.responses[i] for i in run.tolist()],
                             tokenizer, cfg, global_step, ground_truths=truths, device=device)
+            if fidelity_due(cfg, global_step):  # the in-step fidelity metric, every rank alike (docs/fidelity.md §5)
+                prepared = ran.prepared
+                replacement = mask_replacement(ran.backend, prepared.batch, cfg.mask, prepared.mask_token_id,
+                                               prepared.seeds)
+                fidelity = step_fidelity(ran.backend, prepared.batch, ran.result.importance, cfg, global_step,
+                                         replacement=replacement, min_gap=default_min_gap(model))
+                if not len(sel):  # the filler's rows: measured for the alignment only
+                    fidelity = {k: v[:0] for k, v in fidelity.items()}
         finally:
             model.train(was_training)
         if len(sel):
@@ -242,4 +266,9 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
     counts = {"items": float(len(items)), "attributed": float(attributed.sum()),
               "reshaped": float(res.token_weights.reshaped.any(-1).sum())}
     metrics = _reduce_metrics(metrics, counts, device)
+    if fidelity is not None:  # every rank's rows: the step's oar/fidelity/* as verl logs them
+        values = gather_rows(fidelity)
+        metrics.update(step_metrics(values))
+        if len(values["seconds"]) and not bool(values["seconds"].isnan().all()):
+            metrics["timing/oar_fidelity"] = float(values["seconds"].nan_to_num(0.0).max())
     return ReshapeResult(res.token_weights, base, res.advantages, attributed, att.importance.double(), metrics)

@@ -32,13 +32,9 @@ OUTCOME_ESTIMATORS = ("group_norm", "rloo", "reinforce_baseline", "dr_grpo", "fl
 # OAR options with no meaning or no implementation in the OpenRLHF adapter
 UNSUPPORTED = {"dump_every": "token dumps are written by the verl trainer only; keep --oar.dump_every=0",
                "dump_dir": "token dumps are written by the verl trainer only",
-               "base_estimator": "the base advantage is OpenRLHF's own --algo.advantage.estimator",
-               "fidelity_every": "the fidelity logged while training is measured by the verl trainer only (the offline "
-                                 "oar_verl.core.fidelity.fidelity_report works on any Hugging Face model); keep "
-                                 "--oar.fidelity_every=0",
-               "fidelity_rows": "the fidelity logged while training is measured by the verl trainer only"}
+               "base_estimator": "the base advantage is OpenRLHF's own --algo.advantage.estimator"}
 # keys whose "off" value is accepted: an explicit never
-_OFF = {"dump_every": 0, "fidelity_every": 0}
+_OFF = {"dump_every": 0}
 
 
 def _value(text: str) -> Any:

@@ -1,7 +1,7 @@
 """The long-row fidelity study's quick mode: a random tiny model samples its rows, every compared method is scored,
-timed against the training step and measured by the library's fidelity metric, a positional control beside them; the
-cache makes a second run resume without recomputing. Structure and bounds are checked, the numbers of a random model
-mean nothing."""
+timed against the training step and measured by the library's fidelity metric against the free controls (random,
+position, entropy) with the candidate-independent gain; the cache makes a second run resume without recomputing.
+Structure and bounds are checked, the numbers of a random model mean nothing."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--model", "tiny", "--rows", "2", "--tokens", "40", "--chunk", "1", "--methods", "oar_g,fisher_k1",
-        "--draws", "2", "--random", "1", "--controls", "recency"]
+        "--draws", "2", "--random", "4", "--operators", "token,delete", "--fractions", "0.1,0.2"]
 
 
 def _run(out: Path) -> subprocess.CompletedProcess:
@@ -39,7 +39,7 @@ def test_long_fidelity_study_quick(tmp_path):
     # the paired NAOPC difference from the first method named
     assert "naopc_minus_first" in summary["methods"]["fisher_k1"] and "naopc_minus_first" not in summary["methods"][
         "oar_g"]
-    chunks = sorted(run.glob("chunk_*.json"))
+    chunks = sorted(run.glob("chunk_*_token-delete_0.1-0.2.json"))
     assert len(chunks) == 2
     for c in map(json.loads, (p.read_text() for p in chunks)):  # scores kept per reasoning token, for later gating
         assert all(len(row) == r for rows_ in c["scores"].values() for row, r in zip(rows_, c["reasoning"]))
@@ -50,20 +50,30 @@ def test_long_fidelity_study_quick(tmp_path):
     for name, e in summary["methods"].items():
         assert abs(sweep["tau=0.4,beta=2"][name]["mean"] - e["mass"]["mean"]) < 1e-9
     assert all(0.0 <= row[n]["mean"] <= 1.0 for row in sweep.values() for n in ("oar_g", "fisher_k1", "ceiling"))
-    # the positional control, normalised by the chunk's own random rankings (recovered from the methods' NAOPC) and
-    # best method
-    controls = sorted(run.glob("control_*_recency_oar_g-fisher_k1.json"))
-    assert len(controls) == 2
-    for c in map(json.loads, (p.read_text() for p in controls)):
-        assert all(math.isfinite(v) for v in c["aopc"] + c["suppression"])
-        for r, r_chunk in zip(c["random_aopc"], c["random_aopc_chunk"]):
-            assert math.isnan(r_chunk) or abs(r - r_chunk) <= 1e-6 * max(1.0, abs(r))
-        for n, a, r, b in zip(c["naopc"], c["aopc"], c["random_aopc"], c["best_aopc"]):
-            assert math.isnan(n) or abs(n - (a - r) / (b - r)) < 1e-9
-    assert "| recency |" in proc.stdout + (run / "log.txt").read_text()
-    chunks += controls
+    # the primary statistic, recomputed by hand from the cached per-row AOPCs: Σ (AOPC − AOPC_control) / Σ AOPC_control
+    cached = [json.loads(p.read_text()) for p in chunks]
+    for name, e in summary["methods"].items():
+        for control in ("random", "position", "entropy"):
+            a = [v for c in cached for v in c["aopc"][name][0]]
+            k = [v for c in cached for v in c["control_aopc"][control][0]]
+            g = e["gain_over"][control]
+            assert g["rows"] + g["undefined"] == 2
+            if g["rows"]:
+                assert abs(g["mean"] - (sum(a) - sum(k)) / sum(k)) < 1e-9 and g["lo"] <= g["mean"] <= g["hi"]
+    assert set(summary["controls"]) == {"position", "entropy"} and len(summary["rows_static"]) == 2
+    assert summary["naopc_candidates"] == ["oar_g", "fisher_k1"]
+    assert "| entropy (control) |" in proc.stdout + (run / "log.txt").read_text()
     stamp = [c.stat().st_mtime_ns for c in chunks]
     again = _run(tmp_path)  # resumes: rows and chunks come from the cache
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert [c.stat().st_mtime_ns for c in chunks] == stamp
     assert json.loads((run / "summary_oar_g-fisher_k1.json").read_text()) == summary
+    # what mode=auto would decide on these rows: the product's rule on the cached per-row AOPCs (no model pass)
+    from research import auto_decisions
+
+    aopc, static, cost, lengths = auto_decisions.merged(run, "_token-delete_0.1-0.2")
+    assert set(cost) == {"oar_g", "fisher_k1"} and all(c > 0 for c in cost.values()) and len(lengths) == 2
+    for name, e in summary["methods"].items():  # the merged rows are the summary's rows
+        assert aopc[name].tolist() == [v for c in cached for v in c["aopc"][name][0]]
+    assert auto_decisions.main(["--out", str(tmp_path), "--model", "tiny", "--tokens", "40", "--operators",
+                                "token,delete", "--fractions", "0.1,0.2"]) == 0

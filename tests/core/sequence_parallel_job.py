@@ -1,7 +1,7 @@
 """Sharded attribution on 2 gloo ranks (a sequence-parallel group), for test_sequence_parallel.py.
 
 usage: python -m torch.distributed.run --nproc_per_node 2 sequence_parallel_job.py OUT_DIR
-Each rank writes OUT_DIR/rank{R}.pt with its OAR-G (one and three noise draws), OAR-P and fisher importance and the
+Each rank writes OUT_DIR/rank{R}.pt with its OAR-G (one and three noise draws), OAR-P, fisher and path scores and the
 in-step fidelity metric (every rank holds the whole result).
 """
 
@@ -23,6 +23,7 @@ from oar_verl.core.config import OARConfig
 from oar_verl.core.methods.fisher import fisher
 from oar_verl.core.methods.gradient import oar_g
 from oar_verl.core.methods.mask_operator import mask_replacement
+from oar_verl.core.methods.path import path_integrated
 from oar_verl.core.methods.perturbation import mask_blocks, oar_p
 from devtools import ulysses_attention
 from oar_helpers import count_passes, fidelity_of
@@ -87,6 +88,8 @@ def main(out_dir: str) -> None:
             results[(int(kind), tokens, "p_mean")] = oar_p(backend, b, mask_blocks(b.reasoning_mask, 1), mean)[0]
             zero = mask_replacement(backend, b, "zero", None, None)
             results[(int(kind), tokens, "f_zero")] = fisher(backend, b, zero, outcomes=2)[0]
+            # path: 2 points per row toward the mean embedding, each shard moving its own clean rows
+            results[(int(kind), tokens, "path")] = path_integrated(backend, b, mean, 2)[0]
             # the unbiased estimator: the top outcome exact, the rest in 2 Rademacher sketches (3 loss columns)
             results[(int(kind), tokens, "fs")] = fisher(backend, b, 0, 1, 2, seed=4)[0]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

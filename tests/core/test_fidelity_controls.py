@@ -13,7 +13,7 @@ import torch
 from oar_verl.core.batch.layout import build_attribution_batch
 from oar_verl.core.batch.probes import ProbeKind
 from oar_verl.core.fidelity import (CONTROLS, DEFAULT_CONTROLS, bootstrap_mean, bootstrap_ratio, check_controls,
-                                    entropy_from_logits, entropy_scores, ratio_of_sums, static_rows)
+                                    control_scores, entropy_from_logits, entropy_scores, ratio_of_sums, static_rows)
 
 KINDS = torch.tensor([ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT, ProbeKind.AS_MEAN])
 
@@ -120,3 +120,26 @@ def test_the_cluster_bootstrap():
     assert bootstrap_mean(x, groups=torch.arange(12))[0] == bootstrap_mean(x)[0]
     with pytest.raises(ValueError, match="groups"):
         bootstrap_mean(x, groups=torch.zeros(11, dtype=torch.long))
+
+
+def test_per_row_values_become_response_aligned_scores(lm64, make_batch):
+    """verl's old-log-prob entropies (one 1-D tensor per response, of any length) land at each row's response
+    columns: value j of row b at response column j, cut to the batch's width, 0 past the row's values; and as the
+    entropy control they rank exactly like the entropies computed from the model."""
+    from oar_verl.core.fidelity.controls import response_aligned
+
+    batch = make(make_batch, seed=3)
+    B, L = batch.input_ids.shape
+    P = batch.response_start
+    full = entropy_scores(lm64, batch)  # (B, L), 0 off the reasoning
+    lengths = batch.attention_mask[:, P:].sum(-1).tolist()
+    values = [full[b, P:P + n] for b, n in enumerate(lengths)]  # what verl hands over: each response's own tokens
+    got = response_aligned(values, batch)
+    assert got.shape == (B, L - P) and got.dtype == torch.float64
+    torch.testing.assert_close(control_scores("entropy", batch, None, got), full)
+    longer = response_aligned([torch.cat([v, torch.ones(5, dtype=v.dtype)]) for v in values], batch)
+    assert longer.shape == (B, L - P)  # cut to the batch's width, never a shape error
+    short = response_aligned([v[:1] for v in values], batch)
+    assert (short[:, 1:] == 0).all() and torch.equal(short[:, 0], got[:, 0])
+    with pytest.raises(ValueError, match="rows of per-token values"):
+        response_aligned(values[:-1], batch)

@@ -3,8 +3,8 @@
 verl's Ulysses path wraps the CUDA flash-attention kernel, which cannot run on CPU; the ranks here use
 ``devtools.ulysses_attention`` (the same all-to-alls, through verl's own Ulysses utilities, around sdpa), so this
 checks the sharding itself: packing, shards, probe positions on either rank, the probe sums over the group, OAR-G's
-noise and gradient through the all-to-all, and the gathered scores; and the in-step fidelity metric (its removal
-sets run as masked copies) on the sharded backend.
+noise and gradient through the all-to-all (and path's move of each shard's own clean rows), and the gathered scores;
+and the in-step fidelity metric (its removal sets run as masked copies) on the sharded backend.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.methods.fisher import fisher
 from oar_verl.core.methods.gradient import sequence_seeds
 from oar_verl.core.methods.mask_operator import mask_replacement
+from oar_verl.core.methods.path import path_integrated
 from oar_helpers import fidelity_of, run_g, run_p
 
 JOB = Path(__file__).with_name("sequence_parallel_job.py")
@@ -64,6 +65,9 @@ def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
         elif method == "f_zero":
             whole = ModuleBackend(lm, PassLimits(10**6))
             ref = fisher(whole, b, mask_replacement(whole, b, "zero", None, None), outcomes=2)[0]
+        elif method == "path":
+            whole = ModuleBackend(lm, PassLimits(10**6))
+            ref = path_integrated(whole, b, mask_replacement(whole, b, "mean", None, None), 2)[0]
         elif method == "p_mean":
             ref = run_p(lm, b, None, PassLimits(10**6), prefix_cache=False, mask="mean")
         elif method == "fs":

@@ -1,11 +1,11 @@
-"""Every gradient method (registered with ``reads_gradients``: OAR-G with its noise draws, fisher) against the float64
-per-position reference (devtools.reference) on tiny Gemma 3 models whose rows are longer than the sliding window:
-padded (left-padded prompts, right-padded responses, all of different lengths) and batched (four rows in one pass),
-through run_attribution on a module backend. And the window's geometry (issue 36; docs/performance.md, "Which
-attribution on long rows"): where every layer slides, a reasoning token further than the receptive field,
-layers × (window − 1), from every probe position scores exactly 0 and every one within it does not; a full-attention
-layer reaches every token. A row scores the same alone, unpadded, as in the padded batch. The models are float64
-throughout: transformers' Gemma 3 norms compute in float32 whatever the model's dtype (:class:`Float64RMSNorm`)."""
+"""Every gradient method (registered with ``reads_gradients``: OAR-G with its noise draws, fisher, path) against the
+float64 per-position reference (devtools.reference) on tiny Gemma 3 models whose rows are longer than the sliding
+window: padded (left-padded prompts, right-padded responses, all of different lengths) and batched (four rows in one
+pass), through run_attribution on a module backend. And the window's geometry (issue 36; docs/performance.md, "Which
+attribution on long rows"): where every layer slides, a reasoning token further than the receptive field, layers ×
+(window − 1), from every probe position scores exactly 0 and every one within it does not; a full-attention layer
+reaches every token. A row scores the same alone, unpadded, as in the padded batch. The models are float64 throughout:
+transformers' Gemma 3 norms compute in float32 whatever the model's dtype (:class:`Float64RMSNorm`)."""
 
 from __future__ import annotations
 
@@ -48,12 +48,19 @@ class Case:
     Attributes:
         options: OARConfig keys beside ``mode``.
         kind: every row's probe.
-        reference: (model, rows, kind, seeds (B,)) -> (B, T) float64 response-aligned reference scores.
+        reference: (model, rows, kind, seeds (B,)) -> (B, T) float64 response-aligned reference scores, signed where
+            the method clamps.
+        clamped: the method's importance is max(score, 0) (path): a 0 within the window is a negative score there.
     """
 
     options: dict
     kind: ProbeKind
     reference: Callable[..., torch.Tensor]
+    clamped: bool = False
+
+    def importance(self, ref: torch.Tensor) -> torch.Tensor:
+        """The importance the method hands to gating from the reference's scores."""
+        return ref.clamp(min=0.0) if self.clamped else ref
 
 
 def oar_g_reference(samples: int) -> Callable[..., torch.Tensor]:
@@ -74,6 +81,13 @@ def fisher_reference(mask: int | str, outcomes: int, sketches: int = 0) -> Calla
     return run
 
 
+def path_reference(mask: int | str, points: int) -> Callable[..., torch.Tensor]:
+    def run(model, rows, kind, seeds):
+        return reference.batch_path(model, *rows, kind, mask, points)
+
+    return run
+
+
 # every mode registered with reads_gradients=True needs its cases here (test_every_gradient_method_has_a_reference)
 REFERENCES: dict[str, dict[str, Case]] = {
     "gradient": {
@@ -90,6 +104,13 @@ REFERENCES: dict[str, dict[str, Case]] = {
                                fisher_reference(MASK_TOKEN, 3)),
         "sketched-lt_logits": Case({"fisher_outcomes": 1, "fisher_sketches": 2, "seed": SKETCH_SEED, "mask": "token",
                                     "mask_token_id": MASK_TOKEN}, LT_LOGITS, fisher_reference(MASK_TOKEN, 1, 2)),
+    },
+    "path": {
+        "token-lt_logits": Case({"path_points": 2, "mask": "token", "mask_token_id": MASK_TOKEN}, LT_LOGITS,
+                                path_reference(MASK_TOKEN, 2), clamped=True),
+        "mean-as_mean": Case({"path_points": 3, "mask": "mean"}, AS_MEAN, path_reference("mean", 3), clamped=True),
+        "token-as_joint": Case({"path_points": 2, "mask": "token", "mask_token_id": MASK_TOKEN}, AS_JOINT,
+                               path_reference(MASK_TOKEN, 2), clamped=True),
     },
 }
 
@@ -179,6 +200,20 @@ def attributed():
     return get
 
 
+@pytest.fixture(scope="module")
+def referenced():
+    """Memoised (model name, mode, label) -> the case's (B, T) float64 reference scores (signed where clamped)."""
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def get(name, model, rows, mode, label):
+        if (name, mode, label) not in cache:
+            case = case_of(mode, label)
+            cache[name, mode, label] = case.reference(model, rows, case.kind, SEEDS)
+        return cache[name, mode, label]
+
+    return get
+
+
 def attribute(model, rows, mode: str, case: Case, seeds: torch.Tensor) -> tuple[torch.Tensor, int]:
     """((b, T) response-aligned scores, passes) of ``rows`` with ``mode`` through run_attribution on the module's
     backend (the worker's settings: checkpointed layers), every row in one pass."""
@@ -197,23 +232,32 @@ def test_every_gradient_method_has_a_reference():
 
 
 @pytest.mark.parametrize("mode,label", CASES)
-def test_gradient_methods_match_the_float64_reference_past_the_window(sliding_lm, rows, attributed, mode, label):
+def test_gradient_methods_match_the_float64_reference_past_the_window(sliding_lm, rows, attributed, referenced, mode,
+                                                                     label):
     name, model = sliding_lm
     case = case_of(mode, label)
     got, passes = attributed(name, model, rows, mode, label)
-    ref = case.reference(model, rows, case.kind, SEEDS)
+    signed = referenced(name, model, rows, mode, label)
+    ref = case.importance(signed)
     reasoning = rows[4]
     assert passes == 1  # the four padded rows (K draw rows each) in one pass
     torch.testing.assert_close(got.double(), ref, **TOLERANCE)
-    assert bool((got[~reasoning] == 0).all()) and bool((ref[reasoning] != 0).sum() > 8)
+    assert bool((got[~reasoning] == 0).all()) and bool((signed[reasoning] != 0).sum() > 8)
+    assert bool((ref[reasoning] != 0).sum() > 2)
 
 
 @pytest.mark.parametrize("mode,label", CASES)
-def test_the_window_bounds_what_a_probe_can_credit(sliding_lm, rows, attributed, mode, label):
+def test_the_window_bounds_what_a_probe_can_credit(sliding_lm, rows, attributed, referenced, mode, label):
     """Exactly 0 beyond the receptive field of the probe positions (every one after the reasoning, the first at the
-    first answer token − 1), non-zero within it; with a full-attention layer every reasoning token non-zero."""
+    first answer token − 1), non-zero within it; with a full-attention layer every reasoning token non-zero. A method
+    that clamps (path): its signed reference non-zero within, its importance non-zero exactly where that is > 0."""
     name, model = sliding_lm
+    case = case_of(mode, label)
     got, _ = attributed(name, model, rows, mode, label)
+    if case.clamped:
+        signed = referenced(name, model, rows, mode, label)
+        assert bool(((got != 0) == (signed > 0)).all())
+        got = signed  # what the window bounds: the score before the clamp
     reasoning, answer = rows[4], rows[5]
     reach = receptive_field(model)
     if reach is None:

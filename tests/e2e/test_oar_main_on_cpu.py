@@ -2,7 +2,8 @@
 
 ``python -m oar_verl.main`` runs, for 3 steps each, OAR-P (auto policy: hierarchical on long rows, exact on short
 ones) on the V1 sync trainer in rollout-correction bypass mode (old log-probs from the rollout), OAR-G on verl's
-``colocate_async`` trainer and OAR-G on the legacy ``RayPPOTrainer``; and OAR-G on the V1 trainer at scale settings --
+``colocate_async`` trainer and ``mode=auto`` (OAR-G until it decides) on the legacy ``RayPPOTrainer``; and OAR-G on
+the V1 trainer at scale settings --
 2 data-parallel ranks, dynamic batch sizes, a bf16 actor with gradient checkpointing and a token budget that needs
 several attribution passes per rank -- saved at step 2 and resumed to step 4. From verl's file-logger JSONL, every
 step must carry the ``oar/*`` metrics and ``timing_s/oar``; the token weights must be non-uniform while every sequence
@@ -92,7 +93,12 @@ def _check_oar_run(name, run, steps, dump_dir=None):
     # ... and the fidelity of OAR-G's attribution measured on every step (docs/fidelity.md, "Logged while training")
     ("oar_g_colocate_async", ["algorithm.oar.mode=gradient", "trainer.v1.trainer_mode=colocate_async",
                               "algorithm.oar.fidelity_every=1"]),
-    ("oar_g_legacy", ["algorithm.oar.mode=gradient", "trainer.use_v1=false"]),
+    # mode=auto (docs/auto.md) on the legacy trainer: OAR-G (auto_default) until the first decision at step 1, the
+    # decision's mode after, a re-check at step 3, the selector's state saved beside the step-3 checkpoint
+    ("oar_g_legacy", ["algorithm.oar.mode=auto", "trainer.use_v1=false", "algorithm.oar.auto_default=gradient",
+                      "algorithm.oar.auto_candidates=[gradient,fisher]", "algorithm.oar.auto_rows=2",
+                      "algorithm.oar.auto_prompts=1", "algorithm.oar.auto_every=2", "algorithm.oar.auto_fallback=best",
+                      "trainer.save_freq=3"]),
 ])
 def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
     dump_dir = tmp_path / "dumps"
@@ -112,12 +118,24 @@ def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
         for m in fidelity:
             print({k: v for k, v in m.items() if "fidelity" in k})
             assert m["oar/fidelity/rows"] >= 1 and m["timing_s/oar_fidelity"] > 0
+            # the controls: random, position and the policy's entropy from verl's old-log-prob pass
             assert all(math.isfinite(m[f"oar/fidelity/{k}"])
-                       for k in ("aopc", "aopc_random", "gain", "gain_over_random", "gain_over_position", "rows_static"))
-            assert "oar/fidelity/gain_over_entropy" not in m  # the worker passes no entropy yet: not logged, not faked
+                       for k in ("aopc", "aopc_random", "gain", "gain_over_random", "gain_over_position", "rows_static",
+                                 "gain_over_entropy", "aopc_entropy"))
             assert m["oar/fidelity/aopc"] >= 0 and "oar/fidelity/suppression" in m
     else:
         assert not fidelity and not any("timing_s/oar_fidelity" in m for m in run.metrics)
+    if "algorithm.oar.mode=auto" in extra:  # the run chose its attribution, logged it and checkpointed it
+        for m in run.metrics:
+            print({k: v for k, v in m.items() if k.startswith("oar/auto/")})
+            assert "oar/auto/calibrating" in m and "oar/auto/all/mode_index" in m
+        assert run.metrics[-1]["oar/auto/all/decided"] == 1 and run.metrics[-1]["oar/auto/all/rows"] >= 2
+        # every control, the policy's entropy (the legacy trainer hands verl's old-log-prob entropies over) included
+        assert all(f"oar/auto/all/gain/gradient/{k}" in run.metrics[-1] for k in ("random", "position", "entropy"))
+        assert sum(m["oar/auto/calibrating"] for m in run.metrics) >= 2  # calibration, then a re-check
+        assert run.metrics[-1]["oar/auto/all/mode_index"] in (0.0, 1.0)  # fallback best: a candidate always runs
+        state = json.loads((tmp_path / "checkpoints" / "global_step_3" / "oar_auto.json").read_text())
+        assert state["bands"]["all"]["decided"] and state["candidates"] == ["gradient", "fisher"]
     if "auto" in name:  # long rows were refined only in part: fewer copies than reasoning tokens
         assert any(0 < m["oar/refined_share"] < 1 for m in perturbed), [m.get("oar/refined_share") for m in perturbed]
         print({m["step"]: (m["oar/perturbation_copies"], m["oar/refined_share"]) for m in perturbed})
@@ -126,7 +144,13 @@ def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
 # 2 fake GPUs; the actor in bf16 (fp32 reductions) with gradient checkpointing and dynamic micro-batches of 120
 # tokens, which attribution inherits as its budget (algorithm.oar.max_token_len_per_gpu is left unset): rows of
 # 60-80 tokens need a pass each; checkpoints every 2 steps, resumed automatically
-SCALE = ["algorithm.oar.mode=gradient", "algorithm.oar.target=reference", "algorithm.oar.probe=auto",
+# mode=auto on the V1 trainer: OAR-G (auto_default) at step 1 while it calibrates, the decision (fallback best: a
+# candidate always runs) from step 2, no re-check within the run; the resumed launch keeps the decision from the
+# checkpoint instead of calibrating again
+AUTO = ["algorithm.oar.mode=auto", "algorithm.oar.auto_default=gradient", "algorithm.oar.auto_candidates=[gradient,fisher]",
+        "algorithm.oar.auto_rows=2", "algorithm.oar.auto_prompts=1", "algorithm.oar.auto_every=100",
+        "algorithm.oar.auto_fallback=best"]
+SCALE = [*AUTO, "algorithm.oar.target=reference", "algorithm.oar.probe=auto",
          "algorithm.oar.probe_warmup_steps=3", "trainer.n_gpus_per_node=2", "++ray_kwargs.ray_init.num_gpus=2",
          "actor_rollout_ref.model.enable_gradient_checkpointing=True",
          "++actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}",
@@ -141,7 +165,8 @@ SCALE = ["algorithm.oar.mode=gradient", "algorithm.oar.target=reference", "algor
 def test_oar_g_at_scale_settings_saves_and_resumes(tiny_assets, tmp_path):
     """Steps 1-2, a checkpoint at step 2, then a second launch that resumes it and runs steps 3-4: the global step,
     the probe warm-up schedule (LT-Logits for steps 1-2, AS-Mean from step 3: the ground truth's span is always
-    there with target=reference) and the OAR-G noise seeds, derived from the global step, continue as in one run."""
+    there with target=reference) and ``mode=auto``'s decision (OAR-G while it calibrates at step 1) continue as in
+    one run."""
     first = _run(tiny_assets, tmp_path, "oar_g_scale", [*SCALE, "trainer.total_training_steps=2"])
     _check_oar_run("oar_g_scale (steps 1-2)", first, [1, 2])
     assert (tmp_path / "checkpoints" / "global_step_2").is_dir()
@@ -152,6 +177,14 @@ def test_oar_g_at_scale_settings_saves_and_resumes(tiny_assets, tmp_path):
     # the budget needs several passes on every rank (ranks pad to the slowest; unequal counts are tested
     # deterministically by tests/integration/test_worker_group_on_cpu.py)
     assert all(m["oar/passes_min"] >= 2 for m in first.metrics + resumed.metrics)
+    # mode=auto kept its decision across the resume: calibrated at step 1 only, decided since, the same mode after
+    calibrating = {m["step"]: m["oar/auto/calibrating"] for m in first.metrics + resumed.metrics}
+    assert calibrating == {1: 1.0, 2: 0.0, 3: 0.0, 4: 0.0}, calibrating
+    assert all(m["oar/auto/all/decided"] == 1 for m in first.metrics[1:] + resumed.metrics)
+    modes = {m["oar/auto/all/mode_index"] for m in first.metrics[1:] + resumed.metrics}
+    assert len(modes) == 1 and modes <= {0.0, 1.0}, modes
+    state = json.loads((tmp_path / "checkpoints" / "global_step_2" / "oar_auto.json").read_text())
+    assert state["bands"]["all"]["decided"] and state["candidates"] == ["gradient", "fisher"]
 
 
 def _check_dumps(dump_dir):

@@ -6,7 +6,9 @@ covered by test_worker_group_on_cpu and the e2e runs); verl's own legacy ``compu
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ from oar_verl.quickstart.tokenizers import train_tiny_bpe
 from oar_verl.integration import handoff
 from oar_verl.integration.rows import BatchRows
 from oar_verl.integration.step import OARStep
-from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
+from oar_verl.integration.fields import AUTO_KEY, CONFIG_KEY, STEP_KEY
 
 PROMPTS = ["What is 3 plus 4?", "What is 3 plus 4?", "What is 5 plus 1?", "What is 5 plus 1?"]
 RESPONSES = ["3 plus 4 is 7. The answer is 7.", "3 plus 4 is 8. The answer is 8.", "5 plus 1 is 6. #### 6",
@@ -176,3 +178,105 @@ def test_a_failing_advantage_step_closes_the_handoff(setup):
     with pytest.raises(RuntimeError, match="did not run the `oar` estimator"):
         with step.advantage(att, 1, {}):
             pass
+
+
+class AutoIO(InProcessIO):
+    """InProcessIO that also answers a mode=auto calibration request as the worker does (measure_candidates, then the
+    worker's own ``oar_auto_*`` fields)."""
+
+    def rows(self, with_responses):
+        self.lengths = torch.tensor([len(p) + len(r) for p, r in zip(self.prompts, self.responses)])
+        return dataclasses.replace(super().rows(with_responses), lengths=self.lengths)
+
+    def compute_importance(self, rows, options):
+        from oar_verl.core.auto.measure import measure_candidates
+        from oar_verl.integration.worker import auto_fields
+
+        out = super().compute_importance(rows, options)
+        cfg = OARConfig.from_mapping(json.loads(json.dumps(options[CONFIG_KEY])))
+        idx = rows.tolist()
+        auto = options.get(AUTO_KEY)
+        measured = None
+        if auto:
+            p, r = [self.prompts[i] for i in idx], [self.responses[i] for i in idx]
+            has = torch.ones(len(idx), dtype=torch.bool)
+            measured = measure_candidates(p, r, self.tok, cfg, options[STEP_KEY], auto["candidates"],
+                                          lambda c, prep: module_backend(self.model, c), has_reasoning=has)
+        return {**out, **auto_fields(measured, auto["candidates"] if auto else [], len(idx))}
+
+
+def test_mode_auto_calibrates_decides_rechecks_and_resumes(setup, tmp_path, capsys):
+    from oar_verl.core.auto import UNIFORM
+    from oar_verl.core.config import OARConfigError
+    from oar_verl.integration.fields import AUTO_KEY as KEY
+
+    tok, model, prompts, responses = setup
+    alg = algorithm(mode="auto", probe="as_mean", auto_rows=2, auto_prompts=1, auto_every=2, auto_fallback="best",
+                    fidelity_rows=2)
+    step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None)
+    with pytest.raises(OARConfigError, match="mode=auto reached an attribution"):
+        step.worker_options(1)  # nothing sends mode=auto to a worker
+    io = AutoIO(tok, model, prompts, responses, SCORES)
+    _, att, timing, metrics = run_step(step, io, global_step=1)
+    assert math.isnan(metrics["oar/auto/all/cost/fisher"])  # no actor update timed yet: the cost is unknown
+    timing["update_actor"] = 0.5  # verl times the update after the attribution, in the step's dict
+    rows, options = io.calls[0]
+    assert options[CONFIG_KEY]["mode"] == "fisher" and options[KEY] == {"candidates": ["fisher", "gradient"]}
+    assert metrics["oar/auto/calibrating"] == 1 and metrics["oar/auto/all/decided"] == 1
+    assert metrics["oar/auto/all/rows"] == 2 and metrics["oar/auto/all/prompts"] == 1
+    assert {"oar/auto/all/gain/fisher/random", "oar/auto/all/gain/gradient/position_lo"} <= set(metrics)
+    assert "oar auto [all] step 1: DECIDED" in capsys.readouterr().out
+    chosen = step.selector.mode("all")
+    assert chosen in ("fisher", "gradient") and metrics[f"oar/auto/all/mode/{chosen}"] == 1
+    assert metrics["oar/attributed_seq_frac"] == 0.5 and metrics["oar/adv_mass_rel_err"] < 1e-6
+    # the next step attributes with the decision and measures nothing; the re-check comes auto_every steps later
+    _, _, _, metrics = run_step(step, io, global_step=2)
+    assert io.calls[1][1][CONFIG_KEY]["mode"] == chosen and KEY not in io.calls[1][1]
+    assert metrics["oar/auto/calibrating"] == 0
+    _, _, _, metrics = run_step(step, io, global_step=3)
+    assert KEY in io.calls[2][1] and metrics["oar/auto/update_s_per_token"] == 0.5 / (io.lengths.sum() / 2)
+    assert 0 < metrics["oar/auto/all/cost/gradient"] < float("inf")  # seconds per token over the update's
+    # a resumed run keeps the decision
+    path = step.save_state(str(tmp_path / "global_step_3"))
+    again = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None)
+    assert again.load_state(str(tmp_path / "global_step_3")) and again.selector.modes() == step.selector.modes()
+    assert json.dumps(again.selector.state_dict()) == json.dumps(step.selector.state_dict())
+    # the plain-GRPO fallback: those rows are not attributed and keep the base advantage
+    state = json.loads(open(path).read())
+    state["bands"]["all"].update(mode=UNIFORM, next_check=10**6)
+    again.selector.load_state_dict(state)
+    io_plain = AutoIO(tok, model, prompts, responses, SCORES)
+    out, att, _, metrics = run_step(again, io_plain, global_step=5)
+    assert io_plain.calls == [] and not att.estimator_inputs.attributed.any()
+    assert metrics["oar/auto/all/mode/grpo"] == 1 and metrics["oar/auto/all/mode_index"] == -1
+    base = step.base_advantage(io_plain.rows(False))[0]
+    torch.testing.assert_close(out.batch["advantages"], base)
+
+
+def test_mode_auto_attributes_each_sliding_window_band_with_its_own_mode(setup):
+    """A model with a window: rows inside and past it go to separate RPCs with their bands' modes, and each row's
+    importance comes back from its own band's call (not from another call's data-parallel top-up)."""
+    tok, model, prompts, responses = setup
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    window = (max(lengths[:2]) + min(lengths[2:])) // 2  # the first prompt's rows are past it, the second's inside
+    assert min(lengths[:2]) > window >= max(lengths[2:])
+    alg = algorithm(mode="auto", probe="as_mean", auto_every=100)
+    step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None, window=window)
+    state = step.selector.state_dict()
+    state["bands"]["inside"].update(mode="fisher", decided=True, next_check=10**6)
+    state["bands"]["past"].update(mode="gradient", decided=True, next_check=10**6)
+    step.selector.load_state_dict(state)
+    io = AutoIO(tok, model, prompts, responses, [1.0, 0.0, 1.0, 0.0])
+    _, att, _, metrics = run_step(step, io, global_step=2)
+    modes = {options[CONFIG_KEY]["mode"]: rows for rows, options in io.calls}
+    assert modes == {"gradient": [0, 1], "fisher": [2, 3]} and not any(AUTO_KEY in o for _, o in io.calls)
+    for mode, rows in modes.items():  # each row's importance is its band's mode's
+        cfg = OARConfig.from_mapping({**alg.oar, "mode": mode})
+        prepared = prepare_attribution([prompts[i] for i in rows], [responses[i] for i in rows], tok, cfg, 2)
+        imp = run_attribution(module_backend(model, cfg), prepared.batch, cfg, mask_token_id=prepared.mask_token_id,
+                              seeds=prepared.seeds).importance
+        want = prepared.response_importance(imp)
+        for j, i in enumerate(rows):
+            n = len(responses[i])
+            torch.testing.assert_close(att.estimator_inputs.token_importance[i, :n], want[j][:n].float())
+    assert metrics["oar/auto/inside/mode/fisher"] == 1 and metrics["oar/auto/past/mode/gradient"] == 1

@@ -50,3 +50,22 @@ def test_write_dump_records(tmp_path):
     assert not list(tmp_path.glob("d/*.tmp"))
     for i, r in enumerate(recs):
         assert torch.equal(torch.tensor(r["importance"], dtype=torch.float32), importance[i, :len(r["importance"])])
+
+
+def test_the_old_log_prob_entropies_are_read_from_either_trainer():
+    """The worker reads verl's old-log-prob entropies as one 1-D tensor per response: nested (the V1 trainers'
+    TransferQueue field ``entropy``) or padded and cut by the response mask (``entropys``, which OAR's legacy adapter
+    hands over); None when the batch has none (bypass mode: the entropy control is skipped, not faked)."""
+    from tensordict import TensorDict
+
+    from oar_verl.integration.worker import response_entropies
+
+    rows = [torch.tensor([0.5, 1.5, 2.5]), torch.tensor([3.0])]
+    nested = TensorDict({"entropy": torch.nested.as_nested_tensor(rows, layout=torch.jagged)}, batch_size=[2])
+    got = response_entropies(nested)
+    assert len(got) == 2 and all(torch.equal(g, r) for g, r in zip(got, rows))
+    padded = TensorDict({"entropys": torch.tensor([[0.5, 1.5, 2.5], [3.0, 9.0, 9.0]]),
+                         "response_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])}, batch_size=[2])
+    got = response_entropies(padded)
+    assert all(torch.equal(g, r) for g, r in zip(got, rows))
+    assert response_entropies(TensorDict({"response_mask": torch.ones(2, 3)}, batch_size=[2])) is None

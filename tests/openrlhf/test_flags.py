@@ -24,8 +24,6 @@ def test_flag_without_value_is_refused():
 
 @pytest.mark.parametrize("values,named", [({"tau": 1.5}, "--oar.tau"), ({"modee": "gradient"}, "--oar.modee"),
                                           ({"dump_every": 3}, "--oar.dump_every"),
-                                          ({"fidelity_every": 10}, "--oar.fidelity_every"),
-                                          ({"fidelity_rows": 2}, "--oar.fidelity_rows"),
                                           ({"base_estimator": "rloo"}, "--oar.base_estimator")])
 def test_bad_oar_values_name_the_flag(values, named):
     with pytest.raises(OpenRLHFArgsError, match=named.replace(".", r"\.")):
@@ -90,5 +88,6 @@ def test_oar_flags_in_help():
     add_oar_arguments(parser)  # idempotent
     text = parser.format_help()
     assert "OAR (oar_verl)" in text and "--oar.mode VALUE" in text and "--oar.dry_run" in text
-    assert "--oar.dump_every" not in text and "--oar.fidelity_every" not in text  # not available with OpenRLHF
+    assert "--oar.dump_every" not in text  # not available with OpenRLHF
+    assert "--oar.fidelity_every" in text and "--oar.auto_every" in text  # the in-step metric and mode=auto are
     assert vars(parser.parse_args([])) == {}  # help only: nothing lands on OpenRLHF's args

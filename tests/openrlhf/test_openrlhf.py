@@ -182,7 +182,11 @@ def test_entry_point_refuses_at_start_up(tmp_path):
 RUNS = {
     "sync": (3, "gradient", ["--actor.gradient_checkpointing_enable", "--train.colocate_all", "--vllm.enable_sleep",
                              "--vllm.num_engines", "2", "--ckpt.save_steps", "1"]),
-    "async": (2, "perturbation", ["--ds.lora.rank", "4"]),
+    # ... with --oar.mode auto (OAR-P until it decides at step 1, a re-check at step 2) and the in-step fidelity
+    "async": (2, "perturbation", ["--ds.lora.rank", "4", "--oar.mode=auto", '--oar.auto_candidates=["perturbation",'
+                                  '"gradient"]', "--oar.auto_default=perturbation", "--oar.auto_rows=2",
+                                  "--oar.auto_prompts=1", "--oar.auto_every=1", "--oar.auto_fallback=best",
+                                  "--oar.fidelity_every=1"]),
 }
 
 
@@ -245,6 +249,15 @@ def test_train_ppo_ray_loop_on_cpu(model_dir, tmp_path, sync_run, trainer):
     else:
         work = tmp_path / "work"
         steps, logs = _train(model_dir, work, trainer, RUNS[trainer][2])
+        # mode=auto: both ranks decided alike at step 1 (one line per check, from rank 0), re-checked at step 2; the
+        # in-step fidelity of every rank's rows
+        assert len(re.findall(r"oar auto \[all\] step 1: DECIDED", logs)) == 1, logs[-3000:]
+        assert "oar auto [all] step 2:" in logs
+        for m in steps.values():
+            assert m["oar/auto/calibrating"] == 1 and m["oar/auto/all/decided"] == 1, m
+            assert m["oar/auto/all/mode_index"] in (0.0, 1.0) and m["oar/auto/all/rows"] >= 2, m
+            assert m["oar/fidelity/rows"] >= 2 and m["timing/oar_fidelity"] > 0, m
+        assert 0 < steps["2"]["oar/auto/all/cost/gradient"] < float("inf")  # the update of step 1 timed
     _check_steps(steps, ["1", "2"])
     _check_platform_lines(logs)
     assert "[oar] first fit: all 2 policy actors are OAR's" in logs, logs[-3000:]  # the guard ran where fit is called

@@ -1,9 +1,9 @@
 """The interface every attribution method is written on (docs/method.md §10): methods plan passes and own their maths,
 backends run passes.
 
-A *method* (OAR-P under every policy, OAR-G, ``fisher``) says which passes to run (rows, optionally with tokens
-replaced: OAR-P's copies), what to do with each pass's outcome probe and, for gradient methods, what happens at the
-input-embedding output (:class:`EmbeddingHook`). A *backend* (``hf.ModuleBackend``, ``ulysses.UlyssesBackend``,
+A *method* (OAR-P under every policy, OAR-G, ``fisher``, ``path``) says which passes to run (rows, optionally with
+tokens replaced: OAR-P's copies), what to do with each pass's outcome probe and, for gradient methods, what happens
+at the input-embedding output (:class:`EmbeddingHook`). A *backend* (``hf.ModuleBackend``, ``ulysses.UlyssesBackend``,
 ``integration.megatron.backend.MegatronBackend``) lays rows out under the token budget, runs the forward that reads
 the probe and keeps data-parallel ranks in step; it never sees a method setting. The members of
 :class:`AttributionBackend`, with their meaning and shapes: docs/method.md §10.
@@ -98,15 +98,17 @@ class EmbeddingHook:
     Attributes:
         project: (grad (b, s, H), clean (b, s, H)) -> (b, s) float32 score of every position from the embedding
             gradient and the clean embedding output (e.g. gradient × input).
-        noise: (pass index i, slot (m,), rank (m,), H) -> (m, H) float32 added to the embedding output of pass i's
-            m reasoning tokens; ``slot`` is a token's row within the pass, ``rank`` its rank among that row's
-            reasoning tokens (so the noise cannot depend on layout, padding or sharding). None: no noise.
+        noise: (pass index i, slot (m,), rank (m,), clean (m, H)) -> (m, H) the displacement added to the embedding
+            output of pass i's m reasoning tokens (OAR-G's seeded noise; ``path``'s move α(e_mask − e_t)); ``slot``
+            is a token's row within the pass, ``rank`` its rank among that row's reasoning tokens, ``clean`` their
+            clean embedding outputs, so a displacement depends on a token's row, rank and embedding only, never on
+            layout, padding or sharding. float32, or the clean dtype where wider. None: no displacement.
         outputs: K >= 1 losses per row: ``on_probe`` returns (n, K), and one forward serves K backwards, one
             projection each; the backend then returns (n, K, L) per pass.
     """
 
     project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    noise: Callable[[int, torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+    noise: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     outputs: int = 1
 
 

@@ -147,7 +147,7 @@ class ModuleBackend(DenseProbes):
             return on_probe(i, probe_from_logits(logits, spec.logit_weight[:, keep], spec.target_ids[:, keep],
                                                  spec.joint))
 
-        noise = None if hook.noise is None else lambda h: hook.noise(i, *reasoning_slots(mask), h)
+        noise = None if hook.noise is None else lambda clean: hook.noise(i, *reasoning_slots(mask), clean)
         scores = embedding_scores(self.model, mask, noise, loss, hook)
         out = scores.new_zeros(*scores.shape[:-1], batch.input_ids.shape[1])
         out[..., lo:hi] = scores
@@ -205,10 +205,12 @@ def embedding_replaced(model: torch.nn.Module, p: Pass, replaced: torch.Tensor |
         handle.remove()
 
 
-def embedding_scores(model: torch.nn.Module, mask: torch.Tensor, noise: Callable[[int], torch.Tensor] | None,
-                     loss: Callable[[], torch.Tensor], hook: EmbeddingHook) -> torch.Tensor:
+def embedding_scores(model: torch.nn.Module, mask: torch.Tensor,
+                     noise: Callable[[torch.Tensor], torch.Tensor] | None, loss: Callable[[], torch.Tensor],
+                     hook: EmbeddingHook) -> torch.Tensor:
     """(b, s) float32 (or (b, K, s) with ``hook.outputs`` = K > 1) ``hook.project`` scores of a forward whose
-    input-embedding output (b, s, H) gets ``noise(H)`` (m, H) at the m positions of ``mask`` (b, s) bool, and whose
+    input-embedding output (b, s, H) gets ``noise(clean)`` (m, H) added at the m positions of ``mask`` (b, s) bool
+    (``clean`` (m, H): their clean outputs, row-major like :func:`~oar_verl.core.backends.base.reasoning_slots`), whose
     per-row loss ``loss()`` (b,) or (b, K) is back-propagated once per column (rows are independent in a forward, so
     each gets its own gradient; the K backwards share the forward). The embedding output is returned as a detached
     leaf, the only tensor that requires grad; plain backwards work with every checkpointing mode."""
@@ -218,7 +220,7 @@ def embedding_scores(model: torch.nn.Module, mask: torch.Tensor, noise: Callable
         clean = out.detach()
         leaf = clean.clone()
         if noise is not None:
-            leaf[mask] += noise(clean.shape[-1]).to(clean.dtype)
+            leaf[mask] += noise(clean[mask]).to(clean.dtype)
         leaf.requires_grad_(True)
         captured["clean"], captured["leaf"] = clean, leaf
         return leaf

@@ -209,7 +209,8 @@ class UlyssesBackend(DenseProbes):
         real = row >= 0
         reasoning = torch.zeros_like(real)
         reasoning[real] = batch.reasoning_mask[row[real], col[real]]
-        noise = None if hook.noise is None else lambda h: hook.noise(i, *_local_slots(batch, p, packed, reasoning), h)
+        noise = (None if hook.noise is None
+                 else lambda clean: hook.noise(i, *_local_slots(batch, p, packed, reasoning), clean))
         local = embedding_scores(self.model, reasoning[None], noise,
                                  lambda: on_probe(i, _probe(self.model, batch, packed, len(p.rows), self.shards)),
                                  hook)[0]  # ([K,] n_local)

@@ -15,12 +15,14 @@ from oar_verl.core.batch.probes import ProbeKind
 from oar_verl.core.checks.mask_token import check_model_mask_token
 from oar_verl.core.checks.registries import MASK_OPERATORS, METHODS, POLICIES
 from oar_verl.core.checks.sliding_window import check_model_sliding_window
-from oar_verl.core.config import AUTO_PROBE, OARConfig, OARConfigError
+import dataclasses
+
+from oar_verl.core.config import AUTO_MODE, AUTO_PROBE, OARConfig, OARConfigError
 from oar_verl.core.methods.mask_operator import operator_names, operators_for
 from oar_verl.core.text.answer_patterns import BUILTIN_PATTERNS, compile_answer_pattern
 from oar_verl.core.text.segments import SEGMENT_SPLITS, compile_segment_split
 
-__all__ = ["check_config", "registered_names", "startup_checks"]
+__all__ = ["check_config", "concrete_configs", "registered_names", "require_resolved", "startup_checks"]
 
 
 def registered_names() -> dict[str, tuple[str, ...]]:
@@ -43,9 +45,21 @@ def check_config(cfg: OARConfig) -> OARConfig:
             ``mask_span`` > 1 with a policy whose token level does not take it.
     """
     p = cfg.prefix
+    if cfg.mode == AUTO_MODE:  # every mode auto may attribute with, checked as if it were the run's mode
+        modes = registered_names()["mode"]
+        for key, names in (("auto_candidates", cfg.auto_candidates), ("auto_default", (cfg.auto_default,))):
+            for name in names:
+                if name not in modes:
+                    raise OARConfigError(f"{p}.{key}: {name!r} is not allowed; choose registered modes: "
+                                         f"{', '.join(modes)}")
+        for concrete in concrete_configs(cfg):
+            check_config(concrete)
+        return cfg
     for key, allowed in registered_names().items():
         if getattr(cfg, key) not in allowed:
-            raise OARConfigError(f"{p}.{key}={getattr(cfg, key)!r} is not allowed; choose one of: {', '.join(allowed)}")
+            also = f", or {AUTO_MODE} (the run chooses, docs/auto.md)" if key == "mode" else ""
+            raise OARConfigError(f"{p}.{key}={getattr(cfg, key)!r} is not allowed; choose one of: "
+                                 f"{', '.join(allowed)}{also}")
     method, mask, policy = METHODS.get(cfg.mode), MASK_OPERATORS.get(cfg.mask), POLICIES.get(cfg.perturbation)
     _check_patterns(p, cfg.answer_patterns)
     if mask.needs_mask_token_id and cfg.mask_token_id is None:
@@ -67,6 +81,23 @@ def check_config(cfg: OARConfig) -> OARConfig:
     except ValueError as e:
         raise OARConfigError(f"{p}.segment_split={cfg.segment_split!r} is neither a built-in rule "
                              f"({', '.join(SEGMENT_SPLITS)}) nor a usable regex: {e}") from e
+    return cfg
+
+
+def concrete_configs(cfg: OARConfig) -> list[OARConfig]:
+    """The configurations a run may attribute with: ``[cfg]``, or with ``mode=auto`` one per candidate and the default
+    (``mode`` replaced)."""
+    if cfg.mode != AUTO_MODE:
+        return [cfg]
+    return [dataclasses.replace(cfg, mode=m) for m in dict.fromkeys((*cfg.auto_candidates, cfg.auto_default))]
+
+
+def require_resolved(cfg: OARConfig) -> OARConfig:
+    """``cfg``, or an OARConfigError when its mode is still ``auto``: the driver's selector resolves it to a registered
+    mode before anything attributes (oar_verl.core.auto)."""
+    if cfg.mode == AUTO_MODE:
+        raise OARConfigError(f"{cfg.prefix}.mode=auto reached an attribution: the driver must resolve it to one of "
+                             f"{', '.join(registered_names()['mode'])} (oar_verl.core.auto.AutoSelector)")
     return cfg
 
 
@@ -92,8 +123,11 @@ def startup_checks(cfg: OARConfig, *, model_path: str | None = None, tokenizer=N
         OARConfigError: see :func:`check_config`, and an unsafe mask token.
     """
     check_config(cfg)
-    check_model_mask_token(cfg, model_path, tokenizer, tokenizer_path=tokenizer_path,
-                           trust_remote_code=trust_remote_code)
+    for concrete in concrete_configs(cfg):
+        check_model_mask_token(concrete, model_path, tokenizer, tokenizer_path=tokenizer_path,
+                               trust_remote_code=trust_remote_code)
+    if cfg.mode == AUTO_MODE:  # auto measures each band of a sliding-window model itself: nothing to warn of
+        return []
     warning = check_model_sliding_window(cfg, model_path, max_tokens, fidelity_check)
     return [] if warning is None else [warning]
 

@@ -120,6 +120,21 @@ CONTROLS.register("entropy")(Control(lambda batch, model: entropy_scores(model, 
 DEFAULT_CONTROLS = CONTROLS.names()  # random, position, entropy
 
 
+def response_aligned(values: Sequence[torch.Tensor], batch: AttributionBatch) -> torch.Tensor:
+    """(B, L − P) float64 response-aligned scores of the batch's rows from per-row 1-D values over each row's response
+    tokens (e.g. the old-log-prob pass's entropies, verl's ``entropy`` / ``entropys``): value j of row b at response
+    column j, cut to the batch's response width, 0 past a row's values. A ValueError naming the rows when B differs.
+    One copy per row, never per token."""
+    B, L = batch.input_ids.shape
+    if len(values) != B:
+        raise ValueError(f"fidelity: {len(values)} rows of per-token values for a batch of {B} rows")
+    out = torch.zeros(B, L - batch.response_start, dtype=torch.float64, device=batch.input_ids.device)
+    for b, v in enumerate(values):
+        n = min(int(v.numel()), out.shape[1])
+        out[b, :n] = v.reshape(-1)[:n].to(out)
+    return out
+
+
 def check_controls(controls: Sequence[str]) -> tuple[str, ...]:
     """The controls as a tuple without repeats, or a ValueError naming the key ``controls`` and the registered
     controls."""

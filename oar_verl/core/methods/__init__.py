@@ -1,2 +1,3 @@
 """Attribution methods, each written once over the backend interface and registered under ``algorithm.oar.mode``:
-OAR-G (``gradient``), OAR-P (``perturbation``, with its policies and mask operators) and ``fisher`` (docs/method.md)."""
+OAR-G (``gradient``), OAR-P (``perturbation``, with its policies and mask operators), ``fisher`` and ``path``
+(docs/method.md)."""

@@ -16,6 +16,7 @@ import torch
 # the methods register themselves in METHODS when imported
 import oar_verl.core.methods.fisher  # noqa: F401
 import oar_verl.core.methods.gradient  # noqa: F401
+import oar_verl.core.methods.path  # noqa: F401
 import oar_verl.core.methods.policies  # noqa: F401
 from oar_verl.core.backends.base import AttributionBackend
 from oar_verl.core.backends.hf import ModuleBackend

@@ -4,8 +4,8 @@ names them in, each entry with the traits the layers around it read (docs/method
 A method is a function ``(backend, batch, cfg, inputs) -> AttributionResult`` written once over the backend interface
 (:mod:`oar_verl.core.backends.base`), registered with :func:`method`: ``gradient``
 (:mod:`oar_verl.core.methods.gradient`), ``perturbation`` (:mod:`oar_verl.core.methods.policies`), ``fisher``
-(:mod:`oar_verl.core.methods.fisher`). Nothing else names a mode: budgets, start-up checks and preprocessing ask
-``METHODS.get(cfg.mode)`` for its traits.
+(:mod:`oar_verl.core.methods.fisher`), ``path`` (:mod:`oar_verl.core.methods.path`). Nothing else names a mode:
+budgets, start-up checks and preprocessing ask ``METHODS.get(cfg.mode)`` for its traits.
 """
 
 from __future__ import annotations

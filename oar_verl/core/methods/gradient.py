@@ -133,9 +133,9 @@ def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Ten
         rows = students[i].rows
         return backend.shift(table.get(rows), probe, batch.probe.joint[rows])
 
-    def noise(i: int, slot: torch.Tensor, rank: torch.Tensor, hidden: int) -> torch.Tensor:
+    def noise(i: int, slot: torch.Tensor, rank: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
         rows = students[i].rows
-        return reasoning_noise_at(slot, rank, student_seeds[i], counts[rows], hidden, noise_std)
+        return reasoning_noise_at(slot, rank, student_seeds[i], counts[rows], clean.shape[-1], noise_std)
 
     saliency = backend.run(batch, students, loss, EmbeddingHook(embedding_projection, noise))
     per_draw = collect(saliency, packs, (B * samples, L), batch.input_ids.device).abs()

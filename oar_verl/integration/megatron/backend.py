@@ -201,13 +201,16 @@ class MegatronBackend:
             if hook.noise is None:
                 leaf = clean.clone()
             else:
-                noise = torch.zeros(mbs, s_full, out.shape[-1], dtype=out.dtype, device=out.device)
-                noise[mask.to(out.device)] = hook.noise(k, *reasoning_slots(mask), out.shape[-1]).to(out.device,
-                                                                                                       out.dtype)
-                noise = noise.transpose(0, 1)  # [s, b, h] like the embedding output
-                if chunked:
-                    s_loc = out.shape[0]
-                    noise = noise[tp_rank * s_loc:(tp_rank + 1) * s_loc]
+                # this rank's positions (its sequence-parallel chunk), each with its row and reasoning rank in the
+                # whole row, and its clean embedding output
+                slot, rank = reasoning_slots(mask)
+                col = mask.nonzero()[:, 1]
+                s_loc, lo = out.shape[0], (tp_rank * out.shape[0] if chunked else 0)
+                here = (col >= lo) & (col < lo + s_loc)
+                slot, rank, col = slot[here], rank[here], col[here] - lo
+                at = (col.to(out.device), slot.to(out.device))  # [s, b] indices of the embedding output
+                noise = torch.zeros_like(clean)
+                noise[at] = hook.noise(k, slot, rank, clean[at]).to(out.device, out.dtype)
                 leaf = clean + noise  # a new tensor already: no clone of the clean output first
             leaf.requires_grad_(True)
 
