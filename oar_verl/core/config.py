@@ -186,15 +186,16 @@ class OARConfig:
                                "Every this-many steps, measure the fidelity of that step's attribution with the "
                                "deletion metric (docs/fidelity.md, \"Logged while training\"; `oar/fidelity/*`); 0 = "
                                "never, >= 0. Cost per measured row: one clean forward and 35 of the row with tokens masked "
-                               "((1 + 4 random rankings) x (5 fractions + 1), plus 5 for the position control), "
+                               "((1 + 4 random rankings) x (5 fractions + 1), plus 5 for the position control; 5 "
+                               "more for the entropy control where the old-log-prob pass gave entropies), "
                                "independent of its length, packed under the attribution's token budget.")
     fidelity_rows: int = _key(4, "fidelity",
                               "Rows measured per data-parallel rank on a measured step: the first this-many attributed "
                               "rows with reasoning tokens; >= 1.")
     auto_candidates: tuple[str, ...] = _key(("fisher", "gradient"), "auto",
                                             "`mode=auto`: the registered modes scored on the run's own rows "
-                                            "(docs/auto.md); the cheapest one whose gain over the random and position "
-                                            "controls has a lower bound > 0 is chosen. `perturbation` is opt-in: at "
+                                            "(docs/auto.md); the cheapest one whose gain over the random, position "
+                                            "and entropy controls has a lower bound > 0 is chosen. `perturbation` is opt-in: at "
                                             "4k tokens one exact OAR-P row costs hundreds of training rows.")
     auto_default: str = _key("fisher", "auto",
                              "`mode=auto`: the mode rows attribute with before the first decision; a registered mode.")

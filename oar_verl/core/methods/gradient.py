@@ -10,6 +10,8 @@ passes, K noise draws per row packed as draw rows: docs/method.md §10).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from oar_verl.core.backends.base import (AttributionBackend, EmbeddingHook, Pass, collect, first_row, plan_draws,
@@ -97,6 +99,53 @@ def embedding_projection(grad: torch.Tensor, clean: torch.Tensor, mask_embedding
                         for g, c in zip(grad, clean)]).float()
 
 
+@dataclass(frozen=True)
+class DrawPlan:
+    """K draw rows per batch row (draw row e = b·K + k) packed as input-gradient student passes under the backend's
+    budget and aligned across ranks, with each row's clean teacher probe already in ``table`` (one teacher pass per
+    distinct row of a student pass, run before the students). OAR-G's draws are noise draws, ``path``'s are points.
+
+    Attributes:
+        rows: (B·K,) long the batch row of each draw row. packs: index packs into the draw rows, one per real pass.
+        students: the passes to run (the real ones, then fillers). table: the clean probes.
+    """
+
+    rows: torch.Tensor
+    packs: list[torch.Tensor]
+    students: list[Pass]
+    table: object
+
+    def per_pass(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """(B·K, ...) per-draw-row values -> one slice per student pass (a filler's: the first draw row's)."""
+        return [values[p] for p in self.packs] + [values[:1]] * (len(self.students) - len(self.packs))
+
+    def loss(self, backend: AttributionBackend, batch: AttributionBatch):
+        """The student passes' loss: each row's outcome shift from its clean probe (``backend.shift``)."""
+        def loss(i: int, probe) -> torch.Tensor:
+            rows = self.students[i].rows
+            return backend.shift(self.table.get(rows), probe, batch.probe.joint[rows])
+        return loss
+
+    def collect(self, scores, batch: AttributionBatch, draws: int) -> torch.Tensor:
+        """(B, K, L) the student passes' per-draw scores in batch order."""
+        B, L = batch.input_ids.shape
+        return collect(scores, self.packs, (B * draws, L), batch.input_ids.device).view(B, draws, L)
+
+
+def draw_plan(backend: AttributionBackend, batch: AttributionBatch, draws: int) -> DrawPlan:
+    """:class:`DrawPlan` of ``draws`` K >= 1 draw rows per row; runs the teacher passes."""
+    B = batch.input_ids.shape[0]
+    draw_rows, packs = plan_draws(backend, batch, draws, PassKind.INPUT_GRADIENT)
+    count = backend.align(len(packs))
+    row = first_row(batch)
+    students = with_fillers([Pass(draw_rows[p]) for p in packs], count, Pass(row, filler=True), batch)
+    teachers = with_fillers([Pass(torch.unique_consecutive(draw_rows[p])) for p in packs], count,
+                            Pass(row, filler=True), batch)
+    table = backend.table(B)
+    backend.run(batch, teachers, lambda i, probe: None if teachers[i].filler else table.put(teachers[i].rows, probe))
+    return DrawPlan(draw_rows, packs, students, table)
+
+
 def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Tensor, noise_std: float,
           samples: int = 1) -> tuple[torch.Tensor, int]:
     """OAR-G importance of every reasoning token, on any backend: the mean over ``samples`` noise draws of the
@@ -115,32 +164,17 @@ def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Ten
         passes this rank needed before alignment). No parameter has a gradient or a changed requires_grad flag
         afterwards.
     """
-    B, L = batch.input_ids.shape
-    draw_rows, packs = plan_draws(backend, batch, samples, PassKind.INPUT_GRADIENT)  # draw row e = b·K + k
-    draw_seed = draw_seeds(seeds.to(draw_rows.device), samples).reshape(-1)
-    count = backend.align(len(packs))
-    row = first_row(batch)
-    students = with_fillers([Pass(draw_rows[p]) for p in packs], count, Pass(row, filler=True), batch)
-    student_seeds = [draw_seed[p] for p in packs] + [draw_seed[:1]] * (len(students) - len(packs))
-    # the clean teacher of a student pass runs once per distinct row in it (not once per draw), before the students
-    teachers = with_fillers([Pass(torch.unique_consecutive(draw_rows[p])) for p in packs], count,
-                            Pass(row, filler=True), batch)
-    table = backend.table(B)
-    backend.run(batch, teachers, lambda i, probe: None if teachers[i].filler else table.put(teachers[i].rows, probe))
+    plan = draw_plan(backend, batch, samples)
+    student_seeds = plan.per_pass(draw_seeds(seeds.to(plan.rows.device), samples).reshape(-1))
     counts = batch.reasoning_mask.sum(-1)
 
-    def loss(i: int, probe) -> torch.Tensor:
-        rows = students[i].rows
-        return backend.shift(table.get(rows), probe, batch.probe.joint[rows])
-
     def noise(i: int, slot: torch.Tensor, rank: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
-        rows = students[i].rows
+        rows = plan.students[i].rows
         return reasoning_noise_at(slot, rank, student_seeds[i], counts[rows], clean.shape[-1], noise_std)
 
-    saliency = backend.run(batch, students, loss, EmbeddingHook(embedding_projection, noise))
-    per_draw = collect(saliency, packs, (B * samples, L), batch.input_ids.device).abs()
-    mean = per_draw.view(B, samples, L).mean(1)
-    return torch.where(batch.reasoning_mask, mean, 0.0), len(packs)
+    saliency = backend.run(batch, plan.students, plan.loss(backend, batch), EmbeddingHook(embedding_projection, noise))
+    mean = plan.collect(saliency, batch, samples).abs().mean(1)
+    return torch.where(batch.reasoning_mask, mean, 0.0), len(plan.packs)
 
 
 @method("gradient", forward_only=False, reads_gradients=True, uses_mask_token=False)

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from oar_verl.core.backends.base import (AttributionBackend, EmbeddingHook, Pass, Replacement, collect, first_row,
-                                         plan_draws, with_fillers)
-from oar_verl.core.backends.memory import PassKind
+from oar_verl.core.backends.base import AttributionBackend, EmbeddingHook, Replacement
 from oar_verl.core.batch.layout import AttributionBatch
 from oar_verl.core.methods.contract import AttributionResult, MethodInputs, method
-from oar_verl.core.methods.gradient import embedding_projection
+from oar_verl.core.methods.gradient import draw_plan, embedding_projection
 from oar_verl.core.methods.mask_operator import method_replacement, replacement_embedding
 from oar_verl.core.methods.perturbation import as_replacement
 
@@ -47,34 +45,18 @@ def path_integrated(backend: AttributionBackend, batch: AttributionBatch, mask_t
         ((B, L) float32 c_t = (1/M) Σ_m ⟨∂φ/∂e_t |_{α_m}, e_mask − e_t⟩ at reasoning positions (signed), 0 elsewhere;
         the student passes this rank needed before alignment). No parameter has a gradient afterwards.
     """
-    B, L = batch.input_ids.shape
-    device = batch.input_ids.device
-    alphas = path_alphas(points, device)
-    draw_rows, packs = plan_draws(backend, batch, points, PassKind.INPUT_GRADIENT)  # draw row e = b·M + m
-    draw_alpha = alphas.repeat(B)  # (B·M,) the point of each draw row
-    count = backend.align(len(packs))
-    row = first_row(batch)
-    students = with_fillers([Pass(draw_rows[p]) for p in packs], count, Pass(row, filler=True), batch)
-    student_alpha = [draw_alpha[p] for p in packs] + [draw_alpha[:1]] * (len(students) - len(packs))
-    # the clean teacher of a student pass runs once per distinct row in it (not once per point), before the students
-    teachers = with_fillers([Pass(torch.unique_consecutive(draw_rows[p])) for p in packs], count,
-                            Pass(row, filler=True), batch)
-    table = backend.table(B)
-    backend.run(batch, teachers, lambda i, probe: None if teachers[i].filler else table.put(teachers[i].rows, probe))
+    alphas = path_alphas(points, batch.input_ids.device)
+    plan = draw_plan(backend, batch, points)
+    student_alpha = plan.per_pass(alphas.repeat(batch.input_ids.shape[0]))  # the point of each draw row b·M + m
     # (H,); None where no embedding lives (Megatron's later stages, which never call the hook)
     mask_embedding = replacement_embedding(backend, as_replacement(mask_token_id))
-
-    def loss(i: int, probe) -> torch.Tensor:
-        rows = students[i].rows
-        return backend.shift(table.get(rows), probe, batch.probe.joint[rows])
 
     def move(i: int, slot: torch.Tensor, rank: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
         return path_displacement(student_alpha[i].to(clean.device)[slot.to(clean.device)], clean, mask_embedding)
 
     hook = EmbeddingHook(lambda grad, clean: embedding_projection(grad, clean, mask_embedding), move)
-    per_point = collect(backend.run(batch, students, loss, hook), packs, (B * points, L), device)
-    signed = per_point.view(B, points, L).mean(1)
-    return torch.where(batch.reasoning_mask, signed, 0.0), len(packs)
+    signed = plan.collect(backend.run(batch, plan.students, plan.loss(backend, batch), hook), batch, points).mean(1)
+    return torch.where(batch.reasoning_mask, signed, 0.0), len(plan.packs)
 
 
 @method("path", forward_only=False, reads_gradients=True, uses_mask_token=True, linearises_mask=True)
