@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from research import REPO, common, long_reasoning, scaling
-from research.common import fisher_importance, measure, oar_g_importance, oar_p_importance, progress
+from research.common import (fisher_importance, measure, oar_g_importance, oar_p_importance, path_importance,
+                             progress)
 from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.methods.gradient import sequence_seeds
 
@@ -39,8 +40,9 @@ SPLIT = "sentence:8:64"
 SEGMENT_MEAN = 36  # mean tokens of a SPLIT segment (uniform 8..64): the long parts' validation cost
 SHARE = 0.1  # the hierarchical policy's refine share reported in the table (all of long_reasoning.SHARES are in JSON)
 HEADLINE_METHODS = ("oar_g_k1", "fisher_k1")
-MORE_METHODS = ("oar_g_k4", "oar_p_exact")
-LABELS = {"oar_g_k1": "OAR-G K=1", "fisher_k1": "fisher", "oar_g_k4": "OAR-G K=4", "oar_p_exact": "exact OAR-P"}
+MORE_METHODS = ("oar_g_k4", "path_m2", "oar_p_exact")
+LABELS = {"oar_g_k1": "OAR-G K=1", "fisher_k1": "fisher", "oar_g_k4": "OAR-G K=4", "path_m2": "path M=2",
+          "oar_p_exact": "exact OAR-P"}
 NOT_RUN = "not run (budget), rerun to resume"
 RESERVE_S = 10.0  # kept back from the budget for the summary (device metadata, JSON, table)
 TINY = {2048: 48, 4096: 64, 16384: 128}  # --tiny: the plan's lengths, scaled down
@@ -119,6 +121,7 @@ def _flops(shape: str, length: int, rows: int) -> dict[str, float]:
             "oar_g_k1": tokens * 4 * causal,  # teacher, student, recomputation, backward to the inputs
             "oar_g_k4": tokens * 16 * causal,  # each draw its own pass under the training step's budget
             "fisher_k1": tokens * 3 * causal,  # forward, recomputation, one backward to the inputs
+            "path_m2": tokens * 7 * causal,  # teacher, then 2 points of forward, recomputation, backward (OAR-G K=2)
             "oar_p_exact": oar_p,
             "long": tokens * causal + oar_p,  # clean forward + the sampled exact passes
             # the segment policy in full (the first length): one copy per segment, recomputing its suffix
@@ -209,6 +212,9 @@ def attribution_point(model, length: int, rows: int, device: str, methods) -> di
             point[name] = {"seconds": s, "peak_mib": peak}
         elif name == "fisher_k1":  # the default fisher_outcomes (1), no sketches
             s, peak = measure(lambda: fisher_importance(model, batch, 0, limits), device)
+            point[name] = {"seconds": s, "peak_mib": peak}
+        elif name == "path_m2":  # mode=path, 2 points, the default mask operator (mean)
+            s, peak = measure(lambda: path_importance(model, batch, limits, points=2), device)
             point[name] = {"seconds": s, "peak_mib": peak}
         else:
             sampled, frac = scaling.sample_reasoning(batch, 3, rows)
@@ -461,10 +467,11 @@ def markdown(summary: dict) -> str:
     if more:
         lines += ["", "Exact OAR-P's time is extrapolated from three measured passes; segment and hierarchical "
                   f"({SHARE:g} refined) times are estimated from the measured time per recomputed token.", "",
-                  "| model | response tokens | OAR-G K=4 time / peak | OAR-P exact time (extrap.) / peak | "
-                  "OAR-P segment time | OAR-P hierarchical time |", "|---|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['shape']} | {r['length']} | {pair(r.get('oar_g_k4'))} | {pair(r.get('oar_p_exact'))} | "
-                  f"{one(r.get('segment_time'))} | {one(r.get('hierarchical_time'))} |" for r in more]
+                  "| model | response tokens | OAR-G K=4 time / peak | path M=2 time / peak | OAR-P exact time "
+                  "(extrap.) / peak | OAR-P segment time | OAR-P hierarchical time |", "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['shape']} | {r['length']} | {pair(r.get('oar_g_k4'))} | {pair(r.get('path_m2'))} | "
+                  f"{pair(r.get('oar_p_exact'))} | {one(r.get('segment_time'))} | {one(r.get('hierarchical_time'))} |"
+                  for r in more]
     lines += ["", "| part | this run | estimated s | took s |", "|---|---|---:|---:|"]
     lines += [f"| {p['part']} | {p['this_run']} | {one(p.get('estimate_s'), '.0f')} | {one(p.get('seconds'), '.0f')} |"
               for p in summary["parts"].values()]

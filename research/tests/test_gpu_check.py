@@ -165,7 +165,8 @@ def test_gpu_check_budget_and_resume_without_verl(tmp_path):
     assert [(r["method"], r["length"]) for r in res["precision"]] == [("oar_g_k1", 48), ("fisher_k1", 48)]
 
     for p in res["parts"]["oar_p-tiny"]["points"]:
-        assert set(p) >= {"oar_g_k4", "oar_p_exact"} and "oar_g_k1" not in p
+        assert set(p) >= {"oar_g_k4", "path_m2", "oar_p_exact"} and "oar_g_k1" not in p
+        assert p["path_m2"]["seconds"] > 0 and p["path_m2"]["vs_train_time"] > 0
         exact = p["oar_p_exact"]
         # three passes of the exact method measured, the rest extrapolated: the sample is a strict part of the work
         assert exact["extrapolated"] and 0 < exact["sampled_fraction"] < 1
@@ -186,7 +187,7 @@ def test_gpu_check_budget_and_resume_without_verl(tmp_path):
     assert [(r["shape"], r["length"]) for r in res["table"]] == [("tiny", 64), ("tiny", 128)]
     for r in res["table"]:
         assert not r["errors"]
-        assert all(k in r for k in ("train_seconds", "oar_g_k1", "fisher_k1", "oar_g_k4", "oar_p_exact",
+        assert all(k in r for k in ("train_seconds", "oar_g_k1", "fisher_k1", "oar_g_k4", "path_m2", "oar_p_exact",
                                     "segment_time", "hierarchical_time"))
     md = (out / "gpu_check.md").read_text()
     assert md.index("OAR-G K=1") < md.index("bf16 against fp32") < md.index("OAR-G K=4") and "Not measured" not in md
