@@ -14,11 +14,12 @@ the OAR trainer step for everything between the rollouts and the loss:
 * loss: verl's ``compute_policy_loss_vanilla`` with ``seq-mean-token-mean`` (one on-policy update per step: the
   published loss set-up, no KL, no entropy bonus), AdamW and gradient clipping as verl's FSDP actor.
 
-``entropy`` is a non-outcome control: the same gating and mass preservation, with each token's policy entropy as its
-importance. ``--verl-check`` runs verl's real trainer (``python -m oar_verl.main``) for one step per OAR mode with
+``entropy`` and ``position`` are non-outcome controls (the free alternatives a user would pick, issue #36): the same
+gating and mass preservation, with each token's policy entropy, or its position (the latest reasoning token highest),
+as its importance. ``--verl-check`` runs verl's real trainer (``python -m oar_verl.main``) for one step per OAR mode with
 token dumps and shows that this loop gives the same importance, weights and advantages for those rollouts.
 
-usage: python -m research.credit [--quick] [--seeds N] [--steps N] [--methods grpo,oar_g,oar_p,fisher,entropy]
+usage: python -m research.credit [--quick] [--seeds N] [--steps N] [--methods grpo,oar_g,oar_p,fisher,entropy,position]
                                    [--verl-check] [--out DIR] [--docs] [--report-only]
 """
 
@@ -43,11 +44,12 @@ from oar_verl.quickstart.last_digit import validate
 from research import REPO, task
 from research.common import bootstrap_ci, finish_figure, nanmean, permutation_p, progress
 
-METHODS = ("grpo", "oar_g", "oar_p", "fisher", "entropy")
+METHODS = ("grpo", "oar_g", "oar_p", "fisher", "entropy", "position")
 DEFAULT_METHODS = ("grpo", "oar_g", "oar_p", "entropy")  # the study's protocol; fisher on request (--methods)
-LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P", "fisher": "OAR fisher", "entropy": "entropy weights"}
+LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P", "fisher": "OAR fisher", "entropy": "entropy weights",
+          "position": "position weights"}
 COLORS = {"grpo": "tab:gray", "oar_g": "tab:orange", "oar_p": "tab:blue", "fisher": "tab:purple",
-          "entropy": "tab:green"}
+          "entropy": "tab:green", "position": "tab:olive"}
 MODES = {"oar_g": "gradient", "oar_p": "perturbation", "fisher": "fisher"}
 ROLES = ("decisive", "decoy", "filler", "answer")
 
@@ -177,6 +179,8 @@ def compute_advantages(method: str, model, tok, r: Rollouts, step: int, algo) ->
     if rows and method == "entropy":
         with torch.no_grad():
             importance = token_entropy(task.response_logits(model, b)) * mask
+    elif rows and method == "position":  # recency: the later a reasoning token, the more credit (no model pass)
+        importance = (reasoning & mask.bool()).float().cumsum(-1) * reasoning
     elif rows:
         lens = mask.sum(-1).tolist()
         plens = b.prompt_mask.sum(-1).tolist()
