@@ -6,7 +6,7 @@ window where it has one. So the choice printed is, by construction, the study's 
 candidate-independent statistic.
 
 usage: python -m research.auto_decisions [--out DIR] [--model smollm2] [--tokens 1024] [--max-cost 2.0]
-                                         [--operators mean] [--window W]
+                                         [--operators mean] [--window W] [--methods a,b]
 """
 
 from __future__ import annotations
@@ -23,15 +23,19 @@ from research import REPO
 CONTROLS = ("random", "position", "entropy")
 
 
-def merged(folder: Path, setting: str) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, float], list[int]]:
+def merged(folder: Path, setting: str, methods: tuple[str, ...] = ()
+           ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, float], list[int]]:
     """(name -> (N,) KL AOPC of every method and control, (N,) static, method -> cost × train fwd+bwd, row lengths)
-    over the rows every cached comparison with this ``setting`` suffix covers."""
+    over the cached comparisons with this ``setting`` suffix: every method measured on every row, or, with
+    ``methods``, these methods on the rows where all of them were measured."""
     chunks: dict[int, dict] = {}  # first row -> {method -> (chunk, its method list)}
     for path in sorted(folder.glob(f"chunk_*{setting}.json")):
         first = int(path.name.split("_")[1])
         chunk = json.loads(path.read_text())
         chunks.setdefault(first, {}).update({m: chunk for m in chunk["aopc"]})
-    methods = sorted(set.intersection(*(set(c) for c in chunks.values()))) if chunks else []
+    if methods:
+        chunks = {k: v for k, v in chunks.items() if set(methods) <= set(v)}
+    methods = sorted(methods or (set.intersection(*(set(c) for c in chunks.values())) if chunks else []))
     aopc: dict[str, list[float]] = {m: [] for m in (*methods, *CONTROLS)}
     static, lengths, seconds, train = [], [], {m: 0.0 for m in methods}, {m: 0.0 for m in methods}
     for first in sorted(chunks):
@@ -58,11 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--operators", default="mean", help="the comparisons' --operators (their cache suffix)")
     ap.add_argument("--fractions", default="", help="the comparisons' --fractions ('' = the default)")
     ap.add_argument("--max-cost", type=float, default=2.0, help="auto_max_cost")
-    ap.add_argument("--window", type=int, default=None, help="the model's sliding window (bands inside / past)")
+    ap.add_argument("--window", type=int, default=None, help="the model's sliding window (bands inside / past; a "
+                    "row's length here is its reasoning tokens)")
+    ap.add_argument("--methods", default="", help="these methods, on the rows where all were measured ('' = every "
+                    "method measured on every row)")
     a = ap.parse_args(argv)
     setting = "_" + a.operators.replace(",", "-") + "_" + (a.fractions.replace(",", "-") if a.fractions else
                                                           "0.01-0.02-0.05-0.1-0.2")
-    aopc, static, cost, lengths = merged(Path(a.out) / f"{a.model}_{a.tokens}", setting)
+    methods = tuple(m for m in a.methods.split(",") if m)
+    aopc, static, cost, lengths = merged(Path(a.out) / f"{a.model}_{a.tokens}", setting, methods)
     if not cost:
         print("no cached comparison")
         return 0
