@@ -15,8 +15,11 @@ import torch
 
 from oar_verl.core.backends.base import AttributionBackend
 from oar_verl.core.config import OARConfig
+from oar_verl.core.fidelity.controls import response_aligned
+from oar_verl.core.fidelity.step import due, step_fidelity
 from oar_verl.core.methods.attribution import module_backend, run_attribution
 from oar_verl.core.methods.contract import AttributionResult
+from oar_verl.core.methods.mask_operator import mask_replacement
 from oar_verl.core.preprocess import PreparedAttribution, prepare_attribution
 from oar_verl.core.reshaping.reshape import Reshaped, attribution_rows, reshape_advantages
 
@@ -68,6 +71,23 @@ class RowAttribution:
     def lengths(self) -> list[int]:
         """Tokens of each response."""
         return self.response_mask.sum(-1).tolist()
+
+    def fidelity(self, cfg: OARConfig, global_step: int, *, min_gap: float = 0.0,
+                 entropies: Sequence[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The step's in-step fidelity of this attribution (:func:`~oar_verl.core.fidelity.step.step_fidelity`) on
+        the same backend and batch, under the run's own mask operator; NaN everywhere on a step not due.
+
+        Args:
+            cfg: the configuration it ran with. global_step: the training step. min_gap: the noise floor.
+            entropies: per attributed row, 1-D policy entropies over its response tokens (the old-log-prob pass's):
+                the entropy control; None: skipped.
+        """
+        batch = self.prepared.batch
+        replacement = (mask_replacement(self.backend, batch, cfg.mask, self.prepared.mask_token_id,
+                                        self.prepared.seeds) if due(cfg, global_step) else None)
+        entropy = None if entropies is None else response_aligned(entropies, batch)
+        return step_fidelity(self.backend, batch, self.result.importance, cfg, global_step, replacement=replacement,
+                             min_gap=min_gap, entropy=entropy)
 
     @classmethod
     def unattributed(cls, response_mask: torch.Tensor) -> RowAttribution:

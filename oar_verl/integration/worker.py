@@ -25,10 +25,8 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from oar_verl.core.auto.measure import measure_candidates
 from oar_verl.core.checks.startup import require_resolved
 from oar_verl.core.config import OARConfig
-from oar_verl.core.fidelity.controls import response_aligned
 from oar_verl.core.fidelity.summary import default_min_gap
-from oar_verl.core.fidelity.step import due, step_fidelity
-from oar_verl.core.methods.mask_operator import mask_replacement
+from oar_verl.core.fidelity.step import due
 from oar_verl.core.pipeline import attribute
 from oar_verl.core.preprocess import PreparedAttribution
 from oar_verl.integration.actor_budget import actor_token_budget
@@ -186,12 +184,8 @@ class TokenImportanceMixin:
             # the step's fidelity, every rank alike (fillers align the pass counts); NaN when not due
             prepared = att.prepared
             gap = default_min_gap(engine.module[0] if isinstance(engine.module, (list, tuple)) else engine.module)
-            replacement = (mask_replacement(att.backend, prepared.batch, cfg.mask, prepared.mask_token_id,
-                                            prepared.seeds) if due(cfg, step) else None)
             entropies = response_entropies(data) if due(cfg, step) or auto else None
-            entropy = None if entropies is None else response_aligned(entropies, prepared.batch)
-            fidelity = step_fidelity(att.backend, prepared.batch, att.result.importance, cfg, step,
-                                     replacement=replacement, min_gap=gap, entropy=entropy)
+            fidelity = att.fidelity(cfg, step, min_gap=gap, entropies=entropies)
             candidates = list(auto["candidates"]) if auto else []
             measured = None if not auto else measure_candidates(
                 prompts, responses, tokenizer, cfg, step, candidates, backend_for,

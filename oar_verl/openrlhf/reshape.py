@@ -22,9 +22,8 @@ from oar_verl.core.methods.attribution import module_backend, pass_limits
 from oar_verl.core.backends.collectives import max_over_ranks
 from oar_verl.core.config import OARConfig
 from oar_verl.core.fidelity.step import due as fidelity_due
-from oar_verl.core.fidelity.step import step_fidelity, step_metrics
+from oar_verl.core.fidelity.step import step_metrics
 from oar_verl.core.fidelity.summary import default_min_gap
-from oar_verl.core.methods.mask_operator import mask_replacement
 from oar_verl.core.pipeline import RowAttribution, attribute, reshape
 from oar_verl.core.preprocess import PreparedAttribution
 from oar_verl.core.reshaping.gating import TokenWeights
@@ -246,11 +245,7 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
             ran = attribute(backend, [rows.prompts[i] for i in run.tolist()], [rows.responses[i] for i in run.tolist()],
                             tokenizer, cfg, global_step, ground_truths=truths, device=device)
             if fidelity_due(cfg, global_step):  # the in-step fidelity metric, every rank alike (docs/fidelity.md §5)
-                prepared = ran.prepared
-                replacement = mask_replacement(ran.backend, prepared.batch, cfg.mask, prepared.mask_token_id,
-                                               prepared.seeds)
-                fidelity = step_fidelity(ran.backend, prepared.batch, ran.result.importance, cfg, global_step,
-                                         replacement=replacement, min_gap=default_min_gap(model))
+                fidelity = ran.fidelity(cfg, global_step, min_gap=default_min_gap(model))
                 if not len(sel):  # the filler's rows: measured for the alignment only
                     fidelity = {k: v[:0] for k, v in fidelity.items()}
         finally:

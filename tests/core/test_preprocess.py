@@ -226,3 +226,28 @@ def test_oar_advantages_attributes_only_the_rows_it_reshapes(tok, make_lm):
     empty = oar_advantages(model, p, r, torch.zeros(len(r)), tok, cfg)
     assert (empty.advantages == 0).all() and (empty.token_weights.weights == mask.float()).all()
     assert isinstance(RowAttribution.unattributed(mask), RowAttribution)
+
+
+def test_the_attributions_fidelity_is_the_step_metric_on_its_own_batch(tok, make_lm):
+    """``RowAttribution.fidelity`` (what the verl worker and the OpenRLHF adapter call) is ``step_fidelity`` on the
+    attribution's own backend, batch and importance under the run's mask operator, with the entropies placed at the
+    response columns; NaN everywhere on a step not due."""
+    from oar_verl.core.fidelity.controls import response_aligned
+    from oar_verl.core.fidelity.step import step_fidelity
+    from oar_verl.core.methods.mask_operator import mask_replacement
+
+    cfg = OARConfig(mode="gradient", probe="as_mean", fidelity_every=2, fidelity_rows=3)
+    p, r = rows(tok, PROMPTS[:3], ANSWERS[:3])
+    model = make_lm(torch.float64, vocab=len(tok))
+    att = attribute(model, p, r, tok, cfg, 4)
+    entropies = [torch.linspace(0.1, 2.0, len(x), dtype=torch.float64) for x in r]
+    got = att.fidelity(cfg, 4, min_gap=1e-9, entropies=entropies)
+    batch = att.prepared.batch
+    replacement = mask_replacement(att.backend, batch, cfg.mask, att.prepared.mask_token_id, att.prepared.seeds)
+    want = step_fidelity(att.backend, batch, att.result.importance, cfg, 4, replacement=replacement, min_gap=1e-9,
+                         entropy=response_aligned(entropies, batch))
+    for k in want:
+        if k != "seconds":
+            torch.testing.assert_close(got[k], want[k], equal_nan=True)
+    assert not got["aopc_entropy"].isnan().all()  # the entropy control ran
+    assert all(v.isnan().all() for v in att.fidelity(cfg, 3).values())  # not due
