@@ -15,8 +15,8 @@ import torch
 
 from oar_verl.core.backends.base import AttributionBackend
 from oar_verl.core.config import OARConfig
-from oar_verl.core.fidelity.controls import response_aligned
-from oar_verl.core.fidelity.step import due, step_fidelity
+from oar_verl.core.fidelity.controls import EntropySource, entropies_at, response_aligned
+from oar_verl.core.fidelity.step import due, measured_rows, step_fidelity
 from oar_verl.core.methods.attribution import module_backend, run_attribution
 from oar_verl.core.methods.contract import AttributionResult
 from oar_verl.core.methods.mask_operator import mask_replacement
@@ -73,19 +73,25 @@ class RowAttribution:
         return self.response_mask.sum(-1).tolist()
 
     def fidelity(self, cfg: OARConfig, global_step: int, *, min_gap: float = 0.0,
-                 entropies: Sequence[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                 entropies: EntropySource | None = None) -> dict[str, torch.Tensor]:
         """The step's in-step fidelity of this attribution (:func:`~oar_verl.core.fidelity.step.step_fidelity`) on
         the same backend and batch, under the run's own mask operator; NaN everywhere on a step not due.
 
         Args:
             cfg: the configuration it ran with. global_step: the training step. min_gap: the noise floor.
-            entropies: per attributed row, 1-D policy entropies over its response tokens (the old-log-prob pass's):
-                the entropy control; None: skipped.
+            entropies: per attributed row, 1-D policy entropies over its response tokens (the old-log-prob pass's),
+                or a function of the measured rows' indices returning theirs (called on a due step only, once, with
+                the filler row on a rank that measures none): the entropy control; None: skipped.
         """
         batch = self.prepared.batch
+        on = due(cfg, global_step)
         replacement = (mask_replacement(self.backend, batch, cfg.mask, self.prepared.mask_token_id,
-                                        self.prepared.seeds) if due(cfg, global_step) else None)
-        entropy = None if entropies is None else response_aligned(entropies, batch)
+                                        self.prepared.seeds) if on else None)
+        entropy = None
+        if entropies is not None and on:
+            B = batch.input_ids.shape[0]
+            rows = measured_rows(batch.reasoning_mask.bool().any(-1).cpu(), cfg).tolist() or list(range(min(B, 1)))
+            entropy = response_aligned(entropies_at(entropies, rows, B), batch)
         return step_fidelity(self.backend, batch, self.result.importance, cfg, global_step, replacement=replacement,
                              min_gap=min_gap, entropy=entropy)
 
@@ -96,15 +102,20 @@ class RowAttribution:
         rows = [torch.zeros(mask.shape[0], dtype=torch.bool) for _ in range(3)]  # attributed, span_found, answer_probe
         return cls(torch.zeros(mask.shape), torch.zeros_like(mask), torch.zeros_like(mask), mask, *rows)
 
-    def placed(self, rows: torch.Tensor, response_mask: torch.Tensor) -> RowAttribution:
+    def placed(self, rows: torch.Tensor, response_mask: torch.Tensor,
+               into: RowAttribution | None = None) -> RowAttribution:
         """These rows at ``rows`` of a larger batch whose responses have ``response_mask`` (B, T >= this T); the
-        batch's other rows are not attributed.
+        batch's other rows are not attributed, or keep what ``into`` holds (several attributions of one batch, e.g.
+        one per mode with ``mode=auto``, merged; the last one's passes, batch and backend are kept).
 
         Args:
             rows: (B',) long batch rows of this attribution's rows, in order (a repeated row: the last write wins).
             response_mask: (B, T) valid response tokens of the whole batch.
+            into: an attribution of the same batch (its ``placed`` result) to write these rows into; not modified.
         """
-        out = RowAttribution.unattributed(response_mask)
+        out = RowAttribution.unattributed(response_mask) if into is None else replace(
+            into, **{k: getattr(into, k).clone() for k in ("importance", "reasoning_mask", "answer_mask",
+                                                             "attributed", "span_found", "answer_probe")})
         width = self.importance.shape[1]
         if width > out.importance.shape[1]:
             raise ValueError(f"placed: these responses are {width} tokens wide, the batch's only "
@@ -118,9 +129,10 @@ class RowAttribution:
             big[rows] = small
         counts = {}
         for name in ("copies", "refined"):
-            small = getattr(self, name)
+            small, big = getattr(self, name), getattr(out, name)
             if small is not None:
-                counts[name] = torch.full((out.attributed.shape[0],), -1, dtype=small.dtype)
+                counts[name] = (torch.full((out.attributed.shape[0],), -1, dtype=small.dtype) if big is None
+                                else big.clone())
                 counts[name][rows] = small
         return replace(out, passes=self.passes, prepared=self.prepared, result=self.result, backend=self.backend,
                        **counts)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from verl.utils.profiler import marked_timer
 
-from oar_verl.core.auto import UNIFORM, AutoSelector, AutoSettings, Evidence, bands_of
+from oar_verl.core.auto import AutoSelector, AutoSettings, Evidence, bands_of
 from oar_verl.core.checks.sliding_window import sliding_window
 from oar_verl.core.checks.startup import require_resolved
 from oar_verl.core.config import AUTO_MODE, OARConfig
@@ -161,15 +161,9 @@ class OARStep:
         if window is not None and batch.lengths is None:
             raise RuntimeError("oar: mode=auto on a sliding-window model needs the rows' lengths from the trainer")
         bands = bands_of(batch.lengths if window is not None else torch.zeros(B, dtype=torch.long), window)
-        in_band = {b: torch.tensor([x == b for x in bands], dtype=torch.bool) for b in dict.fromkeys(bands)}
-        calibrating, modes, wanted = sel.calibrating(global_step), sel.modes(), self.wanted(batch, base)
-        groups: dict[str, torch.Tensor] = {}
-        for b, rows_b in in_band.items():
-            mode = modes[b]
-            if mode == UNIFORM and not calibrating:
-                continue  # plain GRPO for this band: nothing to attribute
-            mode = sel.settings.default if mode == UNIFORM else mode
-            groups[mode] = groups.get(mode, torch.zeros(B, dtype=torch.bool)) | (wanted & rows_b)
+        calibrating, wanted = sel.calibrating(global_step), self.wanted(batch, base)
+        groups, plain = sel.plan(bands, global_step)
+        groups = {mode: rows & wanted for mode, rows in groups.items()}
         auto = {"candidates": list(sel.settings.candidates)} if calibrating else None
         calls, parts, done = [], [], torch.zeros(B, dtype=torch.bool)
         self._calibrating = calibrating
@@ -187,10 +181,6 @@ class OARStep:
             parts.append(take(rows, out, torch.tensor(keep, dtype=torch.long)))
         rows, out = merge_outputs(parts)
         att = assemble(out, rows, batch, base)
-        plain = torch.zeros(B, dtype=torch.bool)
-        for b, rows_b in in_band.items():
-            if modes[b] == UNIFORM:
-                plain |= rows_b
         if bool(plain.any()):  # the fallback: these rows keep the base advantage (w = 1)
             inputs = att.estimator_inputs
             att = dataclasses.replace(att, estimator_inputs=dataclasses.replace(

@@ -14,8 +14,11 @@ import ray
 from openrlhf.trainer.ray.launcher import RayActorGroup
 from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
+from oar_verl.core.checks.sliding_window import sliding_window
 from oar_verl.core.config import OARConfig
-from oar_verl.openrlhf.auto import AutoStep
+from oar_verl.core.fidelity.step import due as fidelity_due
+from oar_verl.openrlhf.auto import STATE_KEY, AutoStep
+from oar_verl.openrlhf.entropy import policy_entropies
 from oar_verl.openrlhf.reshape import reshape_replay_buffer
 
 FLAG_PREFIX = "--oar"  # OAR options on the command line: --oar.<key>=<value>
@@ -60,18 +63,21 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
         longest = max((int(it.sequences.numel()) for it in items), default=0)
         budget = token_budget(args) or micro_batch_rows(args) * max(longest, 1)
         checkpointing = bool(args.actor.gradient_checkpointing_enable)
-        reshape_cfg, auto = cfg, None
+        plan, auto = None, None
         if AutoStep.wanted(cfg):  # every rank decides alike from every rank's rows (docs/auto.md)
-            auto = self._oar_auto = self._oar_auto or AutoStep(cfg)
-            reshape_cfg, run_cfg = auto.resolved(self._oar_step)
-            for line in auto.measure(items, model, self.tokenizer, run_cfg, self._oar_step, max_tokens=budget,
-                                     checkpointing=checkpointing):
+            auto = self._auto(cfg, model)
+            plan = auto.plan(items, self._oar_step)
+        device = next(model.parameters()).device
+        measures = (auto is not None and auto.calibrating) or fidelity_due(cfg, self._oar_step)
+        entropies = policy_entropies(self.actor, items, device) if measures else None  # the entropy control
+        if auto is not None:
+            for line in auto.measure(items, model, self.tokenizer, self._oar_step, max_tokens=budget,
+                                     checkpointing=checkpointing, device=device, entropies=entropies):
                 if self.strategy.is_rank_0():
                     print(line, flush=True)
-        metrics = {}
-        if reshape_cfg is not None:  # None: mode=auto's plain-GRPO fallback, the items keep their advantages
-            metrics = reshape_replay_buffer(items, model, self.tokenizer, reshape_cfg, self._oar_step,
-                                            max_tokens=budget, checkpointing=checkpointing).metrics
+        metrics = reshape_replay_buffer(items, model, self.tokenizer, cfg, self._oar_step, max_tokens=budget,
+                                        checkpointing=checkpointing, device=device, plan=plan,
+                                        entropies=entropies).metrics
         oar_time = time.time() - t0
         tokens = sum(int(it.sequences.numel()) for it in items)  # before fit: it clears the replay buffer
         t1 = time.time()
@@ -82,6 +88,26 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
         status.update(metrics)
         status["timing/oar"] = oar_time
         return status
+
+    def _auto(self, cfg: OARConfig, model) -> AutoStep:
+        """This rank's ``mode=auto`` state: built at the first ``fit`` (the policy's sliding window bands the rows),
+        resumed from the loaded checkpoint's ``client_states`` when it has one."""
+        if self._oar_auto is None:
+            config = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(model.config)
+            self._oar_auto = AutoStep(cfg, sliding_window(config))
+            state = (getattr(self, "checkpoint_states", None) or {}).get(STATE_KEY)
+            if state:
+                line = self._oar_auto.load_state_dict(state)
+                if self.strategy.is_rank_0():
+                    print(line, flush=True)
+        return self._oar_auto
+
+    def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+        """OpenRLHF's checkpoint, with ``mode=auto``'s selector state in its ``client_states`` (a resumed run keeps
+        its decision)."""
+        if self._oar_auto is not None:
+            client_states = {**(client_states or {}), STATE_KEY: self._oar_auto.state_dict()}
+        return super().save_checkpoint(tag, client_states, metric_value=metric_value, metric_key=metric_key)
 
 
 OARPolicyModelActor = ray.remote(num_gpus=1)(OARPolicyModelActorImpl)

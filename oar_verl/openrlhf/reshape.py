@@ -21,6 +21,7 @@ import torch.distributed as dist
 from oar_verl.core.methods.attribution import module_backend, pass_limits
 from oar_verl.core.backends.collectives import max_over_ranks
 from oar_verl.core.config import OARConfig
+from oar_verl.core.fidelity.controls import EntropySource
 from oar_verl.core.fidelity.step import due as fidelity_due
 from oar_verl.core.fidelity.step import step_metrics
 from oar_verl.core.fidelity.summary import default_min_gap
@@ -185,10 +186,46 @@ class ReshapeResult:
     metrics: dict[str, float]
 
 
+def _attribute(items: Sequence, rows: ItemRows, sel: torch.Tensor, has_action: torch.Tensor, model, tokenizer,
+               cfg: OARConfig, global_step: int, *, max_tokens: int | None, checkpointing: bool, device: torch.device,
+               align: Callable[[int], int], entropies: EntropySource | None
+               ) -> tuple[RowAttribution, dict[str, torch.Tensor] | None]:
+    """One aligned attribution of this rank's rows ``sel`` with ``cfg`` (every rank together; a rank without a row
+    runs one of its own as filler) and, on a due step, its in-step fidelity (the filler's: no row)."""
+    run = sel if len(sel) else has_action.nonzero().flatten()[:1]  # filler: one own row, result discarded
+    if len(run) == 0:
+        raise RuntimeError("oar: this rank's replay buffer has no generated token to run the aligned "
+                           "attribution passes on")
+    idx = run.tolist()
+    truths = [items[i].labels[0] if items[i].labels else None for i in idx] if cfg.target == "reference" else None
+
+    def backend(prepared: PreparedAttribution):
+        longest = max_over_ranks(prepared.longest, device)
+        return module_backend(model, cfg, limits=pass_limits(cfg, max(max_tokens or 0, longest) or None),
+                              checkpointing=checkpointing, align=align, pad_id=tokenizer.pad_token_id or 0)
+
+    fidelity = None
+    was_training = model.training
+    model.eval()  # eval numerics (no dropout) for the attribution passes
+    try:
+        ran = attribute(backend, [rows.prompts[i] for i in idx], [rows.responses[i] for i in idx], tokenizer, cfg,
+                        global_step, ground_truths=truths, device=device)
+        if fidelity_due(cfg, global_step):  # the in-step fidelity metric, every rank alike (docs/fidelity.md §5)
+            ents = None if entropies is None else (lambda picked: entropies([idx[j] for j in picked]))
+            fidelity = ran.fidelity(cfg, global_step, min_gap=default_min_gap(model), entropies=ents)
+            if not len(sel):  # the filler's rows: measured for the alignment only
+                fidelity = {k: v[:0] for k, v in fidelity.items()}
+    finally:
+        model.train(was_training)
+    return ran, fidelity
+
+
 def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cfg: OARConfig, global_step: int, *,
                           max_tokens: int | None, checkpointing: bool = False,
                           device: torch.device | str | None = None,
-                          align: Callable[[int], int] | None = None) -> ReshapeResult:
+                          align: Callable[[int], int] | None = None,
+                          plan: Sequence[tuple[OARConfig, torch.Tensor]] | None = None,
+                          entropies: EntropySource | None = None) -> ReshapeResult:
     """Attribute this rank's replay-buffer items and set each generated token's advantage to ``w_t * A_seq``.
 
     Every data-parallel rank must call it together (ZeRO-3 gathers parameters inside every forward): the ranks agree
@@ -207,6 +244,12 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
         checkpointing: the actor's gradient checkpointing.
         device: where the model runs (default: its first parameter's device).
         align: passes -> passes every rank runs (default: max over the default process group).
+        plan: (configuration, (N,) bool its rows) pairs, in an order every rank shares (``mode=auto``: one per
+            band's mode, :meth:`~oar_verl.core.auto.AutoSelector.plan`); each entry's rows attribute with its
+            configuration (its gating keys are ``cfg``'s), rows in no entry keep their advantages. None: every row
+            with ``cfg``.
+        entropies: the policy's entropies of items by index (:func:`oar_verl.openrlhf.entropy.policy_entropies`):
+            the in-step metric's entropy control; None: skipped.
 
     Returns:
         ReshapeResult.
@@ -222,40 +265,29 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
     base_ret = _response_field(items, "returns", rows) if all(it.returns is not None for it in items) else None
     has_action = action.any(-1)
     wanted = attribution_rows(base, action, cfg, has_action)
-    sel = wanted.nonzero().flatten()
     response_mask = torch.arange(width)[None, :] < torch.tensor([len(a) for a in rows.actions])[:, None]  # (N, T)
     att = RowAttribution.unattributed(response_mask)
-    fidelity = None
-    if max_over_ranks(len(sel), device) > 0:  # every rank takes part as soon as one has a row to attribute
-        run = sel if len(sel) else has_action.nonzero().flatten()[:1]  # filler: one own row, result discarded
-        if len(run) == 0:
-            raise RuntimeError("oar: this rank's replay buffer has no generated token to run the aligned "
-                               "attribution passes on")
-        truths = [items[i].labels[0] if items[i].labels else None for i in run.tolist()] \
-            if cfg.target == "reference" else None
-
-        def backend(prepared: PreparedAttribution):
-            longest = max_over_ranks(prepared.longest, device)
-            return module_backend(model, cfg, limits=pass_limits(cfg, max(max_tokens or 0, longest) or None),
-                                  checkpointing=checkpointing, align=align, pad_id=tokenizer.pad_token_id or 0)
-
-        was_training = model.training
-        model.eval()  # eval numerics (no dropout) for the attribution passes
-        try:
-            ran = attribute(backend, [rows.prompts[i] for i in run.tolist()], [rows.responses[i] for i in run.tolist()],
-                            tokenizer, cfg, global_step, ground_truths=truths, device=device)
-            if fidelity_due(cfg, global_step):  # the in-step fidelity metric, every rank alike (docs/fidelity.md §5)
-                fidelity = ran.fidelity(cfg, global_step, min_gap=default_min_gap(model))
-                if not len(sel):  # the filler's rows: measured for the alignment only
-                    fidelity = {k: v[:0] for k, v in fidelity.items()}
-        finally:
-            model.train(was_training)
+    plan = [(cfg, torch.ones(len(items), dtype=torch.bool))] if plan is None else plan
+    measured = []  # each plan entry's in-step fidelity rows
+    for run_cfg, rows_c in plan:  # every rank runs the same entries in the same order
+        sel = (wanted & rows_c.bool()).nonzero().flatten()
+        if max_over_ranks(len(sel), device) == 0:  # every rank takes part as soon as one has a row to attribute
+            continue
+        ran, fidelity = _attribute(items, rows, sel, has_action, model, tokenizer, run_cfg, global_step,
+                                   max_tokens=max_tokens, checkpointing=checkpointing, device=device, align=align,
+                                   entropies=entropies)
+        if fidelity is not None:
+            measured.append(fidelity)
         if len(sel):
-            att = ran.placed(sel, response_mask)
+            att = ran.placed(sel, response_mask, into=att)
+    attributed = att.attributed
+    fidelity = None
+    if measured:  # one row set; the time measuring is every entry's
+        fidelity = {k: torch.cat([f[k] for f in measured]) for k in measured[0]}
+        fidelity["seconds"][:] = sum(float(f["seconds"].nan_to_num(0.0).max()) for f in measured if len(f["seconds"]))
     res = reshape(base, att, cfg, response_mask=action, base_returns=base_ret)
     assign_reshaped(items, rows, res.advantages, res.returns)
     metrics = res.metrics()
-    attributed = att.attributed
     metrics["oar/attributed_seq_frac"] = float(attributed.float().mean()) if len(items) else 0.0
     metrics["oar/global_step"] = float(global_step)
     counts = {"items": float(len(items)), "attributed": float(attributed.sum()),

@@ -162,6 +162,25 @@ def test_bands_decide_separately():
     assert "[past]" in lines[1] and "NO CANDIDATE" in lines[1]
 
 
+def test_the_plan_gives_each_bands_rows_its_mode_in_one_order():
+    """AutoSelector.plan: one entry per band's mode in the selector's band order (every rank the same, with or
+    without rows of a band); a fallback band attributes with the default on a calibration step only, never reshaped."""
+    sel = AutoSelector(settings(window=512))
+    groups, plain = sel.plan(("past", "inside", "past"), 0)  # calibrating: both bands on the default
+    assert list(groups) == ["fisher"] and groups["fisher"].tolist() == [True] * 3 and not plain.any()
+    sel.observe(0, Evidence.concat([planted({"fisher": 0.8, "gradient": 0.8}, band="inside"),
+                                    planted({"fisher": 0.0, "gradient": 0.0}, band="past", seed=1)]),
+                {"fisher": 1.1, "gradient": 1.0})
+    groups, plain = sel.plan(("past", "inside", "past"), 1)  # not calibrating: the past band stays plain GRPO
+    assert {m: g.tolist() for m, g in groups.items()} == {"gradient": [False, True, False]}
+    assert plain.tolist() == [True, False, True]
+    groups, plain = sel.plan(("inside",), 1)  # no past row here: the same entries
+    assert list(groups) == ["gradient"] and plain.tolist() == [False]
+    groups, plain = sel.plan(("past", "inside"), 5)  # the re-check: the plain band attributes (evidence) again
+    assert {m: g.tolist() for m, g in groups.items()} == {"gradient": [False, True], "fisher": [True, False]}
+    assert plain.tolist() == [True, False]
+
+
 def test_a_resumed_selector_keeps_and_continues_its_decision():
     a = AutoSelector(settings())
     a.observe(0, planted({"fisher": 0.8, "gradient": 0.0}), COSTS)

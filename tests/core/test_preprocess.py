@@ -176,6 +176,14 @@ def test_placed_rows_leave_the_others_unattributed(tok, make_lm):
     assert big.span_found[3] == att.span_found[0] and torch.equal(big.response_mask, mask)
     with pytest.raises(ValueError, match="tokens wide"):
         att.placed(torch.tensor([0, 1]), mask[:, :2])
+    # a second attribution (another mode, as mode=auto runs one per band) placed into the first: each row its own
+    grad = attribute(make_lm(torch.float64, vocab=len(tok)), p[:1], r[:1], tok, OARConfig(mode="gradient",
+                                                                                          probe="as_mean"))
+    both = grad.placed(torch.tensor([0]), mask, into=big)
+    assert both.attributed.tolist() == [True, True, False, True, False] and big.attributed[0].item() is False
+    assert torch.equal(both.importance[0, :grad.importance.shape[1]], grad.importance[0])
+    assert torch.equal(both.importance[[1, 3]], big.importance[[1, 3]])
+    assert both.copies.tolist() == big.copies.tolist()  # the gradient method counts no copies; OAR-P's stay
 
 
 def test_reshape_is_the_estimators_reshape_and_takes_sequence_advantages(tok, make_lm):
@@ -250,4 +258,12 @@ def test_the_attributions_fidelity_is_the_step_metric_on_its_own_batch(tok, make
         if k != "seconds":
             torch.testing.assert_close(got[k], want[k], equal_nan=True)
     assert not got["aopc_entropy"].isnan().all()  # the entropy control ran
+    # entropies as a function of the measured rows (an integration computing only those): the same numbers
+    asked = []
+    lazy = att.fidelity(cfg, 4, min_gap=1e-9, entropies=lambda idx: asked.append(idx) or [entropies[i] for i in idx])
+    measured = batch.reasoning_mask.any(-1).nonzero().flatten()[:cfg.fidelity_rows].tolist()
+    assert asked == [measured] and len(measured) >= 2  # once, with the measured rows only
+    for k in want:
+        if k != "seconds":
+            torch.testing.assert_close(lazy[k], want[k], equal_nan=True)
     assert all(v.isnan().all() for v in att.fidelity(cfg, 3).values())  # not due

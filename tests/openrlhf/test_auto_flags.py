@@ -29,50 +29,110 @@ def _items(tok, texts, advantages):
         am = torch.zeros(len(seq) - 1, dtype=torch.bool)
         am[len(p) - 1:] = True
         adv = torch.where(am, a, 0.0)
-        out.append(types.SimpleNamespace(sequences=seq, action_mask=am, advantages=adv, returns=adv.clone(),
-                                         labels=None))
+        out.append(types.SimpleNamespace(sequences=seq, attention_mask=torch.ones_like(seq), action_mask=am,
+                                         advantages=adv, returns=adv.clone(), labels=None))
     return out
+
+
+def _tiny(texts):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from oar_verl.quickstart.tokenizers import train_tiny_bpe
+
+    tok = train_tiny_bpe([t for pair in texts for t in pair] * 40, vocab_size=300)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         attn_implementation="sdpa")).double().eval()
+    return tok, model
+
+
+TEXTS = [("What is 3 plus 4?", "3 plus 4 is 7. The answer is 7."), ("What is 3 plus 4?", "3 and 4 make 8. "
+          "The answer is 8."), ("What is 5 plus 1?", "5 plus 1 is 6. The answer is 6."),
+         ("What is 5 plus 1?", "1 more than 5 is 6. The answer is 6.")]
 
 
 def test_the_actor_side_calibrates_decides_and_measures_the_in_step_fidelity():
     """One rank (no process group): AutoStep scores the candidates on the replay buffer's attributable rows and
     decides; the next step attributes with the decision and measures nothing; reshape_replay_buffer logs the in-step
-    fidelity as verl does."""
+    fidelity as verl does, with the entropy control from OpenRLHF's own Actor forward; the selector's state survives
+    a checkpoint round trip."""
     import torch
+    from openrlhf.models import Actor
 
     from oar_verl.openrlhf.auto import AutoStep
+    from oar_verl.openrlhf.entropy import policy_entropies
     from oar_verl.openrlhf.reshape import reshape_replay_buffer
-    from oar_verl.quickstart.tokenizers import train_tiny_bpe
 
-    texts = [("What is 3 plus 4?", "3 plus 4 is 7. The answer is 7."), ("What is 3 plus 4?", "3 and 4 make 8. "
-              "The answer is 8."), ("What is 5 plus 1?", "5 plus 1 is 6. The answer is 6."),
-             ("What is 5 plus 1?", "1 more than 5 is 6. The answer is 6.")]
-    tok = train_tiny_bpe([t for pair in texts for t in pair] * 40, vocab_size=300)
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         attn_implementation="sdpa")).double().eval()
+    tok, model = _tiny(TEXTS)
     cfg = oar_config({"mode": "auto", "auto_candidates": ["gradient", "fisher"], "auto_rows": 2, "auto_prompts": 1,
                       "auto_every": 2, "auto_fallback": "best", "probe": "as_mean", "fidelity_every": 1})
-    items = _items(tok, texts, [1.0, -1.0, 0.5, -0.5])
+    items = _items(tok, TEXTS, [1.0, -1.0, 0.5, -0.5])
+    actor = Actor(model)
+    actor.packing_samples = False  # OpenRLHF sets it only when it loads the model from a path itself
+    ents = policy_entropies(actor, items, "cpu")
+    got_e = ents([0, 2])
+    assert [len(e) for e in got_e] == [int(items[i].action_mask.sum()) for i in (0, 2)]
+    for i, e in zip((0, 2), got_e):  # the entropy of the distribution each response token was drawn from
+        logp = torch.log_softmax(model(items[i].sequences[None]).logits[0].double(), -1)
+        start = int(items[i].action_mask.nonzero()[0])
+        want = -(logp.exp() * logp).sum(-1)[start: start + len(e)]
+        assert torch.allclose(e, want, atol=1e-6), (e, want)
     auto = AutoStep(cfg)
-    reshape_cfg, run_cfg = auto.resolved(1)
-    assert reshape_cfg.mode == run_cfg.mode == "fisher" and auto.calibrating
-    lines = auto.measure(items, model, tok, run_cfg, 1, max_tokens=None)
+    plan = auto.plan(items, 1)
+    assert [(c.mode, rows.tolist()) for c, rows in plan] == [("fisher", [True] * 4)] and auto.calibrating
+    lines = auto.measure(items, model, tok, 1, max_tokens=None, entropies=ents)
     assert len(lines) == 1 and "DECIDED" in lines[0], lines
     m = auto.metrics(1)
     assert m["oar/auto/all/decided"] == 1 and m["oar/auto/all/rows"] == 4 and m["oar/auto/all/prompts"] == 2
     assert m["oar/auto/calibrating"] == 1 and "oar/auto/all/gain/gradient/random_lo" in m
+    assert "oar/auto/all/gain/gradient/entropy_lo" in m  # the entropy control was measured
     auto.note_update(2.0, sum(int(it.sequences.numel()) for it in items))
-    reshape_cfg, run_cfg = auto.resolved(2)
-    assert not auto.calibrating and auto.measure(items, model, tok, run_cfg, 2, max_tokens=None) == []
-    assert reshape_cfg.mode == auto.selector.mode("all") and auto.update_spt > 0
-    reshape_cfg, run_cfg = auto.resolved(3)  # the re-check, with a cost now
-    auto.measure(items, model, tok, run_cfg, 3, max_tokens=None)
+    plan = auto.plan(items, 2)
+    assert not auto.calibrating and auto.measure(items, model, tok, 2, max_tokens=None) == []
+    assert [c.mode for c, _ in plan] == [auto.selector.mode("all")] and auto.update_spt > 0
+    resumed = AutoStep(cfg)
+    assert "resumed from the checkpoint" in resumed.load_state_dict(auto.state_dict())
+    assert resumed.selector.modes() == auto.selector.modes() and not resumed.selector.calibrating(2)
+    auto.plan(items, 3)  # the re-check, with a cost now
+    auto.measure(items, model, tok, 3, max_tokens=None)
     assert auto.calibrating and 0 < auto.metrics(3)["oar/auto/all/cost/gradient"] < float("inf")
-    got = reshape_replay_buffer(items, model, tok, reshape_cfg, 2, max_tokens=None).metrics
+    got = reshape_replay_buffer(items, model, tok, cfg, 2, max_tokens=None, plan=plan, entropies=ents).metrics
     assert got["oar/fidelity/rows"] == 4 and got["timing/oar_fidelity"] > 0
     assert all(k in got for k in ("oar/fidelity/aopc", "oar/fidelity/gain_over_random",
-                                  "oar/fidelity/gain_over_position"))
+                                  "oar/fidelity/gain_over_position", "oar/fidelity/gain_over_entropy"))
+
+
+def test_rows_inside_and_past_the_window_are_decided_apart():
+    """With a sliding window, each band calibrates and decides on its own rows; a band on the plain-GRPO fallback is
+    in no plan entry (its items keep their advantages) while the other band's rows are reshaped."""
+    import torch
+
+    from oar_verl.openrlhf.auto import AutoStep, item_lengths
+    from oar_verl.openrlhf.reshape import reshape_replay_buffer
+
+    long = [(p, r + " So " + r) for p, r in TEXTS]  # the same problems, twice the response
+    tok, model = _tiny(TEXTS + long)
+    items = _items(tok, TEXTS + long, [1.0, -1.0, 0.5, -0.5] * 2)
+    lengths = item_lengths(items)
+    window = int(lengths[:4].max())
+    assert bool((lengths[4:] > window).all())
+    cfg = oar_config({"mode": "auto", "auto_candidates": ["gradient"], "auto_rows": 4, "auto_prompts": 2,
+                      "auto_every": 5, "auto_fallback": "grpo", "probe": "as_mean", "fidelity_rows": 8})
+    auto = AutoStep(cfg, window)
+    assert auto.bands(items) == ("inside",) * 4 + ("past",) * 4
+    auto.plan(items, 1)
+    lines = auto.measure(items, model, tok, 1, max_tokens=None)
+    assert sorted(line.split("]")[0] for line in lines) == ["oar auto [inside", "oar auto [past"], lines
+    m = auto.metrics(1)
+    assert m["oar/auto/inside/rows"] == 4 and m["oar/auto/past/rows"] == 4
+    # force one band onto the fallback and the other onto the candidate: only the latter's rows are reshaped
+    auto.selector._bands["inside"]["mode"], auto.selector._bands["past"]["mode"] = "grpo", "gradient"
+    plan = auto.plan(items, 2)
+    assert [(c.mode, rows.tolist()) for c, rows in plan] == [("gradient", [False] * 4 + [True] * 4)]
+    before = [it.advantages.clone() for it in items]
+    res = reshape_replay_buffer(items, model, tok, cfg, 2, max_tokens=None, plan=plan)
+    assert res.attributed.tolist() == [False] * 4 + [True] * 4
+    assert all(torch.equal(it.advantages, b) for it, b in zip(items[:4], before[:4]))
+    assert any(not torch.equal(it.advantages, b) for it, b in zip(items[4:], before[4:]))

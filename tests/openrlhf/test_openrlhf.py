@@ -180,8 +180,12 @@ def test_entry_point_refuses_at_start_up(tmp_path):
 # async: OAR-P x ZeRO-2 with LoRA.
 # Both with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1, as OpenRLHF's own ray.init sets it.
 RUNS = {
+    # ... with --oar.mode auto deciding once at step 1 (no re-check within the run or its resume: the decision must
+    # come back from the checkpoint)
     "sync": (3, "gradient", ["--actor.gradient_checkpointing_enable", "--train.colocate_all", "--vllm.enable_sleep",
-                             "--vllm.num_engines", "2", "--ckpt.save_steps", "1"]),
+                             "--vllm.num_engines", "2", "--oar.mode=auto", '--oar.auto_candidates=["gradient",'
+                             '"fisher"]', "--oar.auto_default=gradient", "--oar.auto_rows=2", "--oar.auto_prompts=1",
+                             "--oar.auto_every=10", "--oar.auto_fallback=best", "--ckpt.save_steps", "1"]),
     # ... with --oar.mode auto (OAR-P until it decides at step 1, a re-check at step 2) and the in-step fidelity
     "async": (2, "perturbation", ["--ds.lora.rank", "4", "--oar.mode=auto", '--oar.auto_candidates=["perturbation",'
                                   '"gradient"]', "--oar.auto_default=perturbation", "--oar.auto_rows=2",
@@ -246,6 +250,10 @@ def test_train_ppo_ray_loop_on_cpu(model_dir, tmp_path, sync_run, trainer):
         assert workers and all("runtime_resources" in w for w in workers), workers
         assert sorted(p.name for p in (work / "ckpt" / "_actor").iterdir() if p.name.startswith("global_step")) == \
             ["global_step1", "global_step2"]
+        # mode=auto under ZeRO-3: one decision at step 1 (every rank alike), none re-checked at step 2
+        assert len(re.findall(r"oar auto \[all\] step 1: DECIDED", logs)) == 1, logs[-3000:]
+        assert steps["1"]["oar/auto/calibrating"] == 1 and steps["2"]["oar/auto/calibrating"] == 0
+        assert steps["2"]["oar/auto/all/decided"] == 1
     else:
         work = tmp_path / "work"
         steps, logs = _train(model_dir, work, trainer, RUNS[trainer][2])
@@ -257,6 +265,9 @@ def test_train_ppo_ray_loop_on_cpu(model_dir, tmp_path, sync_run, trainer):
             assert m["oar/auto/calibrating"] == 1 and m["oar/auto/all/decided"] == 1, m
             assert m["oar/auto/all/mode_index"] in (0.0, 1.0) and m["oar/auto/all/rows"] >= 2, m
             assert m["oar/fidelity/rows"] >= 2 and m["timing/oar_fidelity"] > 0, m
+            # the entropy control, from OpenRLHF's own forward, in the in-step metric and in the decision
+            assert math.isfinite(m["oar/fidelity/gain_over_entropy"]), m
+            assert "oar/auto/all/gain/gradient/entropy" in m, m
         assert 0 < steps["2"]["oar/auto/all/cost/gradient"] < float("inf")  # the update of step 1 timed
     _check_steps(steps, ["1", "2"])
     _check_platform_lines(logs)
@@ -284,3 +295,9 @@ def test_train_resumes_from_checkpoint(model_dir, tmp_path, sync_run):
     steps, logs = _train(model_dir, tmp_path / "work", "sync", extra)
     _check_steps(steps, ["3", "4"])
     assert "Loading the checkpoint" in logs, logs[-3000:]
+    # mode=auto kept its decision through the checkpoint: no calibration after the resume, the saved run's mode
+    assert "oar auto: resumed from the checkpoint: oar auto: [all]" in logs, logs[-3000:]
+    saved = sync_run[1]["2"]["oar/auto/all/mode_index"]
+    for m in steps.values():
+        assert m["oar/auto/calibrating"] == 0 and m["oar/auto/all/decided"] == 1, m
+        assert m["oar/auto/all/mode_index"] == saved, (m, saved)

@@ -16,7 +16,8 @@ from oar_verl.core.auto.evidence import candidate_metrics
 from oar_verl.core.backends.base import AttributionBackend
 from oar_verl.core.checks.startup import require_resolved
 from oar_verl.core.config import OARConfig
-from oar_verl.core.fidelity.controls import response_aligned
+from oar_verl.core.fidelity.controls import EntropySource, entropies_of, response_aligned
+from oar_verl.core.fidelity.step import measured_rows
 from oar_verl.core.methods.attribution import run_attribution
 from oar_verl.core.methods.mask_operator import mask_replacement
 from oar_verl.core.preprocess import PreparedAttribution, prepare_attribution
@@ -30,7 +31,7 @@ def measure_candidates(prompts: Sequence[torch.Tensor], responses: Sequence[torc
                        cfg: OARConfig, step: int, candidates: Sequence[str], backend_for: BackendFor, *,
                        has_reasoning: torch.Tensor | None = None, ground_truths: Sequence[str] | None = None,
                        device: torch.device | str | None = None, min_gap: float = 0.0,
-                       entropies: Sequence[torch.Tensor] | None = None
+                       entropies: EntropySource | None = None
                        ) -> dict[str, torch.Tensor | dict[str, torch.Tensor]]:
     """Score every candidate on this rank's first ``cfg.fidelity_rows`` rows with reasoning tokens.
 
@@ -45,8 +46,9 @@ def measure_candidates(prompts: Sequence[torch.Tensor], responses: Sequence[torc
         has_reasoning: (B,) bool rows with reasoning tokens (the step's attribution found them); None: found here
             (the rows prepared under ``cfg``).
         ground_truths: B answers with ``target=reference``. device: where the rows go. min_gap: the static floor.
-        entropies: B 1-D per-response-token policy entropies (the old-log-prob pass's): the entropy control; None:
-            skipped (no ``entropy`` entry).
+        entropies: B 1-D per-response-token policy entropies (the old-log-prob pass's), or a function of the
+            measured rows' indices returning theirs (called once on every rank, with the filler row on a rank that
+            measures none): the entropy control; None: skipped (no ``entropy`` entry).
 
     Returns:
         ``aopc``: name -> (B,) float64 (candidates and controls; NaN on the rows not measured); ``static`` (B,);
@@ -58,7 +60,7 @@ def measure_candidates(prompts: Sequence[torch.Tensor], responses: Sequence[torc
     if has_reasoning is None:
         has_reasoning = prepare_attribution(prompts, responses, tokenizer, cfg, step, ground_truths=ground_truths
                                             ).batch.reasoning_mask.bool().any(-1)
-    picked = has_reasoning.bool().cpu().nonzero().squeeze(1)[:cfg.fidelity_rows]
+    picked = measured_rows(has_reasoning.cpu(), cfg)
     rows = picked if picked.numel() else torch.zeros(min(B, 1), dtype=torch.long)  # a filler row only
     sub = ([prompts[i] for i in rows.tolist()], [responses[i] for i in rows.tolist()])
     truths = None if ground_truths is None else [ground_truths[i] for i in rows.tolist()]
@@ -76,7 +78,7 @@ def measure_candidates(prompts: Sequence[torch.Tensor], responses: Sequence[torc
         spt[name] = torch.tensor((time.perf_counter() - start) / max(tokens, 1.0), dtype=torch.float64)
     backend = backend_for(cfg, base)
     replacement = mask_replacement(backend, base.batch, cfg.mask, base.mask_token_id, base.seeds)
-    entropy = None if entropies is None else response_aligned([entropies[i] for i in rows.tolist()], base.batch)
+    entropy = None if entropies is None else response_aligned(entropies_of(entropies, rows.tolist()), base.batch)
     got = candidate_metrics(backend, base.batch, importances, replacement=replacement, seed=cfg.seed, min_gap=min_gap,
                             entropy=entropy)
     nan = (lambda: torch.full((B,), float("nan"), dtype=torch.float64))

@@ -6,7 +6,7 @@ checkpoints and ``oar/auto/*`` scalars for the trainer's logger. Runs on the dri
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +110,30 @@ class AutoSelector:
 
     def modes(self) -> dict[str, str]:
         return {name: b["mode"] for name, b in self._bands.items()}
+
+    def plan(self, bands: Sequence[str], step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Which rows attribute with which mode at ``step``, from each row's band (:func:`~oar_verl.core.auto.rule.
+        bands_of`).
+
+        Returns:
+            (mode -> (B,) bool its rows, one entry per band's mode in this selector's band order, so every rank that
+            holds the same selector gets the same modes in the same order, even with no row of a band; (B,) bool the
+            rows left on plain GRPO). A band on the plain-GRPO fallback attributes with ``default`` on a calibration
+            step only (the evidence for the next check); its rows are never reshaped.
+        """
+        calibrating, B = self.calibrating(step), len(bands)
+        groups: dict[str, torch.Tensor] = {}
+        plain = torch.zeros(B, dtype=torch.bool)
+        for name in self.settings.bands:
+            rows = torch.tensor([b == name for b in bands], dtype=torch.bool).reshape(B)
+            mode = self.mode(name)
+            if mode == UNIFORM:
+                plain |= rows
+                if not calibrating:
+                    continue
+                mode = self.settings.default
+            groups[mode] = groups.get(mode, torch.zeros(B, dtype=torch.bool)) | rows
+        return groups, plain
 
     # -- the evidence ---------------------------------------------------------------------------------------------
     def observe(self, step: int, evidence: Evidence, costs: Mapping[str, float]) -> list[str]:

@@ -21,8 +21,8 @@ from oar_verl.core.batch.probes import logits_at
 from oar_verl.core.fidelity.curves import full_columns, position_scores
 from oar_verl.core.registry import Registry
 
-__all__ = ["CONTROLS", "Control", "DEFAULT_CONTROLS", "RANDOM", "check_controls", "control_scores",
-           "entropy_from_logits", "entropy_scores", "evaluated"]
+__all__ = ["CONTROLS", "Control", "DEFAULT_CONTROLS", "EntropySource", "RANDOM", "check_controls", "control_scores",
+           "entropies_at", "entropies_of", "entropy_from_logits", "entropy_scores", "evaluated", "response_aligned"]
 
 RANDOM = "random"  # the control that is no single ranking: the mean of the J random rankings
 
@@ -118,6 +118,31 @@ CONTROLS.register(RANDOM)(Control(None))
 CONTROLS.register("position")(Control(lambda batch, model: position_scores(batch)))
 CONTROLS.register("entropy")(Control(lambda batch, model: entropy_scores(model, batch), needs_model=True))
 DEFAULT_CONTROLS = CONTROLS.names()  # random, position, entropy
+
+
+# the policy's per-response-token entropies of a batch's rows: a list (one 1-D tensor per row), or a function of the
+# measured rows' indices returning theirs (an integration that computes entropies only for the rows a step measures)
+EntropySource = Sequence[torch.Tensor] | Callable[[list[int]], Sequence[torch.Tensor]]
+
+
+def entropies_of(source: EntropySource, rows: Sequence[int]) -> list[torch.Tensor]:
+    """``source``'s per-row 1-D entropies of ``rows``, in order (a function ``source`` is called once, with them)."""
+    rows = list(rows)
+    got = list(source(rows)) if callable(source) else [source[i] for i in rows]
+    if len(got) != len(rows):
+        raise ValueError(f"fidelity: {len(got)} rows of entropies for {len(rows)} measured rows")
+    return got
+
+
+def entropies_at(source: EntropySource, rows: Sequence[int], B: int) -> list[torch.Tensor]:
+    """B per-row 1-D entropies: :func:`entropies_of` ``rows`` placed at them, an empty tensor at every other row (0
+    after :func:`response_aligned`; those rows are not measured)."""
+    rows = list(rows)
+    got = entropies_of(source, rows)
+    out = [torch.zeros(0, dtype=torch.float64) for _ in range(B)]
+    for r, v in zip(rows, got):  # per row, never per token
+        out[r] = v
+    return out
 
 
 def response_aligned(values: Sequence[torch.Tensor], batch: AttributionBatch) -> torch.Tensor:

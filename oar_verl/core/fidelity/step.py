@@ -29,7 +29,8 @@ from oar_verl.core.fidelity.curves import FRACTIONS, deletion_sets, rankings
 from oar_verl.core.fidelity.shifts import removal_shifts, replacement_rows, rows_of
 from oar_verl.core.fidelity.summary import gain, ratio_of_sums, static_rows, suppression_ratio
 
-__all__ = ["CONTROL_FIELDS", "FIELDS", "RANDOM_RANKINGS", "deletion_metrics", "due", "removal_sets", "step_fidelity",
+__all__ = ["CONTROL_FIELDS", "FIELDS", "RANDOM_RANKINGS", "deletion_metrics", "due", "measured_rows", "removal_sets",
+           "step_fidelity",
            "step_metrics"]
 
 # the per-row results, in the order deletion_metrics returns them
@@ -127,6 +128,16 @@ def due(cfg, global_step: int) -> bool:
     return cfg.fidelity_every > 0 and global_step % cfg.fidelity_every == 0
 
 
+def measured_rows(has_reasoning: torch.Tensor, cfg) -> torch.Tensor:
+    """(k,) long, k <= ``cfg.fidelity_rows``: the rows a step measures (the in-step metric, ``mode=auto``'s
+    calibration, the entropies an integration computes for them): the first rows with reasoning tokens.
+
+    Args:
+        has_reasoning: (B,) bool rows with reasoning tokens (host sync, once per step).
+    """
+    return has_reasoning.bool().nonzero().squeeze(1)[:cfg.fidelity_rows]
+
+
 def step_fidelity(backend: AttributionBackend, batch: AttributionBatch, importance: torch.Tensor, cfg,
                   global_step: int, *, replacement: Replacement | None, min_gap: float = 0.0,
                   entropy: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -154,7 +165,7 @@ def step_fidelity(backend: AttributionBackend, batch: AttributionBatch, importan
     if not due(cfg, global_step):
         return out
     start = time.perf_counter()
-    has = batch.reasoning_mask.bool().any(-1).nonzero().squeeze(1)[:cfg.fidelity_rows]  # host sync, once per step
+    has = measured_rows(batch.reasoning_mask.bool().any(-1), cfg)
     rows = has if has.numel() else torch.zeros(min(B, 1), dtype=torch.long, device=has.device)  # fillers only
     sub = rows_of(batch, rows)
     ent = None if entropy is None else control_scores("entropy", batch, None, entropy)[rows]
