@@ -1,6 +1,7 @@
-"""The policy's next-token entropies of replay-buffer items through OpenRLHF's own ``Actor.forward``
-(``return_entropy``, the loss's entropy: temperature-scaled logits), for the entropy control of the in-step fidelity
-metric and of ``mode=auto`` (docs/fidelity.md §1). OpenRLHF's experiences carry no entropies, so the rows a step
+"""The policy's next-token entropies of replay-buffer items, through OpenRLHF's own actor forward.
+
+``Actor.forward(return_entropy=True)`` gives the loss's entropy (temperature-scaled logits): the entropy control of
+the in-step fidelity metric and of ``mode=auto`` (docs/fidelity.md §1). OpenRLHF's experiences carry no entropies, so the rows a step
 measures (``fidelity_rows`` per rank) are run once more, on calibration and fidelity steps only.
 """
 
