@@ -71,6 +71,12 @@ METHODS = {
     "path_m1": {"mode": "path", "path_points": 1, "mask": "mean"},
     "path_m2": {"mode": "path", "path_points": 2, "mask": "mean"},
 }
+# rankings derived from another method's scores at no extra cost (#36 item 4): the distance-normalised gradient,
+# each score over the moving mean of the scores within DN_WIDTH reasoning tokens of it, which divides out how a token's
+# score depends on its distance from the probe (the sliding window's triangle, docs/method.md §12) and keeps how it
+# stands against its neighbours
+DERIVED = {"oar_g_dn": "oar_g", "fisher_k1_mean_dn": "fisher_k1_mean"}
+DN_WIDTH = 64
 BASE = {"target": "reference", "conclude_text": "\n#### ", "answer_patterns": ("gsm8k",), "probe": "as_mean"}
 OPERATORS = ("token", "zero", "delete", "resample")  # `token`: the model's plain mask token, as the methods mask
 STATS = ("naopc", "naopc_logp", "suppression", "mass", "aopc")
@@ -238,6 +244,21 @@ def train_step(model: torch.nn.Module, batch) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def distance_normalised(importance: torch.Tensor, reasoning: torch.Tensor, width: int = DN_WIDTH) -> torch.Tensor:
+    """(B, L) each reasoning token's score over the mean score of the reasoning tokens within ``width`` of it (in
+    reasoning order, the window cut at the row's ends); 0 off the reasoning tokens. One pooling per row."""
+    out = torch.zeros_like(importance, dtype=torch.float64)
+    for b in range(importance.shape[0]):  # per row: rows have different reasoning lengths
+        m = reasoning[b].bool()
+        v = importance[b][m].double().clamp_min(0)
+        if not len(v):
+            continue
+        mean = torch.nn.functional.avg_pool1d(v[None, None], 2 * width + 1, stride=1, padding=width,
+                                              count_include_pad=False)[0, 0]
+        out[b, m] = v / (mean + 1e-12 * float(v.mean()) + 1e-30)
+    return out
+
+
 def chunk_result(m: Loaded, rows: list[dict], methods: list[str], *, operators, draws: int, random_rankings: int,
                  limits: PassLimits, seed: int, fractions=FRACTIONS) -> dict:
     """Scores (timed), the training step's time, and the per-row fidelity of one chunk: every method's and every
@@ -246,13 +267,20 @@ def chunk_result(m: Loaded, rows: list[dict], methods: list[str], *, operators, 
     prep = prepared(m, rows)
     batch = prep.batch
     scores, seconds = {}, {}
-    for name in methods:
+    bases = [DERIVED.get(name, name) for name in methods]
+    for name in dict.fromkeys(bases):  # each method once; a derived ranking's base, timed, whether compared or not
         cfg = method_config(m, name)
         backend = module_backend(m.model, cfg, limits=limits)
         box = {}
         sec, _ = measure(lambda: box.update(r=run_attribution(backend, batch, cfg, mask_token_id=m.mask_id,
                                                               seeds=prep.seeds)), "cpu")
         scores[name], seconds[name] = box["r"].importance, sec
+    for name in methods:
+        if name in DERIVED:  # at its base's cost
+            scores[name] = distance_normalised(scores[DERIVED[name]], batch.reasoning_mask)
+            seconds[name] = seconds[DERIVED[name]]
+    scores = {name: scores[name] for name in methods}
+    seconds = {name: seconds[name] for name in methods}
     train_s, _ = measure(lambda: train_step(m.model, batch), "cpu")
     report = fidelity_report(m.model, batch, scores, mask_token_id=m.mask_id, operators=operators, limits=limits,
                              draws=draws, random_rankings=random_rankings, seed=seed, controls=CONTROLS,
@@ -429,9 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     methods = [x for x in a.methods.split(",") if x]
     fractions = tuple(float(f) for f in a.fractions.split(",") if f)
     operators = parse_operators(a.operators)
-    unknown = sorted(set(methods) - set(METHODS))
+    unknown = sorted(set(methods) - set(METHODS) - set(DERIVED))
     if unknown:
-        raise SystemExit(f"--methods: unknown {unknown}; allowed: {', '.join(METHODS)}")
+        raise SystemExit(f"--methods: unknown {unknown}; allowed: {', '.join([*METHODS, *DERIVED])}")
     out = Path(a.out) / f"{a.model}_{a.tokens}"
     out.mkdir(parents=True, exist_ok=True)
 
