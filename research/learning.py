@@ -26,7 +26,6 @@ import itertools
 import json
 import math
 import os
-import random
 import re
 import shutil
 import sys
@@ -36,10 +35,6 @@ from pathlib import Path
 
 import numpy as np
 
-from oar_verl.quickstart import tiny_assets
-from oar_verl.quickstart import tiny_lm
-from oar_verl.quickstart import tokenizers
-from oar_verl.quickstart import warm_cache
 from research import REPO, digit_sum_reward, task
 from research.common import finish_figure, nanmean, permutation_p
 from research.common import progress
@@ -94,42 +89,19 @@ FULL = Settings(seeds=3, steps=16, test_freq=4, train_batch_size=8, rollout_n=8,
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-WARM_INFO = "warm_start_info.json"  # the warm start's own numbers, cached with its model
-
-
 def build_assets(root: Path, s: Settings, *, log) -> dict:
-    """Warm-started model + parquet data under ``root``; returns paths and the warm-start accuracies."""
-    import torch
-
+    """Warm-started model (:func:`research.task.warm_start`) + parquet data under ``root``; returns paths and the
+    warm-start accuracies."""
     model_dir, data_dir = root / "model", root / "data"
     info_file = root / "warm_start.json"
     if info_file.exists():
         log(f"[learning] reusing the warm-started model in {model_dir}")
         return json.loads(info_file.read_text())
-
-    def build(target: Path) -> None:
-        torch.manual_seed(0)
-        model, tok = task.build_model_dir(target, seed=0, intermediate_size=256)
-        log(f"[learning] warm start: {s.warm_steps} supervised steps on correct digit-sum examples (plain torch)")
-        sft = task.sft_train(model, tok, steps=s.warm_steps, batch_size=32, lr=3e-3, seed=0, warmup=50,
-                             answer_weight=5.0, log=log)
-        task.save_model(model, tok, target)
-        val_examples = [task.make_example(random.Random(i), start=i % 10, n_digits=task.DIGIT_COUNTS[(i // 10) % 3])
-                        for i in range(30)] * 4
-        warm = {"sft_steps": sft["steps"], "sft_seconds": sft["seconds"], "sft_loss": sft["loss"],
-                "sampled_accuracy_t1": task.sampled_accuracy(model, tok, val_examples, temperature=1.0, seed=0),
-                "greedy_accuracy": task.sampled_accuracy(model, tok, val_examples[:30], temperature=0.0),
-                "max_prompt_tokens": max(len(p) for p in task.encode(tok, val_examples[:30])[0])}
-        (target / WARM_INFO).write_text(json.dumps(warm))
-
-    hit = warm_cache.materialise(model_dir, name="learning-warm", log=log, build=build,
-                                 settings={"warm_steps": s.warm_steps},
-                                 code_files=[__file__, task.__file__, tiny_lm.__file__, tiny_assets.__file__,
-                                             tokenizers.__file__])
+    hit = task.warm_start(model_dir, warm_steps=s.warm_steps, log=log)
     train_file, val_file = task.write_parquet(data_dir, n_train=max(512, s.steps * s.train_batch_size),
                                               n_val=s.val_rows)
     info = {"model_dir": str(model_dir), "train_file": str(train_file), "val_file": str(val_file),
-            **json.loads((model_dir / WARM_INFO).read_text()), "from_cache": hit}
+            **json.loads((model_dir / task.WARM_INFO).read_text()), "from_cache": hit}
     log(f"[learning] warm-started in {info['sft_seconds']:.0f} s{' (earlier, cached)' if hit else ''}: success rate "
         f"at T=1 {info['sampled_accuracy_t1']:.3f} (HF sampling, 120 samples), greedy {info['greedy_accuracy']:.3f} "
         "(30 prompts)")
@@ -316,7 +288,7 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 seed, 4 steps, 3 methods (CI runs it with --steps 2 "
-                        "--methods grpo,oar_g)")
+                        "--warm-steps 250 --methods oar_g)")
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--lr", type=float, default=None)

@@ -1,4 +1,5 @@
-"""Quick faithfulness benchmark (issue #21): directions on a tiny digit-sum model trained in the test, not timings."""
+"""Quick faithfulness benchmark (issue #21): directions on the tiny digit-sum model warm-started for 250 steps
+(research.task.warm_start; the session trains it once, for this test and the learning quick run), not timings."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The learning study's quick mode, trimmed for CI: OAR-G through verl's real trainer (1 seed, 2 steps) from a
-warm-started tiny model, with verl validation at steps 0 and 2. Checks that it runs and logs what the study reads;
+"""The learning study's quick mode, trimmed for CI: OAR-G through verl's real trainer (1 seed, 2 steps) from the
+tiny model warm-started for 250 steps (the faithfulness quick test's model, so the session trains it once), with
+verl validation at steps 0 and 2. Checks that it runs and logs what the study reads;
 the numbers themselves are reported, not asserted. GRPO through verl's trainer is run by tests/e2e
 (test_main_ppo_grpo_on_cpu.py), so the comparison with GRPO is checked here on recorded runs of both; OAR-P through
 ``python -m oar_verl.main`` is covered by tests/e2e, and learning-speed evidence comes from the credit-assignment
@@ -18,7 +19,10 @@ from research import learning
 @pytest.mark.e2e
 @pytest.mark.timeout(1200)
 def test_learning_quick(tmp_path):
-    rc = learning.main(["--quick", "--steps", "2", "--methods", "oar_g", "--out", str(tmp_path)])
+    from research import faithfulness
+
+    rc = learning.main(["--quick", "--steps", "2", "--warm-steps", str(faithfulness.QUICK_WARM_STEPS), "--methods",
+                        "oar_g", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "learning.json").read_text())
     assert rc == 0, [(r["method"], r["returncode"], r["log"]) for r in res["runs"]]
     s = res["settings"]

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_scaling_benchmark_quick(tmp_path):
+def test_scaling_benchmark_quick(tmp_path, capsys):
     proc = subprocess.run([sys.executable, "-m", "research.scaling", "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=850, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -28,11 +28,13 @@ def test_scaling_benchmark_quick(tmp_path):
         assert r["peak_ratio"] < 1.0, r  # the target: attribution peak <= the training step's
         assert math.isfinite(r["time_ratio"]) and r["time_ratio"] > 0
     assert all(p["predicted_mib"] > 0 for p in res["points"])
-    model = subprocess.run([sys.executable, "-m", "research.scaling", "--model-only"], capture_output=True,
-                           text=True, timeout=120, cwd=ROOT)
-    assert model.returncode == 0, model.stderr[-3000:]
-    from research.scaling import extrapolate
+    from research.scaling import extrapolate, main
 
+    # the cost model's table (``--model-only``) in this process: no measurement, so no fresh process of its own
+    capsys.readouterr()
+    assert main(["--model-only"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("model | response |") and len(table) == 1 + len(extrapolate()), table[:3]
     rows = extrapolate()
     assert {(r["model"], r["response"]) for r in rows} == {(m, n) for m in ("qwen2.5-7b", "qwen2.5-32b")
                                                            for n in (4096, 16384)}
