@@ -226,3 +226,21 @@ def smollm2_path() -> tuple[str, str]:
     if not ggufs:
         raise RuntimeError(f"no .gguf file in {d}")
     return d, ggufs[0]
+
+
+def study_dir(out, model: str, tokens: int):
+    """A long-row study's run directory ``out/<model>_<tokens>`` (made) and its logger: each message printed and
+    appended, timed, to ``log.txt`` there. Without ``OMP_NUM_THREADS`` torch takes every core."""
+    from pathlib import Path
+
+    if "OMP_NUM_THREADS" not in os.environ:  # a shared machine: OMP_NUM_THREADS=1 wastes no time spinning
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+    run = Path(out) / f"{model}_{tokens}"
+    run.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        with open(run / "log.txt", "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+
+    return run, log

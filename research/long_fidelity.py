@@ -52,7 +52,7 @@ from oar_verl.core.fidelity.curves import FRACTIONS
 from oar_verl.core.fidelity.summary import bootstrap_ratio
 from oar_verl.core.preprocess import prepare_attribution
 from research import REPO
-from research.common import measure, progress, smollm2_path
+from research.common import measure, progress, smollm2_path, study_dir
 from research.long_reasoning import gsm_solution
 
 # name -> OARConfig overrides of each method compared
@@ -452,21 +452,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gates", default="0.25:1,0.4:2,0.4:4,0.6:2,0.6:4,0.8:4",
                     help="tau:beta settings of the mass-on-target sweep (from the cached scores; '' for none)")
     a = ap.parse_args(argv)
-    if "OMP_NUM_THREADS" not in os.environ:  # a shared machine: OMP_NUM_THREADS=1 wastes no time spinning
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
     methods = [x for x in a.methods.split(",") if x]
     fractions = tuple(float(f) for f in a.fractions.split(",") if f)
     operators = parse_operators(a.operators)
     unknown = sorted(set(methods) - set(METHODS) - set(DERIVED))
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; allowed: {', '.join([*METHODS, *DERIVED])}")
-    out = Path(a.out) / f"{a.model}_{a.tokens}"
-    out.mkdir(parents=True, exist_ok=True)
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        with open(out / "log.txt", "a") as f:
-            f.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+    out, log = study_dir(a.out, a.model, a.tokens)
 
     torch.manual_seed(0)
     m = load(a.model)
