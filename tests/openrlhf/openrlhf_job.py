@@ -213,8 +213,34 @@ def job_advantages(out, model_dir):
                 "weights_not_uniform": float((result.weights.weights[result.weights.reshaped] - 1).abs().max()),
                 "metrics": result.metrics,
             }
+    res["entropies"] = entropy_check(model, buffer_items(experiences(prompts, responses, rewards, per_batch=5)))
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
+
+
+def entropy_check(model, items) -> dict:
+    """oar_verl.openrlhf.entropy.policy_entropies through OpenRLHF's own Actor on replay-buffer items, against the
+    entropy of each response token's distribution computed directly from the model."""
+    from openrlhf.models import Actor
+
+    from oar_verl.openrlhf.entropy import policy_entropies
+
+    actor = Actor(model)
+    actor.packing_samples = False  # what OpenRLHF sets when it loads the model itself without --ds.packing_samples
+    idx = [0, 3, len(items) - 1]
+    got = policy_entropies(actor, items, "cpu")(idx)
+    diff, lengths = 0.0, []
+    with torch.no_grad():
+        for i, e in zip(idx, got):
+            seq = items[i].sequences.reshape(1, -1)
+            logp = torch.log_softmax(model(seq, attention_mask=items[i].attention_mask.reshape(1, -1)).logits[0].double(),
+                                     -1)
+            start = int(items[i].action_mask.reshape(-1).nonzero()[0])
+            n = int(items[i].action_mask.sum())
+            want = -(logp.exp() * logp).sum(-1)[start: start + n]
+            lengths.append([len(e), n])
+            diff = max(diff, float((e[:n] - want).abs().max()))
+    return {"max_abs_diff": diff, "lengths": lengths}
 
 
 def job_zero(out, model_dir, stage, mode):

@@ -56,29 +56,28 @@ TEXTS = [("What is 3 plus 4?", "3 plus 4 is 7. The answer is 7."), ("What is 3 p
 def test_the_actor_side_calibrates_decides_and_measures_the_in_step_fidelity():
     """One rank (no process group): AutoStep scores the candidates on the replay buffer's attributable rows and
     decides; the next step attributes with the decision and measures nothing; reshape_replay_buffer logs the in-step
-    fidelity as verl does, with the entropy control from OpenRLHF's own Actor forward; the selector's state survives
-    a checkpoint round trip."""
+    fidelity as verl does, with the entropy control of the measured rows; the selector's state survives a checkpoint
+    round trip."""
     import torch
-    from openrlhf.models import Actor
 
     from oar_verl.openrlhf.auto import AutoStep
-    from oar_verl.openrlhf.entropy import policy_entropies
     from oar_verl.openrlhf.reshape import reshape_replay_buffer
 
     tok, model = _tiny(TEXTS)
     cfg = oar_config({"mode": "auto", "auto_candidates": ["gradient", "fisher"], "auto_rows": 2, "auto_prompts": 1,
                       "auto_every": 2, "auto_fallback": "best", "probe": "as_mean", "fidelity_every": 1})
     items = _items(tok, TEXTS, [1.0, -1.0, 0.5, -0.5])
-    actor = Actor(model)
-    actor.packing_samples = False  # OpenRLHF sets it only when it loads the model from a path itself
-    ents = policy_entropies(actor, items, "cpu")
-    got_e = ents([0, 2])
-    assert [len(e) for e in got_e] == [int(items[i].action_mask.sum()) for i in (0, 2)]
-    for i, e in zip((0, 2), got_e):  # the entropy of the distribution each response token was drawn from
-        logp = torch.log_softmax(model(items[i].sequences[None]).logits[0].double(), -1)
-        start = int(items[i].action_mask.nonzero()[0])
-        want = -(logp.exp() * logp).sum(-1)[start: start + len(e)]
-        assert torch.allclose(e, want, atol=1e-6), (e, want)
+    asked = []
+
+    def ents(idx):  # the policy's entropies by item index, as oar_verl.openrlhf.entropy gives them (checked against
+        asked.append(list(idx))  # OpenRLHF's own Actor in tests/openrlhf/openrlhf_job.py)
+        out = []
+        for i in idx:
+            logp = torch.log_softmax(model(items[i].sequences[None]).logits[0].double(), -1)
+            start = int(items[i].action_mask.nonzero()[0])
+            out.append(-(logp.exp() * logp).sum(-1)[start: start + int(items[i].action_mask.sum())].detach())
+        return out
+
     auto = AutoStep(cfg)
     plan = auto.plan(items, 1)
     assert [(c.mode, rows.tolist()) for c, rows in plan] == [("fisher", [True] * 4)] and auto.calibrating
@@ -87,7 +86,7 @@ def test_the_actor_side_calibrates_decides_and_measures_the_in_step_fidelity():
     m = auto.metrics(1)
     assert m["oar/auto/all/decided"] == 1 and m["oar/auto/all/rows"] == 4 and m["oar/auto/all/prompts"] == 2
     assert m["oar/auto/calibrating"] == 1 and "oar/auto/all/gain/gradient/random_lo" in m
-    assert "oar/auto/all/gain/gradient/entropy_lo" in m  # the entropy control was measured
+    assert "oar/auto/all/gain/gradient/entropy_lo" in m and asked == [[0, 1, 2, 3]]  # the measured rows only
     auto.note_update(2.0, sum(int(it.sequences.numel()) for it in items))
     plan = auto.plan(items, 2)
     assert not auto.calibrating and auto.measure(items, model, tok, 2, max_tokens=None) == []

@@ -99,6 +99,10 @@ def test_advantages_and_reshape_match_core(model_dir, tmp_path):
     out = tmp_path / "adv.json"
     _run([str(PYTHON), str(JOB), "advantages", str(out), str(model_dir)])
     res = json.loads(out.read_text())
+    # the entropy control's entropies through OpenRLHF's own Actor forward (oar_verl.openrlhf.entropy) equal the
+    # entropy of each response token's distribution, row by row
+    ent = res.pop("entropies")
+    assert ent["max_abs_diff"] < 1e-4 and all(a == b > 0 for a, b in ent["lengths"]), ent
     assert set(res) == {f"{e}/{m}" for e in ("group_norm", "rloo") for m in ("gradient", "perturbation")}
     for name, r in res.items():
         assert r["seq_adv_vs_formula"] < 1e-6, name  # OpenRLHF's own estimator, as its formula says
