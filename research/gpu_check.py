@@ -98,10 +98,12 @@ class CostModel:
     label: str = ""
 
 
-# H100 SXM (80 GB): 989 / 67 TFLOP/s dense bf16 / fp32 peak (TF32 off, torch's default); planned at about a quarter
-# and a third of them (Hugging Face eager modules with small kernels, fp32 log-softmax), then doubled (``safety``)
-H100 = CostModel(bf16_flops=250e12, fp32_flops=25e12, process_s=20.0, build_s_per_gparam=2.0, warmup_s=10.0,
-                 label="H100 cost model")
+# H100 SXM (80 GB): 989 / 67 TFLOP/s dense bf16 / fp32 peak (TF32 off, torch's default). Calibrated on the first
+# run on one (2026-11-26, docs/gpu_check.md): the parts took 0.35-0.5x the first model's estimates; the compute ran at
+# about 400 TFLOP/s, start-up (interpreter, imports, CUDA context) about 10 s, a 7B build and warm-up about 8 s. The
+# compute is planned at 1.5x (``safety``); a slower card scales the later parts' estimates up as it goes
+H100 = CostModel(bf16_flops=400e12, fp32_flops=40e12, process_s=10.0, build_s_per_gparam=1.0, warmup_s=5.0,
+                 safety=1.5, label="H100 cost model")
 CPU = CostModel(bf16_flops=5e9, fp32_flops=20e9, process_s=10.0, build_s_per_gparam=60.0, warmup_s=1.0,
                 label="CPU cost model (rough)")
 
@@ -128,14 +130,15 @@ def _flops(shape: str, length: int, rows: int) -> dict[str, float]:
             "validate": tokens * causal + rows * reasoning ** 2 / (2 * SEGMENT_MEAN) * full}
 
 
-def estimate(part: Part, lengths, rows: int, cost: CostModel) -> float:
-    """Planned seconds of ``part`` measuring ``lengths`` (its own process, model build and warm-up included)."""
+def estimate(part: Part, lengths, rows: int, cost: CostModel, repeats: int = 1) -> float:
+    """Planned seconds of ``part`` measuring ``lengths`` (its own process, model build and warm-up included; an
+    attribution part times each call ``repeats`` times)."""
     params = scaling._params(part.shape)[0] / 1e9
     seconds = cost.process_s + cost.build_s_per_gparam * params + cost.warmup_s
     for n in lengths:
         f = _flops(part.shape, n, rows)
         if part.kind == "attribution":
-            compute = (f["train"] + sum(f[m] for m in part.methods)) / cost.bf16_flops
+            compute = repeats * (f["train"] + sum(f[m] for m in part.methods)) / cost.bf16_flops
         elif part.kind == "long":
             compute = (f["train"] + f["long"] + (f["validate"] if n == part.validate else 0)) / cost.bf16_flops
             seconds += 2.0  # the policies' layouts (segment tables, 20 random rankings per share) on the CPU
@@ -193,32 +196,47 @@ def warm_up(model, rows: int, device: str) -> None:
     _release(device)
 
 
-def attribution_point(model, length: int, rows: int, device: str, methods) -> dict:
+def repeated(fn, device: str, repeats: int, before=None) -> tuple[float, float, list[float]]:
+    """(median seconds, largest peak MiB, every time) of ``repeats`` calls of ``fn`` (``before()`` untimed ahead of
+    each): one call's time on a GPU swings by tens of percent at these sizes, the median of a few does not."""
+    runs = []
+    for _ in range(max(1, repeats)):
+        if before is not None:
+            before()
+        runs.append(measure(fn, device))
+    return float(np.median([s for s, _ in runs])), max(p for _, p in runs), [s for s, _ in runs]
+
+
+def attribution_point(model, length: int, rows: int, device: str, methods, repeats: int = 1) -> dict:
     """The training step against each of ``methods`` (OAR-G K=1 / K=4, fisher K=1, exact OAR-P: three passes,
-    extrapolated) on the same rows and token budget (one micro-batch of ``rows`` sequences)."""
+    extrapolated) on the same rows and token budget (one micro-batch of ``rows`` sequences); each timed ``repeats``
+    times, the median kept (every time in ``*_all``)."""
     batch = scaling.make_rows(rows, length, model.config.vocab_size, device)
     tokens = rows * (scaling.PROMPT + length)
     limits = PassLimits(tokens)
-    point: dict = {"length": length, "rows": rows, "budget": tokens}
-    _grads(model, True)
-    point["train_seconds"], point["train_peak_mib"] = measure(lambda: scaling.train_step(model, batch), device)
+    point: dict = {"length": length, "rows": rows, "budget": tokens, "repeats": repeats}
+    _grads(model, True)  # each training repeat starts without parameter gradients, as a fresh micro-step does
+    point["train_seconds"], point["train_peak_mib"], point["train_seconds_all"] = repeated(
+        lambda: scaling.train_step(model, batch), device, repeats, before=lambda: model.zero_grad(set_to_none=True))
     _grads(model, False)
     seeds = sequence_seeds(0, 0, torch.arange(rows)).to(device)
     for name in methods:
         if name.startswith("oar_g_k"):
             k = int(name[len("oar_g_k"):])
-            s, peak = measure(lambda: oar_g_importance(model, batch, 1e-3, seeds, limits, checkpointing=True,
-                                                       samples=k), device)
-            point[name] = {"seconds": s, "peak_mib": peak}
+            s, peak, every = repeated(lambda: oar_g_importance(model, batch, 1e-3, seeds, limits, checkpointing=True,
+                                                               samples=k), device, repeats)
+            point[name] = {"seconds": s, "peak_mib": peak, "seconds_all": every}
         elif name == "fisher_k1":  # the default fisher_outcomes (1), no sketches
-            s, peak = measure(lambda: fisher_importance(model, batch, 0, limits), device)
-            point[name] = {"seconds": s, "peak_mib": peak}
+            s, peak, every = repeated(lambda: fisher_importance(model, batch, 0, limits), device, repeats)
+            point[name] = {"seconds": s, "peak_mib": peak, "seconds_all": every}
         elif name == "path_m2":  # mode=path, 2 points, the default mask operator (mean)
-            s, peak = measure(lambda: path_importance(model, batch, limits, points=2), device)
-            point[name] = {"seconds": s, "peak_mib": peak}
+            s, peak, every = repeated(lambda: path_importance(model, batch, limits, points=2), device,
+                                     repeats)
+            point[name] = {"seconds": s, "peak_mib": peak, "seconds_all": every}
         else:
             sampled, frac = scaling.sample_reasoning(batch, 3, rows)
-            s, peak = measure(lambda: oar_p_importance(model, sampled, 0, limits, prefix_cache=True), device)
+            s, peak, every = repeated(lambda: oar_p_importance(model, sampled, 0, limits, prefix_cache=True), device,
+                                     repeats)
             point[name] = {"seconds": s / frac, "peak_mib": peak, "measured_seconds": s, "sampled_fraction": frac,
                            "copies": int(batch.reasoning_mask.sum()), "extrapolated": True}
         e = point[name]
@@ -256,7 +274,7 @@ def precision_point(model, length: int, rows: int, device: str) -> dict:
 
 
 def run_part(kind: str, shape: str, lengths: list[int], methods: list[str], validate_length: int, rows: int,
-             device: str, dtype: torch.dtype, partial: Path) -> dict:
+             device: str, dtype: torch.dtype, partial: Path, repeats: int = 1) -> dict:
     """Every length of one part on one model; each finished point is written to ``partial`` at once (a part stopped
     by its time limit keeps what it measured)."""
     model = scaling.build_model(shape, device, torch.float32 if kind == "precision" else dtype)
@@ -268,7 +286,7 @@ def run_part(kind: str, shape: str, lengths: list[int], methods: list[str], vali
         start = time.perf_counter()
         try:
             if kind == "attribution":
-                p = attribution_point(model, n, rows, device, methods)
+                p = attribution_point(model, n, rows, device, methods, repeats)
             elif kind == "precision":
                 p = precision_point(model, n, rows, device)
             else:
@@ -342,7 +360,7 @@ def run_all(args, argv: list[str], parts: list[Part], cost: CostModel) -> dict:
             results[name] = {**earlier, **res, "status": "done", "this_run": "done earlier, skipped"}
             say(f"{name}: done earlier, skipped ({done})")
             continue
-        est = args.estimates.get(name, estimate(part, todo, args.rows, cost)) * scale
+        est = args.estimates.get(name, estimate(part, todo, args.rows, cost, args.repeats)) * scale
         left = args.budget_s - (time.time() - STARTED) - RESERVE_S
         res.update(estimate_s=est, time_left_s=left, todo_lengths=todo)
         if est > left:
@@ -353,7 +371,7 @@ def run_all(args, argv: list[str], parts: list[Part], cost: CostModel) -> dict:
         cmd = [sys.executable, "-m", "research.gpu_check", "--part", part.kind, "--shapes", part.shape,
                "--lengths", ",".join(map(str, todo)), "--methods", ",".join(part.methods) or "-",
                "--validate-length", str(part.validate), "--device", args.device, "--dtype", args.dtype,
-               "--rows", str(args.rows), "--partial", str(running)]
+               "--rows", str(args.rows), "--repeats", str(args.repeats), "--partial", str(running)]
         say(f"{name}: lengths {todo}, estimated {est:.0f} s, hard limit {limit:.0f} s ({left:.0f} s left)")
         running.unlink(missing_ok=True)
         t0 = time.time()
@@ -497,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=None, help="keep the parts on these shapes (comma list)")
     ap.add_argument("--lengths", default=None, help="keep these response lengths (comma list)")
     ap.add_argument("--rows", type=int, default=1, help="sequences per micro-batch (the training step's budget)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed calls of each measured step, the median kept (default: 3 on CUDA, 1 on CPU)")
     ap.add_argument("--estimate", action="append", default=[], metavar="PART=SECONDS",
                     help="replace a part's estimated seconds (a part known to run longer on this card)")
     ap.add_argument("--out", default=str(REPO / "outputs" / "gpu_check"))
@@ -505,10 +525,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--validate-length", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--partial", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 3 if args.device == "cuda" else 1
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.part:
         run_part(args.part, args.shapes, [int(x) for x in args.lengths.split(",")],
                  [m for m in args.methods.split(",") if m != "-"], args.validate_length, args.rows, args.device,
-                 getattr(torch, args.dtype), Path(args.partial))
+                 getattr(torch, args.dtype), Path(args.partial), args.repeats)
         return 0
     parts = plan(args.tiny)
     if args.parts:
@@ -532,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     cost = H100 if args.device == "cuda" else CPU
     out = Path(args.out)
     print_plan(parts, {p.name: args.estimates.get(p.name, estimate(p, todo_lengths(p, out)[1] or p.lengths,
-                                                                   args.rows, cost)) for p in parts},
+                                                                   args.rows, cost, args.repeats)) for p in parts},
                args.budget_s, cost, out)
     if args.plan:
         return 0

@@ -33,6 +33,7 @@ usage: python -m research.long_fidelity [--model smollm2|gemma3|tiny] [--rows N]
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -51,7 +52,7 @@ from oar_verl.core.fidelity import (OPERATORS as REMOVAL_OPERATORS, RENAMED, boo
 from oar_verl.core.fidelity.curves import FRACTIONS
 from oar_verl.core.fidelity.summary import bootstrap_ratio
 from oar_verl.core.preprocess import prepare_attribution
-from research import REPO
+from research import REPO, common
 from research.common import measure, progress, smollm2_path, study_dir
 from research.long_reasoning import gsm_solution
 
@@ -77,6 +78,9 @@ METHODS = {
 # stands against its neighbours
 DERIVED = {"oar_g_dn": "oar_g", "fisher_k1_mean_dn": "fisher_k1_mean"}
 DN_WIDTH = 64
+# a method run on the model rounded to bf16 (the actor's compute dtype on a GPU), its removals still measured on the
+# fp32 model: does bf16 rounding cost credit on a trained model? (docs/gpu_check.md measured it on random weights)
+LOW_PRECISION = {"oar_g_bf16": "oar_g", "fisher_k1_mean_bf16": "fisher_k1_mean"}
 BASE = {"target": "reference", "conclude_text": "\n#### ", "answer_patterns": ("gsm8k",), "probe": "as_mean"}
 OPERATORS = ("token", "zero", "delete", "resample")  # `token`: the model's plain mask token, as the methods mask
 STATS = ("naopc", "naopc_logp", "suppression", "mass", "aopc")
@@ -93,6 +97,13 @@ class Loaded:
     bos: list[int]
     mask_id: int  # a token that is no end-of-turn, EOS or template marker (the fidelity metric's mask operator)
     random_init: bool = False
+    _bf16: torch.nn.Module | None = None
+
+    def bf16(self) -> torch.nn.Module:
+        """The model with its weights rounded to bf16 (built once, on first use)."""
+        if self._bf16 is None:
+            self._bf16 = copy.deepcopy(self.model).to(torch.bfloat16).eval()
+        return self._bf16
 
 
 def gguf_bpe_tokenizer(path: str):
@@ -269,8 +280,8 @@ def chunk_result(m: Loaded, rows: list[dict], methods: list[str], *, operators, 
     scores, seconds = {}, {}
     bases = [DERIVED.get(name, name) for name in methods]
     for name in dict.fromkeys(bases):  # each method once; a derived ranking's base, timed, whether compared or not
-        cfg = method_config(m, name)
-        backend = module_backend(m.model, cfg, limits=limits)
+        cfg = method_config(m, LOW_PRECISION.get(name, name))
+        backend = module_backend(m.bf16() if name in LOW_PRECISION else m.model, cfg, limits=limits)
         box = {}
         sec, _ = measure(lambda: box.update(r=run_attribution(backend, batch, cfg, mask_token_id=m.mask_id,
                                                               seeds=prep.seeds)), "cpu")
@@ -332,10 +343,28 @@ def summarise(chunks: list[dict], methods: list[str], min_gap: float = 0.0) -> d
         out["methods"][name] = entry
     for c in CONTROLS[1:]:  # the free alternatives against random: what a user gets for nothing
         out["controls"][c] = {"gain_over": gains_over(ctrl[c], ("random",))}
+    if all("scores" in c for c in chunks):
+        out["agreement"] = {low: agreement(chunks, low, base) for low, base in LOW_PRECISION.items()
+                            if low in methods and base in methods}
     return out
 
 
 CONTROLS = ("random", "position", "entropy")  # the free alternatives every method is measured against
+
+
+def agreement(chunks: list[dict], low: str, base: str, seed: int = 0) -> dict:
+    """How the scores of ``low`` (a LOW_PRECISION method) agree with its fp32 ``base`` on the same rows: per row
+    Spearman's rho, the share of base's top 20 % also in low's top 20 %, and ‖low − base‖ / ‖base‖; each as its mean
+    over rows with a prompt-clustered interval (rows where either side is constant are counted, not averaged)."""
+    pairs = [(np.asarray(x, float), np.asarray(y, float)) for c in chunks
+             for x, y in zip(c["scores"][low], c["scores"][base])]
+    rng = np.random.default_rng(seed)
+    values = torch.tensor([[common.spearman(x, y) for x, y in pairs],
+                           common.overlap_top_frac([x for x, _ in pairs], [y for _, y in pairs], 0.2, rng).tolist(),
+                           [np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30) for x, y in pairs]],
+                          dtype=torch.float64)
+    ivs = bootstrap_mean(values, groups=torch.arange(len(pairs)))
+    return {"base": base, **{k: vars(iv) for k, iv in zip(("spearman", "top20_overlap", "rel_l2_error"), ivs)}}
 
 
 def chunk_path(out: Path, i: int, methods: list[str], operators=OPERATORS, fractions=FRACTIONS) -> Path:
@@ -429,6 +458,13 @@ def table(summary: dict, model: str, tokens: int) -> str:
         diff = iv(e["naopc_minus_first"]) if "naopc_minus_first" in e else "–"
         lines.append(f"| {name} | {iv(e['naopc'])} | {iv(e['naopc_logp'])} | {iv(e['suppression'])} | "
                      f"{iv(e['mass'])} | {diff} |")
+    if summary.get("agreement"):
+        lines += ["", "bf16 scores against the same method's fp32 scores on the same rows (mean over rows, "
+                  "prompt-clustered 95 % interval; removals measured on the fp32 model above):", "",
+                  "| method | Spearman | top-20 % overlap | relative L2 error |", "|---|---|---|---|"]
+        for low, e in summary["agreement"].items():
+            lines.append(f"| {low} vs {e['base']} | {iv(e['spearman'])} | {iv(e['top20_overlap'])} | "
+                         f"{iv(e['rel_l2_error'])} |")
     return "\n".join(lines)
 
 
@@ -455,9 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     methods = [x for x in a.methods.split(",") if x]
     fractions = tuple(float(f) for f in a.fractions.split(",") if f)
     operators = parse_operators(a.operators)
-    unknown = sorted(set(methods) - set(METHODS) - set(DERIVED))
+    unknown = sorted(set(methods) - set(METHODS) - set(DERIVED) - set(LOW_PRECISION))
     if unknown:
-        raise SystemExit(f"--methods: unknown {unknown}; allowed: {', '.join([*METHODS, *DERIVED])}")
+        raise SystemExit(f"--methods: unknown {unknown}; allowed: {', '.join([*METHODS, *DERIVED, *LOW_PRECISION])}")
     out, log = study_dir(a.out, a.model, a.tokens)
 
     torch.manual_seed(0)
