@@ -29,3 +29,22 @@ def test_best_rates_and_paired_comparisons():
     assert c["p"] == pytest.approx(2 / 16)  # every seed the same sign: the two all-same flips of 2^4
     assert set(got["comparisons"]) == {"oar_g - grpo", "position - grpo", "oar_g - position"}
     assert "| oar_g - grpo |" in credit_lr.report(got)
+
+
+def test_each_seed_at_the_rate_chosen_without_it():
+    # GRPO is best at 6e-4 on seeds 0 and 2 (fold 0) but best at 3e-4 on seeds 1 and 3 (fold 1): each fold is then
+    # evaluated at the rate the *other* fold prefers, which a same-seed choice would hide
+    def grpo(lr, s):
+        good = (lr == 6e-4) == (s % 2 == 0)
+        return _run("grpo", s, [0.3, 0.7 if good else 0.4, 0.8 if good else 0.5])
+    runs = {lr: [grpo(lr, s) for s in range(4)] + [_run("oar_g", s, [0.3, 0.5, 0.6]) for s in range(4)]
+            for lr in (3e-4, 6e-4)}
+    held = credit_lr.cross_fitted(runs, ["grpo", "oar_g"])
+    assert held["chosen_lr"]["grpo"] == ["0.0003", "0.0006"]  # fold 0 (seeds 0, 2) chosen on seeds 1, 3 and back
+    auc = lambda v: (v[0] + 2 * v[1] + v[2]) / 4  # noqa: E731
+    assert held["values"]["grpo"]["auc"] == {s: pytest.approx(auc([0.3, 0.4, 0.5])) for s in range(4)}
+    got = credit_lr.summarise(runs, ["grpo", "oar_g"])
+    assert got["held_out"]["chosen_lr"] == held["chosen_lr"]
+    c = got["held_out"]["comparisons"]["oar_g - grpo"]["auc"]
+    assert c["diff"] == pytest.approx(auc([0.3, 0.5, 0.6]) - auc([0.3, 0.4, 0.5])) and c["seeds"] == 4
+    assert "Each seed at the rate chosen on the other fold's seeds" in credit_lr.report(got)
