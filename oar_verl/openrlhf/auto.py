@@ -24,7 +24,7 @@ from oar_verl.core.fidelity.controls import EntropySource
 from oar_verl.core.fidelity.summary import default_min_gap
 from oar_verl.core.methods.attribution import module_backend, pass_limits
 from oar_verl.core.reshaping.reshape import attribution_rows
-from oar_verl.openrlhf.reshape import _pad_float, _response_field, gather_rows, item_rows
+from oar_verl.openrlhf.reshape import _response_field, gather_rows, item_rows
 
 __all__ = ["AutoStep", "STATE_KEY", "item_lengths", "prompt_ids"]
 
@@ -85,15 +85,9 @@ class AutoStep:
         cfg = dataclasses.replace(self.cfg, mode=self.selector.settings.default)  # the run's operator, seeds, rows
         device = torch.device(device if device is not None else next(model.parameters()).device)
         rows = item_rows(items)
-        width = max((len(a) for a in rows.actions), default=0)
-        action = _pad_float([a.double() for a in rows.actions], width).bool()
+        action = rows.action_mask()
         wanted = attribution_rows(_response_field(items, "advantages", rows), action, cfg, action.any(-1))
-        run = wanted.nonzero().flatten()
-        if not len(run):  # filler: one own row keeps the passes aligned; measured like any row
-            run = action.any(-1).nonzero().flatten()[:1]
-        if not len(run):
-            raise RuntimeError("oar: this rank's replay buffer has no generated token for mode=auto's calibration")
-        idx = run.tolist()
+        idx = rows.to_run(wanted.nonzero().flatten(), action.any(-1))  # a filler row is measured like any row
         truths = [items[i].labels[0] if items[i].labels else None for i in idx] if cfg.target == "reference" else None
 
         def backend_for(c: OARConfig, prepared):

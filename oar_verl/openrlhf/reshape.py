@@ -50,6 +50,19 @@ class ItemRows:
     actions: list[torch.Tensor]
     starts: list[int]
 
+    def action_mask(self) -> torch.Tensor:
+        """(N, T) bool: each response's generated tokens, right-padded with False to the longest response."""
+        return _pad_float([a.double() for a in self.actions], max((len(a) for a in self.actions), default=0)).bool()
+
+    def to_run(self, sel: torch.Tensor, has_action: torch.Tensor) -> list[int]:
+        """The rows this rank runs the aligned passes on: ``sel``, or, when it has none, one own row with a generated
+        token as filler (every rank must take part; the filler's result is discarded)."""
+        run = sel if len(sel) else has_action.nonzero().flatten()[:1]
+        if not len(run):
+            raise RuntimeError("oar: this rank's replay buffer has no generated token to run the aligned attribution "
+                               "passes on")
+        return run.tolist()
+
 
 def item_rows(items: Sequence) -> ItemRows:
     """Split every item's ``sequences`` at its first generated token (``action_mask`` is shifted by one).
@@ -192,11 +205,7 @@ def _attribute(items: Sequence, rows: ItemRows, sel: torch.Tensor, has_action: t
                ) -> tuple[RowAttribution, dict[str, torch.Tensor] | None]:
     """One aligned attribution of this rank's rows ``sel`` with ``cfg`` (every rank together; a rank without a row
     runs one of its own as filler) and, on a due step, its in-step fidelity (the filler's: no row)."""
-    run = sel if len(sel) else has_action.nonzero().flatten()[:1]  # filler: one own row, result discarded
-    if len(run) == 0:
-        raise RuntimeError("oar: this rank's replay buffer has no generated token to run the aligned "
-                           "attribution passes on")
-    idx = run.tolist()
+    idx = rows.to_run(sel, has_action)
     truths = [items[i].labels[0] if items[i].labels else None for i in idx] if cfg.target == "reference" else None
 
     def backend(prepared: PreparedAttribution):
@@ -259,8 +268,8 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
     device = torch.device(device)
     align = align or (lambda n: max_over_ranks(n, device))
     rows = item_rows(items)
-    width = max((len(a) for a in rows.actions), default=0)
-    action = _pad_float([a.double() for a in rows.actions], width).bool()
+    action = rows.action_mask()
+    width = action.shape[1]
     base = _response_field(items, "advantages", rows)
     base_ret = _response_field(items, "returns", rows) if all(it.returns is not None for it in items) else None
     has_action = action.any(-1)
