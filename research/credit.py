@@ -40,8 +40,7 @@ import torch
 
 from oar_verl.quickstart import last_digit as credit_task
 from oar_verl.quickstart import last_digit_reward
-from oar_verl.quickstart.last_digit import validate
-from research import REPO, task
+from research import REPO, digit_task, task
 from research.common import bootstrap_ci, finish_figure, nanmean, permutation_p, progress
 
 METHODS = ("grpo", "oar_g", "oar_p", "fisher", "entropy", "position")
@@ -51,6 +50,9 @@ LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P", "fisher": "OAR fis
 COLORS = {"grpo": "tab:gray", "oar_g": "tab:orange", "oar_p": "tab:blue", "fisher": "tab:purple",
           "entropy": "tab:green", "position": "tab:olive"}
 MODES = {"oar_g": "gradient", "oar_p": "perturbation", "fisher": "fisher"}
+# the task the runs use (--task): the product's last-digit module, or a research.digit_task.DigitTask with the
+# decisive token early or in the middle; both offer the same names
+TASK = credit_task
 ROLES = ("decisive", "decoy", "filler", "answer")
 
 
@@ -84,7 +86,7 @@ FULL = Settings(seeds=5, steps=40, prompts_per_step=8, rollout_n=8, lr=3e-4, eva
 
 def build_assets(root: Path, s: Settings, *, log) -> dict:
     """The warm-started model (:func:`oar_verl.quickstart.last_digit.warm_start`) under ``root``: its path and numbers."""
-    return credit_task.warm_start(root, warm_steps=s.warm_steps, max_new_tokens=s.max_new_tokens, log=log)
+    return TASK.warm_start(root, warm_steps=s.warm_steps, max_new_tokens=s.max_new_tokens, log=log)
 
 
 def load_model(model_dir: str):
@@ -109,7 +111,7 @@ class Rollouts:
 
 
 def encode_prompts(tok, prompts: list[tuple[int, int]]) -> list[list[int]]:
-    return task.encode(tok, credit_task.examples_for(prompts))[0]
+    return task.encode(tok, TASK.examples_for(prompts))[0]
 
 
 def rollout(model, tok, prompts: list[tuple[int, int]], n: int, gen: torch.Generator, max_new_tokens: int) -> Rollouts:
@@ -123,7 +125,7 @@ def rollout(model, tok, prompts: list[tuple[int, int]], n: int, gen: torch.Gener
 
 def make_rollouts(tok, rows, prompt_ids, responses, uids) -> Rollouts:
     texts = [tok.decode(r, skip_special_tokens=True) for r in responses]
-    rewards = torch.tensor([credit_task.reward(t, p) for t, p in zip(texts, rows)])
+    rewards = torch.tensor([TASK.reward(t, p) for t, p in zip(texts, rows)])
     return Rollouts(rows, task.verl_batch(prompt_ids, responses, tok.pad_token_id), rewards, uids)
 
 
@@ -272,7 +274,7 @@ def run_one(assets: dict, s: Settings, method: str, seed: int, *, log) -> dict:
     model, tok = load_model(assets["model_dir"])
     algo = algorithm_config(method, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.999), weight_decay=0.01)
-    digits = credit_task.digit_token_ids(tok)
+    digits = TASK.digit_token_ids(tok)
     prompt_rng = np.random.default_rng(seed)  # the same prompt sequence for every method of a seed
     sample_gen = torch.Generator().manual_seed(1000 + seed)
     val_gen = torch.Generator().manual_seed(2000 + seed)
@@ -281,15 +283,15 @@ def run_one(assets: dict, s: Settings, method: str, seed: int, *, log) -> dict:
     for step in range(0, s.steps + 1):
         if step % s.eval_every == 0 or step == s.steps:
             out["val"]["steps"].append(step)
-            out["val"]["values"].append(validate(model, tok, s.val_repeats, val_gen, s.max_new_tokens))
+            out["val"]["values"].append(TASK.validate(model, tok, s.val_repeats, val_gen, s.max_new_tokens))
         if step == s.steps:
             break
-        idx = prompt_rng.integers(0, len(credit_task.PROMPTS), s.prompts_per_step)
+        idx = prompt_rng.integers(0, len(TASK.PROMPTS), s.prompts_per_step)
         t0 = time.perf_counter()
-        r = rollout(model, tok, [credit_task.PROMPTS[i] for i in idx], s.rollout_n, sample_gen, s.max_new_tokens)
+        r = rollout(model, tok, [TASK.PROMPTS[i] for i in idx], s.rollout_n, sample_gen, s.max_new_tokens)
         t_roll = time.perf_counter() - t0
         adv = compute_advantages(method, model, tok, r, step + 1, algo)  # verl's global steps count from 1
-        roles = credit_task.token_roles(r.batch.responses, r.batch.response_mask, adv.reasoning, digits)
+        roles = TASK.token_roles(r.batch.responses, r.batch.response_mask, adv.reasoning, digits)
         model.train()
         t1 = time.perf_counter()
         logp, entropy = policy_forward(model, r.batch)
@@ -399,7 +401,7 @@ def report(summary: dict, s: Settings, assets: dict) -> str:
     t = summary["methods"]
     order = [m for m in METHODS if m in t]
     run_s = sum(r["wall_s"] * r["n_seeds"] for r in t.values())
-    lines = [f"Last-digit task, {t[order[0]]['n_seeds']} seeds × {s.steps} steps, {s.prompts_per_step} prompts × "
+    lines = [f"{getattr(TASK, 'name', 'last').capitalize()}-digit task, {t[order[0]]['n_seeds']} seeds × {s.steps} steps, {s.prompts_per_step} prompts × "
              f"{s.rollout_n} rollouts per step, lr {s.lr:g}; validation {15 * s.val_repeats} samples at T = 1 "
              f"every {s.eval_every} steps. Warm start: {assets['sft_steps']} SFT steps, validation success "
              f"{assets['val_success_t1']:.3f}. The runs took {run_s:.0f} s in all.", "",
@@ -455,7 +457,7 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
         axes[0].fill_between(x, y - h, y + h, color=COLORS[m], alpha=0.15)
         ent = np.array([[tr["entropy"] for tr in run["train"]] for run in runs if run["method"] == m])
         axes[1].plot(np.arange(1, ent.shape[1] + 1), ent.mean(0), color=COLORS[m], label=LABELS[m])
-    axes[0].set(xlabel="step", ylabel="validation success (T = 1)", title="last-digit task: mean, 95 % CI band")
+    axes[0].set(xlabel="step", ylabel="validation success (T = 1)", title=f"{getattr(TASK, 'name', 'last')}-digit task: mean, 95 % CI band")
     axes[1].set(xlabel="step", ylabel="policy entropy (nats/token)", title="entropy of the rollouts")
     finish_figure(fig, axes, path)
 
@@ -559,7 +561,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", action="store_true", help="also write research/docs/img/credit.png")
     ap.add_argument("--report-only", action="store_true", help="rebuild the report from an earlier runs.json")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--task", default="last", choices=["last", *digit_task.TASKS],
+                    help="which digit decides the reward: the last (the quickstart's task), the first or the middle one")
     args = ap.parse_args(argv)
+    if args.verl_check and args.task != "last":
+        ap.error("--verl-check runs the quickstart's last-digit task only (--task last)")
+    global TASK
+    TASK = digit_task.task(args.task)
     s = QUICK if args.quick else FULL
     s = Settings(**{**asdict(s), **{k: v for k, v in (("seeds", args.seeds), ("steps", args.steps), ("lr", args.lr))
                                     if v is not None}})

@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: the study's 40)")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "credit_lr")
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--task", default="last", help="which digit decides (research.credit --task): last, first, middle")
     a = ap.parse_args(argv)
     lrs = [float(x) for x in a.lrs.split(",") if x]
     methods = [m for m in a.methods.split(",") if m]
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             if all((m, s) in have for m in methods for s in seeds):
                 continue
             args = ["--lr", f"{lr:g}", "--seeds", str(a.seeds), "--first-seed", str(a.first_seed), "--methods",
-                    ",".join(methods), "--out", str(d)] + (["--steps", str(a.steps)] if a.steps else [])
+                    ",".join(methods), "--out", str(d), "--task", a.task]
+            args += ["--steps", str(a.steps)] if a.steps else []
             if credit.main(args) != 0:
                 return 1
     summary = summarise(load_runs(a.out, lrs), methods)
