@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from oar_verl.quickstart import last_digit, tiny_assets, tiny_lm, tokenizers, warm_cache
-from oar_verl.quickstart.last_digit import CreditExample, digit_token_ids, filler
+from oar_verl.quickstart.last_digit import CreditExample, digit_token_ids, reasoning_text
 
 __all__ = ["TASKS", "DigitTask", "task"]
 
@@ -53,12 +53,7 @@ class DigitTask:
         items before each digit, 0-2 after the last one, then ``The answer is <decisive digit>.``"""
         k, t = rng.choice(self.PROMPTS)
         digits = tuple(rng.randrange(10) for _ in range(k))
-        parts: list[str] = []
-        for d in digits:
-            parts += filler(rng, rng.randint(1, 3))
-            parts[-1] += str(d)
-        parts += filler(rng, rng.randint(0, 2))
-        response = " ".join(parts) + f" The answer is {digits[self.index - 1]}."
+        response = reasoning_text(rng, digits) + f" The answer is {digits[self.index - 1]}."
         return CreditExample(k, t, digits, self.prompt_text(k, t), response)
 
     def examples_for(self, prompts) -> list[CreditExample]:

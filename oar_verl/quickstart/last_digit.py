@@ -70,13 +70,19 @@ def make_example(rng: random.Random, n_digits: int | None = None, threshold: int
     n_digits = rng.choice(DIGIT_COUNTS) if n_digits is None else n_digits
     threshold = rng.choice(THRESHOLDS) if threshold is None else threshold
     digits = tuple(rng.randrange(10) for _ in range(n_digits))
+    response = reasoning_text(rng, digits) + f" The answer is {digits[-1]}."
+    return CreditExample(n_digits, threshold, digits, prompt_text(n_digits, threshold), response)
+
+
+def reasoning_text(rng: random.Random, digits: Sequence[int]) -> str:
+    """The reasoning of a response writing ``digits``: 1-3 filler items before each digit (attached to the last
+    item), 0-2 after the last one."""
     parts: list[str] = []
     for d in digits:
         parts += filler(rng, rng.randint(1, 3))
         parts[-1] += str(d)
     parts += filler(rng, rng.randint(0, 2))
-    response = " ".join(parts) + f" The answer is {digits[-1]}."
-    return CreditExample(n_digits, threshold, digits, prompt_text(n_digits, threshold), response)
+    return " ".join(parts)
 
 
 def make_examples(n: int, seed: int | str) -> list[CreditExample]:
