@@ -10,6 +10,8 @@
 #   tests/README.md lists what each lane covers and how long it takes.
 #   e.g. bash scripts/test.sh --fast tests/core -x
 #   OAR_VENV  venv directory (default: <repo>/.venv); OAR_SKIP_MCORE=1 skips the Megatron environment build
+#   OAR_TEST_WORKERS  pytest-xdist workers of the whole suite (default 2; 0 runs it in one process): the trainer runs
+#             and the research studies are a work unit each (conftest.py), the rest is shared test by test
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${OAR_VENV:-$ROOT/.venv}
@@ -41,4 +43,5 @@ case "$lane" in
   fast) exec "$VENV/bin/python" -m pytest tests -v -rs --durations=15 -m "$FAST_MARKERS" ${args[@]+"${args[@]}"} ;;
   research) exec "$VENV/bin/python" -m pytest research/tests -v -rs --durations=15 ${args[@]+"${args[@]}"} ;;
 esac
-exec "$VENV/bin/python" -m pytest tests research/tests -v -rs --durations=15 ${args[@]+"${args[@]}"}
+exec "$VENV/bin/python" -m pytest tests research/tests -v -rs --durations=15 -n "${OAR_TEST_WORKERS:-2}" \
+  --dist loadgroup ${args[@]+"${args[@]}"}

@@ -10,6 +10,7 @@ The test suite points it at one directory per test session (conftest.py at the r
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -44,19 +45,20 @@ def materialise(target: str | Path, *, name: str, settings: dict, code_files: It
         build(target)
         return False
     entry = Path(root) / f"{name}-{content_key(settings, code_files)}"
-    if entry.is_dir():
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.copytree(entry, target)
-        log(f"[warm-cache] {name}: reusing {entry}")
-        return True
-    build(target)
-    # copy then rename: a concurrent reader sees either no entry or a complete one
-    tmp = entry.with_name(f".{entry.name}.{uuid.uuid4().hex[:8]}")
-    shutil.copytree(target, tmp)
-    try:
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    # one builder per entry: a concurrent run asking for the same entry waits for it instead of training it again
+    with open(entry.with_name(f"{entry.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if entry.is_dir():
+            if target.exists():
+                shutil.rmtree(target)
+            shutil.copytree(entry, target)
+            log(f"[warm-cache] {name}: reusing {entry}")
+            return True
+        build(target)
+        # copy then rename: a reader that does not take the lock sees either no entry or a complete one
+        tmp = entry.with_name(f".{entry.name}.{uuid.uuid4().hex[:8]}")
+        shutil.copytree(target, tmp)
         tmp.rename(entry)
-    except OSError:  # another run stored the same entry first: same content by construction
-        shutil.rmtree(tmp, ignore_errors=True)
     log(f"[warm-cache] {name}: stored {entry}")
     return False

@@ -38,3 +38,30 @@ def test_without_the_variable_nothing_is_cached(tmp_path, monkeypatch):
                                      build=lambda t: (t.mkdir(), n.append(t)), log=lambda _: None)
         assert not hit
     assert len(n) == 2
+
+
+def test_concurrent_requests_build_once(tmp_path, monkeypatch):
+    """Two runs (test workers) asking for the same entry at once: one trains it, the other waits and copies it."""
+    import threading
+    import time
+
+    monkeypatch.setenv(warm_cache.ENV, str(tmp_path / "cache"))
+    builds, hits = [], {}
+
+    def build(target):
+        builds.append(target)
+        time.sleep(0.3)  # long enough for the other request to arrive while this one builds
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "weights.txt").write_text("built")
+
+    def get(name):
+        hits[name] = warm_cache.materialise(tmp_path / name, name="m", settings={"steps": 1}, code_files=[],
+                                            build=build, log=lambda _: None)
+
+    threads = [threading.Thread(target=get, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and sorted(hits.values()) == [False, True]
+    assert all((tmp_path / n / "weights.txt").read_text() == "built" for n in ("a", "b"))
