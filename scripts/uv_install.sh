@@ -16,7 +16,8 @@ uv_for() {
   echo "torch==$torch_version" > "$venv/oar-constraints.txt"
   for d in ${PIP_FIND_LINKS:-}; do src+=(--find-links "$d"); done
   for u in ${PIP_EXTRA_INDEX_URL:-}; do src+=(--extra-index-url "$u"); done
+  # --compile-bytecode: as pip does; without it every fresh process (Ray workers, vLLM engines) compiles the imports
   INSTALL=("${UV[@]}" pip install --python "$venv/bin/python" -c "$venv/oar-constraints.txt"
-           --index-strategy unsafe-best-match "${src[@]}")
+           --index-strategy unsafe-best-match --compile-bytecode "${src[@]}")
   UNINSTALL=("${UV[@]}" pip uninstall --python "$venv/bin/python")
 }
