@@ -1,6 +1,14 @@
-"""One warm-start cache per test session, for both suites (tests/ and research/tests/): the quickstart test, the
-research quick modes and the subprocesses they start (which inherit the environment) train each warm-started model
-once per session, not once per test."""
+"""For both suites (tests/ and research/tests/): one warm-start cache per test session, and the groups that
+``scripts/test.sh`` hands to pytest-xdist.
+
+The warm-start cache: the quickstart test, the research quick modes and the subprocesses they start (which inherit the
+environment) train each warm-started model once per session, not once per test; under xdist the workers share it.
+
+The work units (``--dist loadgroup``): the verl and OpenRLHF trainer runs are one and the research quick modes another,
+each run in order on one worker, while the other worker takes the rest test by test. A trainer run is mostly
+single-threaded start-up, so it overlaps well with the in-process tests; two trainer runs never start side by side
+from this group, and the research studies share their warm starts in one process.
+"""
 
 from __future__ import annotations
 
@@ -19,14 +27,43 @@ import pytest
 
 from oar_verl.quickstart import warm_cache
 
+# the work units of ``--dist loadgroup`` (test-id prefix -> unit); any other test is a unit of its own
+WORK_UNITS = {"research/tests/": "research", "tests/e2e/": "trainers", "tests/openrlhf/": "trainers"}
+
+
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test id: its group (WORK_UNITS), else the test itself."""
+    return next((unit for prefix, unit in WORK_UNITS.items() if nodeid.startswith(prefix)), nodeid)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # a hook of pytest-xdist, absent from the other venvs
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with the groups named by test path (WORK_UNITS): xdist's own loadgroup reads
+    ``xdist_group`` marks by rewriting test ids, which pytest 9.2 no longer allows."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnits(config, log)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_warm_starts(tmp_path_factory: pytest.TempPathFactory):
-    """Points ``$OAR_WARM_CACHE`` at a session directory unless the caller set one (e.g. a cache kept across runs)."""
+    """Points ``$OAR_WARM_CACHE`` at a session directory unless the caller set one (e.g. a cache kept across runs);
+    under xdist, one directory beside the workers' own, shared by all of them."""
     if os.environ.get(warm_cache.ENV):
         yield os.environ[warm_cache.ENV]
         return
-    path = str(tmp_path_factory.mktemp("warm_cache"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "warm_cache"
+        shared.mkdir(exist_ok=True)
+        path = str(shared)
+    else:
+        path = str(tmp_path_factory.mktemp("warm_cache"))
     os.environ[warm_cache.ENV] = path
     try:
         yield path

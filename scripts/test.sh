@@ -10,6 +10,9 @@
 #   tests/README.md lists what each lane covers and how long it takes.
 #   e.g. bash scripts/test.sh --fast tests/core -x
 #   OAR_VENV  venv directory (default: <repo>/.venv); OAR_SKIP_MCORE=1 skips the Megatron environment build
+#   OAR_TEST_WORKERS  pytest-xdist workers of the whole suite (default 2; 0 runs it in one process): the trainer runs
+#             and the research studies are a work unit each (conftest.py), the rest is shared test by test; with
+#             workers, OMP_NUM_THREADS defaults to 1
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${OAR_VENV:-$ROOT/.venv}
@@ -41,4 +44,11 @@ case "$lane" in
   fast) exec "$VENV/bin/python" -m pytest tests -v -rs --durations=15 -m "$FAST_MARKERS" ${args[@]+"${args[@]}"} ;;
   research) exec "$VENV/bin/python" -m pytest research/tests -v -rs --durations=15 ${args[@]+"${args[@]}"} ;;
 esac
-exec "$VENV/bin/python" -m pytest tests research/tests -v -rs --durations=15 ${args[@]+"${args[@]}"}
+# the whole suite on xdist workers; then every process (workers, trainers, vLLM) on one OpenMP thread unless told
+# otherwise: with two workers on two cores, more threads only spin at OpenMP barriers (trainer runs 3x slower)
+WORKERS=${OAR_TEST_WORKERS:-2}
+if [ "$WORKERS" != 0 ]; then
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
+exec "$VENV/bin/python" -m pytest tests research/tests -v -rs --durations=15 -n "$WORKERS" --dist loadgroup \
+  ${args[@]+"${args[@]}"}
