@@ -45,7 +45,7 @@ case "$lane" in
   research) exec "$VENV/bin/python" -m pytest research/tests -v -rs --durations=15 ${args[@]+"${args[@]}"} ;;
 esac
 # the whole suite on xdist workers; then every process (workers, trainers, vLLM) on one OpenMP thread unless told
-# otherwise: with two workers on two cores, more threads only spin at OpenMP barriers (trainer runs 3x slower)
+# otherwise: on busy cores, more threads only spin at OpenMP barriers (the quickstart's warm-up measured 15x slower)
 WORKERS=${OAR_TEST_WORKERS:-2}
 if [ "$WORKERS" != 0 ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

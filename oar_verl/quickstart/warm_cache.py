@@ -5,7 +5,8 @@ settings, its seed and the code that builds and trains it. ``materialise`` keys 
 settings as JSON, the library versions and a hash of the source files named by the caller), so two benchmark runs that
 ask for the same warm start train it once: the first builds it into the cache, the others copy it. The cache lives in
 ``$OAR_WARM_CACHE``; without it nothing is cached and every run trains its own.
-The test suite points it at one directory per test session (conftest.py at the repository root).
+The test suite points it at one directory per test session, shared by its xdist workers (conftest.py at the
+repository root); an entry being built is locked, so concurrent runs build it once.
 """
 
 from __future__ import annotations
