@@ -60,18 +60,26 @@ class Part:
     name: str
     kind: str
     shape: str
-    lengths: tuple[int, ...]
+    lengths: tuple[int | str, ...]  # response lengths; verl-worker: its variants (FSDP2's parameter dtype)
     methods: tuple[str, ...] = ()
     headline: bool = False
     validate: int = 0  # long: the length at which the segment policy also runs in full (the plan's shortest)
 
 
-def plan(tiny: bool = False) -> list[Part]:
-    """The parts, most valuable first: the 7B shape's OAR-G / fisher against training at 4k and 16k tokens, bf16 vs
-    fp32 agreement, then OAR-G K=4 and exact OAR-P, the long-reasoning policies, the 1.5B shape and 2k."""
+VERL_WORKER = "verl-worker"
+VARIANTS = ("bf16", "fp32")  # the verl-worker part's FSDP2 parameter dtypes: what users train with, then exactness
+
+
+def plan(tiny: bool = False, verl: bool | None = None) -> list[Part]:
+    """The parts, most valuable first: verl's worker group with OAR's worker through one training step (needs verl
+    and Ray: the offline bundle on a bare machine), the 7B shape's OAR-G / fisher against training at 4k and 16k
+    tokens, bf16 vs fp32 agreement, then OAR-G K=4 and exact OAR-P, the long-reasoning policies, the 1.5B shape and
+    2k. ``verl`` (default: not ``tiny``) includes the verl-worker part; the tiny plan runs it only when named."""
     big, small = ("tiny", "tiny") if tiny else ("qwen2.5-7b", "qwen2.5-1.5b")
     n = TINY.get if tiny else int
-    parts = [Part(f"attribution-{big}-{n(4096)}", "attribution", big, (n(4096),), HEADLINE_METHODS, True),
+    parts = [Part(VERL_WORKER, VERL_WORKER, "tiny" if tiny else small, VARIANTS, headline=True)] \
+        if (not tiny if verl is None else verl) else []
+    parts += [Part(f"attribution-{big}-{n(4096)}", "attribution", big, (n(4096),), HEADLINE_METHODS, True),
              Part(f"attribution-{big}-{n(16384)}", "attribution", big, (n(16384),), HEADLINE_METHODS, True),
              Part(f"precision-{small}-{n(2048)}", "precision", small, (n(2048),), HEADLINE_METHODS, True),
              Part(f"oar_p-{big}", "attribution", big, (n(4096), n(16384)), MORE_METHODS),
@@ -96,6 +104,9 @@ class CostModel:
     warmup_s: float
     safety: float = 2.0
     label: str = ""
+    verl_import_s: float = 20.0  # verl-worker: importing verl, Ray, tensordict, Hydra (16 s seen on an H100 machine)
+    group_s: float = 40.0  # verl-worker, each variant: Ray up, the worker spawned, the model loaded and wrapped (36 s
+    # for Qwen2.5-1.5B on an H200, 2026-11-26)
 
 
 # H100 SXM (80 GB): 989 / 67 TFLOP/s dense bf16 / fp32 peak (TF32 off, torch's default). Calibrated on the first
@@ -105,7 +116,7 @@ class CostModel:
 H100 = CostModel(bf16_flops=400e12, fp32_flops=40e12, process_s=10.0, build_s_per_gparam=1.0, warmup_s=5.0,
                  safety=1.5, label="H100 cost model")
 CPU = CostModel(bf16_flops=5e9, fp32_flops=20e9, process_s=10.0, build_s_per_gparam=60.0, warmup_s=1.0,
-                label="CPU cost model (rough)")
+                label="CPU cost model (rough)", verl_import_s=15.0, group_s=25.0)
 
 
 def _flops(shape: str, length: int, rows: int) -> dict[str, float]:
@@ -130,9 +141,34 @@ def _flops(shape: str, length: int, rows: int) -> dict[str, float]:
             "validate": tokens * causal + rows * reasoning ** 2 / (2 * SEGMENT_MEAN) * full}
 
 
+def verl_worker_estimate(part: Part, variants, cost: CostModel, repeats: int = 1) -> float:
+    """Planned seconds of the verl-worker part running ``variants``: its process, the verl / Ray imports, the model
+    built and saved once, then per variant the group's start-up (the model loaded again) and the step's calls on every
+    row (log-probs, OAR-G and fisher ``repeats`` times and once more for the warm-up of the log-probs, the segment
+    policy twice, the update ``repeats`` times) plus the core's reference (OAR-G, fisher, segment), at the variant's
+    rate (fp32 without TF32)."""
+    from research import verl_worker
+
+    vp = verl_worker.TINY if part.shape == "tiny" else verl_worker.GPU
+    params = scaling._params(vp.shape)[0] / 1e9
+    seconds = cost.process_s + cost.verl_import_s + 2 * cost.build_s_per_gparam * params
+    for variant in variants:
+        work = 0.0
+        for n in vp.lengths(variant):
+            f = _flops(vp.shape, n, 1)
+            forward = f["oar_g_k1"] / 4
+            work += (repeats + 1) * forward + repeats * (f["oar_g_k1"] + f["fisher_k1"] + f["train"])
+            work += 3 * f["validate"] + f["oar_g_k1"] + f["fisher_k1"]  # the segment policy twice, the core's
+        rate = cost.fp32_flops if variant == "fp32" else cost.bf16_flops
+        seconds += cost.group_s + cost.build_s_per_gparam * params + cost.safety * work / rate
+    return seconds
+
+
 def estimate(part: Part, lengths, rows: int, cost: CostModel, repeats: int = 1) -> float:
     """Planned seconds of ``part`` measuring ``lengths`` (its own process, model build and warm-up included; an
     attribution part times each call ``repeats`` times)."""
+    if part.kind == VERL_WORKER:
+        return verl_worker_estimate(part, lengths, cost, repeats)
     params = scaling._params(part.shape)[0] / 1e9
     seconds = cost.process_s + cost.build_s_per_gparam * params + cost.warmup_s
     for n in lengths:
@@ -273,10 +309,40 @@ def precision_point(model, length: int, rows: int, device: str) -> dict:
     return point
 
 
-def run_part(kind: str, shape: str, lengths: list[int], methods: list[str], validate_length: int, rows: int,
+def run_verl_worker(shape: str, variants: list[str], device: str, partial: Path, repeats: int) -> dict:
+    """The verl-worker part: :func:`research.verl_worker.run_variant` for each variant, on one model built once (in
+    the temp dir, kept for a resumed run); each finished variant written to ``partial`` at once."""
+    import tempfile
+
+    if device == "cpu":  # verl's CPU platform, selected before verl is first imported (here and in the Ray workers)
+        from oar_verl.quickstart.launcher import cpu_env
+
+        os.environ.update(cpu_env())
+    from research import verl_worker
+
+    plan = replace(verl_worker.TINY if shape == "tiny" else verl_worker.GPU, repeats=repeats)
+    work = Path(tempfile.gettempdir()) / f"oar-gpu-check-verl-worker-{shape}"
+    work.mkdir(parents=True, exist_ok=True)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    result: dict = {"part": VERL_WORKER, "shape": shape, "points": []}
+    for variant in variants:
+        start = time.perf_counter()
+        try:
+            p = verl_worker.run_variant(plan, variant, device, work, log)
+        except torch.OutOfMemoryError as e:
+            p = {"length": variant, "error": f"out of memory: {str(e).splitlines()[0]}"}
+        p["wall_seconds"] = time.perf_counter() - start
+        result["points"].append(p)
+        partial.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def run_part(kind: str, shape: str, lengths: list, methods: list[str], validate_length: int, rows: int,
              device: str, dtype: torch.dtype, partial: Path, repeats: int = 1) -> dict:
     """Every length of one part on one model; each finished point is written to ``partial`` at once (a part stopped
     by its time limit keeps what it measured)."""
+    if kind == VERL_WORKER:
+        return run_verl_worker(shape, lengths, device, partial, repeats)
     model = scaling.build_model(shape, device, torch.float32 if kind == "precision" else dtype)
     if kind != "precision":  # precision compares scores, not times: no warm-up
         warm_up(model, rows, device)
@@ -308,6 +374,11 @@ def run_part(kind: str, shape: str, lengths: list[int], methods: list[str], vali
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _point_key(text: str) -> int | str:
+    """A point of a part: a response length, or a verl-worker variant (``bf16``, ``fp32``)."""
+    return int(text) if text.isdigit() else text
+
+
 def _read(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -331,7 +402,8 @@ def print_plan(parts: list[Part], estimates: dict[str, float], budget: float, co
     for i, part in enumerate(parts, 1):
         what = {"attribution": "train vs " + ", ".join(LABELS[m] for m in part.methods),
                 "precision": "bf16 vs fp32 scores of OAR-G K=1, fisher",
-                "long": "train vs segment / hierarchical OAR-P"}[part.kind]
+                "long": "train vs segment / hierarchical OAR-P",
+                VERL_WORKER: "verl's FSDP2 worker group: one OAR step, = core"}[part.kind]
         todo = todo_lengths(part, out)[1]
         if todo:
             total += estimates[part.name]
@@ -399,7 +471,7 @@ def run_all(args, argv: list[str], parts: list[Part], cost: CostModel) -> dict:
     summary = {"meta": {**meta(args, argv), "wall_seconds": time.time() - STARTED, "budget_s": args.budget_s,
                         "cost_model": cost.label},
                "plan": [p.name for p in parts], "parts": results, "table": table_rows(results),
-               "precision": precision_rows(results)}
+               "precision": precision_rows(results), "verl_worker": verl_worker_rows(results)}
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
     (out / "gpu_check.md").write_text(markdown(summary))
     return summary
@@ -427,7 +499,7 @@ def table_rows(results: dict) -> list[dict]:
     measured it) and each method's (time, peak) ratios to the training step of its own part."""
     rows: dict = {}
     for res in results.values():
-        if res["kind"] == "precision":
+        if res["kind"] in ("precision", VERL_WORKER):
             continue
         for p in res["points"]:
             row = rows.setdefault((res["shape"], p["length"]), {"shape": res["shape"], "length": p["length"],
@@ -448,6 +520,56 @@ def table_rows(results: dict) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (shapes.index(r["shape"]), r["length"]))
 
 
+def verl_worker_rows(results: dict) -> list[dict]:
+    """One row per verl-worker variant measured: its calls (time and peak ratios, host syncs), agreement with the
+    core and its checks."""
+    res = results.get(VERL_WORKER)
+    return [] if res is None else [p for p in res["points"]]
+
+
+def failed_checks(summary: dict) -> list[str]:
+    """The verl-worker checks that failed, as "variant: check (value)"."""
+    return [f"{p['length']}: {k} ({c['value']})" for p in summary.get("verl_worker", []) if "checks" in p
+            for k, c in p["checks"].items() if not c["ok"]]
+
+
+def verl_worker_markdown(rows: list[dict]) -> list[str]:
+    gib = lambda b: f"{b / 2**30:.2f}" if b is not None else "–"  # noqa: E731
+    lines = []
+    for p in rows:
+        if "error" in p:
+            lines += ["", f"verl-worker {p['length']}: {p['error']}"]
+            continue
+        calls = p["calls"]
+        lines += ["", f"verl's FSDP2 worker group with OAR's worker ({p['device_name']}), FSDP2 mixed precision "
+                      f"param_dtype={p['param_dtype']}, {p['shape']}, responses of {p['response_lengths']} tokens, "
+                      f"dynamic batch sizes with {p['budget']} tokens a pass, gradient checkpointing; seconds: the median "
+                      f"of the calls after the first of {p['repeats']} (the segment policy: 2), host syncs counted in "
+                      "the first:", "",
+                  "| call | seconds | × update_actor | × old log-probs | peak GiB | above its start | × update's peak "
+                  "| host syncs |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for name in ("compute_log_prob", "gradient", "fisher", "segment", "update_actor"):
+            c = calls[name]
+            syncs = "–" if c.get("syncs") is None else str(sum(c["syncs"].values()))
+            ratio = lambda key: f"{c[key]:.2f}" if key in c else "–"  # noqa: E731
+            lines.append(f"| {name} | {c['seconds']:.3f} | {ratio('vs_update_time')} | {ratio('vs_log_prob_time')} | "
+                         f"{gib(c.get('absolute_peak_bytes'))} | {gib(c['peak_bytes'])} | {ratio('vs_update_peak')} | "
+                         f"{syncs} |")
+        lines += ["", "| mode | worker vs core: worst row max rel. diff | worst row Spearman | Σw − R (max) |",
+                  "|---|---:|---:|---:|"]
+        for mode, a in p["agreement"].items():
+            lines.append(f"| {mode} | {max(a['max_rel_diff']):.2e} | {min(a['spearman']):.4f} | "
+                         f"{p['estimator'][mode]['max_sum_error']:.2e} |")
+        syncs = {site: n for mode in ("gradient", "fisher", "segment") for site, n in
+                 (calls[mode].get("syncs") or {}).items()}
+        if syncs:
+            lines += ["", "Host syncs in attribution (the warm call of each mode), by site: "
+                      + "; ".join(f"`{site}` {n}" for site, n in sorted(syncs.items(), key=lambda kv: -kv[1]))]
+        bad = [k for k, c in p["checks"].items() if not c["ok"]]
+        lines += ["", "Checks: " + ("all passed" if not bad else "FAILED: " + "; ".join(bad))]
+    return lines
+
+
 def precision_rows(results: dict) -> list[dict]:
     return [{"shape": res["shape"], "length": p["length"], "method": m, **p[m]}
             for res in results.values() if res["kind"] == "precision"
@@ -466,21 +588,24 @@ def markdown(summary: dict) -> str:
     table = summary["table"]
     lines = [f"GPU check: {m['device_name']}, torch {m['torch']}, transformers {m['transformers']}, {m['date']}; "
              f"{m['weights']}; {m['rows']} row(s) of {m['prompt']} prompt tokens + the response per micro-batch; "
-             f"{m['wall_seconds']:.0f} s of a {m['budget_s']:.0f} s budget. Command: `{m['command']}`.", "",
-             "Times and peaks are ratios to the training forward+backward on the same tokens (gradient "
-             "checkpointing), measured in the same process.", "",
-             "| model | response tokens | train s | train peak GiB | OAR-G K=1 time / peak | fisher K=1 time / peak |",
-             "|---|---:|---:|---:|---:|---:|"]
+             f"{m['wall_seconds']:.0f} s of a {m['budget_s']:.0f} s budget. Command: `{m['command']}`.", ""]
+    rows = [r for r in table if "oar_g_k1" in r or "fisher_k1" in r or r["errors"]]
+    if rows:
+        lines += ["Times and peaks are ratios to the training forward+backward on the same tokens (gradient "
+                  "checkpointing), measured in the same process.", "",
+                  "| model | response tokens | train s | train peak GiB | OAR-G K=1 time / peak | fisher K=1 time / peak |",
+                  "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['shape']} | {r['length']} | {one(r.get('train_seconds'))} | {one(r.get('train_peak_gib'))} | "
               f"{pair(r.get('oar_g_k1'))} | {pair(r.get('fisher_k1'))} |" + (" " + "; ".join(r["errors"])
                                                                               if r["errors"] else "")
-              for r in table if "oar_g_k1" in r or "fisher_k1" in r or r["errors"]]
+              for r in rows]
     if summary["precision"]:
         lines += ["", "bf16 against fp32 scores, same model (fp32 weights rounded to bf16) and rows:", "",
                   "| model | response tokens | method | Spearman | top-20 % overlap | relative L2 error |",
                   "|---|---:|---|---:|---:|---:|"]
         lines += [f"| {r['shape']} | {r['length']} | {r['method']} | {r['spearman']:.3f} | "
                   f"{r['top20_overlap']:.3f} | {r['rel_l2_error']:.3g} |" for r in summary["precision"]]
+    lines += verl_worker_markdown(summary.get("verl_worker", []))
     more = [r for r in table if any(k in r for k in MORE_METHODS + ("segment_time",))]
     if more:
         lines += ["", "Exact OAR-P's time is extrapolated from three measured passes; segment and hierarchical "
@@ -520,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--estimate", action="append", default=[], metavar="PART=SECONDS",
                     help="replace a part's estimated seconds (a part known to run longer on this card)")
     ap.add_argument("--out", default=str(REPO / "outputs" / "gpu_check"))
-    ap.add_argument("--part", default=None, choices=["attribution", "precision", "long"], help=argparse.SUPPRESS)
+    ap.add_argument("--part", default=None, choices=["attribution", "precision", "long", VERL_WORKER],
+                    help=argparse.SUPPRESS)
     ap.add_argument("--methods", default="-", help=argparse.SUPPRESS)
     ap.add_argument("--validate-length", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--partial", default=None, help=argparse.SUPPRESS)
@@ -530,11 +656,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.part:
-        run_part(args.part, args.shapes, [int(x) for x in args.lengths.split(",")],
+        run_part(args.part, args.shapes, [_point_key(x) for x in args.lengths.split(",")],
                  [m for m in args.methods.split(",") if m != "-"], args.validate_length, args.rows, args.device,
                  getattr(torch, args.dtype), Path(args.partial), args.repeats)
         return 0
-    parts = plan(args.tiny)
+    parts = plan(args.tiny, verl=True if args.parts and VERL_WORKER in args.parts.split(",") else None)
     if args.parts:
         keep = args.parts.split(",")
         bad = [k for k in keep if k not in {p.name for p in parts}]
@@ -544,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shapes:
         parts = [p for p in parts if p.shape in args.shapes.split(",")]
     if args.lengths:
-        keep_n = {int(x) for x in args.lengths.split(",")}
+        keep_n = {_point_key(x) for x in args.lengths.split(",")}
         parts = [replace(p, lengths=tuple(n for n in p.lengths if n in keep_n)) for p in parts
                  if keep_n & set(p.lengths)]
     if not parts:
@@ -565,7 +691,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = run_all(args, argv, parts, cost)
     print(markdown(summary))
     failed = [name for name, p in summary["parts"].items() if p["status"] not in ("done", NOT_RUN)]
-    return 1 if failed else 0
+    for check in failed_checks(summary):
+        print(f"[gpu_check] verl-worker check failed: {check}", file=sys.stderr)
+    return 1 if failed or failed_checks(summary) else 0
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ def _run(tmp_path: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     block.mkdir(exist_ok=True)
     (block / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = {**os.environ, "PYTHONPATH": str(block), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-           "OAR_BLOCKED_LOG": str(tmp_path / "blocked.log"), "OAR_PROGRESS": "1"}
+           "OAR_BLOCKED_LOG": str(tmp_path / "blocked.log"), "OAR_PROGRESS": "1",
+           "OAR_GPU_BUNDLE": str(tmp_path / "no-bundle.tar.xz")}  # a bundle in the checkout is not this test's
     return subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--tiny", "--out", str(out), *extra],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
 

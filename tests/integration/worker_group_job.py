@@ -45,8 +45,7 @@ def main() -> None:
     n_ranks = int(n_ranks)
     _, prompts, responses = tokenized(model_dir, RESPONSES)
     prompts, responses = [torch.tensor(p) for p in prompts], [torch.tensor(r) for r in responses]
-    cfg = trainer_config(model_dir, n_ranks=n_ranks, batch_size=2, micro_batch_size=1, sp=sp,
-                         extra=["actor_rollout_ref.model.enable_gradient_checkpointing=True"])
+    cfg = trainer_config(model_dir, n_ranks=n_ranks, batch_size=2, micro_batch_size=1, sp=sp, checkpointing=True)
     with actor_group(OARActorRolloutRefWorker, cfg, ray_tmp, n_ranks) as wg:
         def nested(rows):
             return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
