@@ -16,6 +16,7 @@ usage:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -44,6 +45,8 @@ MORE_METHODS = ("oar_g_k4", "path_m2", "oar_p_exact")
 LABELS = {"oar_g_k1": "OAR-G K=1", "fisher_k1": "fisher", "oar_g_k4": "OAR-G K=4", "path_m2": "path M=2",
           "oar_p_exact": "exact OAR-P"}
 NOT_RUN = "not run (budget), rerun to resume"
+NO_VERL = ("not run: needs verl and Ray (on a bare machine: `python -m devtools.gpu_bundle build` here, then carry "
+           ".gpu_bundle/; scripts/gpu_check.sh installs it)")
 RESERVE_S = 10.0  # kept back from the budget for the summary (device metadata, JSON, table)
 TINY = {2048: 48, 4096: 64, 16384: 128}  # --tiny: the plan's lengths, scaled down
 
@@ -321,7 +324,8 @@ def run_verl_worker(shape: str, variants: list[str], device: str, partial: Path,
     from research import verl_worker
 
     plan = replace(verl_worker.TINY if shape == "tiny" else verl_worker.GPU, repeats=repeats)
-    work = Path(tempfile.gettempdir()) / f"oar-gpu-check-verl-worker-{shape}"
+    # the model (3 GB at 1.5B) is kept out of --out (what a GPU slot sends back) and reused by a resumed run
+    work = Path(os.environ.get("GPU_CHECK_WORK") or tempfile.gettempdir()) / f"oar-gpu-check-verl-worker-{shape}"
     work.mkdir(parents=True, exist_ok=True)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     result: dict = {"part": VERL_WORKER, "shape": shape, "points": []}
@@ -372,6 +376,13 @@ def run_part(kind: str, shape: str, lengths: list, methods: list[str], validate_
 # ---------------------------------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def _verl_importable() -> bool:
+    try:
+        return importlib.util.find_spec("verl") is not None
+    except ImportError:  # an import hook that refuses it
+        return False
 
 
 def _point_key(text: str) -> int | str:
@@ -435,6 +446,10 @@ def run_all(args, argv: list[str], parts: list[Part], cost: CostModel) -> dict:
         est = args.estimates.get(name, estimate(part, todo, args.rows, cost, args.repeats)) * scale
         left = args.budget_s - (time.time() - STARTED) - RESERVE_S
         res.update(estimate_s=est, time_left_s=left, todo_lengths=todo)
+        if part.kind == VERL_WORKER and not _verl_importable():
+            results[name] = {**res, "status": NO_VERL, "this_run": NO_VERL}
+            say(f"{name}: {NO_VERL}")
+            continue
         if est > left:
             results[name] = {**res, "status": NOT_RUN, "this_run": NOT_RUN}
             say(f"{name}: {NOT_RUN} (estimated {est:.0f} s, {max(left, 0):.0f} s left)")
@@ -690,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--device cuda: no CUDA device visible to torch (use --device cpu --tiny for the smoke run)")
     summary = run_all(args, argv, parts, cost)
     print(markdown(summary))
-    failed = [name for name, p in summary["parts"].items() if p["status"] not in ("done", NOT_RUN)]
+    failed = [name for name, p in summary["parts"].items() if p["status"] not in ("done", NOT_RUN, NO_VERL)]
     for check in failed_checks(summary):
         print(f"[gpu_check] verl-worker check failed: {check}", file=sys.stderr)
     return 1 if failed or failed_checks(summary) else 0

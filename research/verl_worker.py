@@ -28,6 +28,7 @@ import collections
 import importlib.metadata as md
 import os
 import random
+import shutil
 import sys
 import time
 import traceback
@@ -97,8 +98,10 @@ def build_inputs(out_dir: Path, plan: Plan, lengths, seed: int = 0) -> tuple[str
     rng = random.Random(seed)
     texts = [" ".join(sentence(rng, i) for i in range(400)) for _ in range(len(lengths))]
     model_dir = out_dir / "model"
-    if not (model_dir / "config.json").exists():
-        train_tiny_bpe(texts + ["What is 12 plus 30? The answer is 42."], vocab_size=1024, out_dir=model_dir)
+    if not model_dir.exists():  # built beside it, then renamed: a stopped build leaves no half model behind
+        building = out_dir / f"model.building-{os.getpid()}"
+        shutil.rmtree(building, ignore_errors=True)
+        train_tiny_bpe(texts + ["What is 12 plus 30? The answer is 42."], vocab_size=1024, out_dir=building)
         layers, hidden, heads, kv, head_dim, inter, vocab, tied = scaling.SHAPES[plan.shape]
         cfg = Qwen2Config(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                           num_key_value_heads=kv, head_dim=head_dim, intermediate_size=inter, vocab_size=vocab,
@@ -107,8 +110,9 @@ def build_inputs(out_dir: Path, plan: Plan, lengths, seed: int = 0) -> tuple[str
         device = "cuda" if torch.cuda.is_available() else "cpu"
         with torch.device(device):
             model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-        model.save_pretrained(model_dir, safe_serialization=True)
+        model.save_pretrained(building, safe_serialization=True)
         del model
+        building.rename(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts, responses = [], []
     for i, (n, text) in enumerate(zip(lengths, texts)):
