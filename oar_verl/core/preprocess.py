@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from oar_verl.core.methods.attribution import METHODS, probe_kinds
-from oar_verl.core.checks.startup import check_config
+from oar_verl.core.checks.startup import check_config, require_resolved
 from oar_verl.core.config import OARConfig
 from oar_verl.core.methods.gradient import sequence_seeds
 from oar_verl.core.batch.layout import (AttributionBatch, build_attribution_batch, build_reference_responses,
@@ -134,7 +134,7 @@ def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[tor
         OARConfigError: ``mask=pad`` / ``mask=token`` with an unsafe token (an EOS, end-of-turn or other special
             token; :func:`oar_verl.core.checks.mask_token.unsafe_mask_reason`).
     """
-    check_config(cfg)  # the names and their combinations (core-only users have no start-up)
+    check_config(require_resolved(cfg))  # the names and their combinations (core-only users have no start-up)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     prompt_ids, prompt_mask = pad_rows(prompts, pad_id, left=True)
     response_ids, response_mask = pad_rows(responses, pad_id, left=False)

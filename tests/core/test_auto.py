@@ -221,9 +221,31 @@ def test_the_auto_keys_are_validated_naming_the_key():
     with pytest.raises(OARConfigError, match=r"names a mode twice"):
         OARConfig(auto_candidates=["gradient", "gradient"])
     assert OARConfig.from_mapping({"mode": "auto", "auto_candidates": ["gradient"]}).auto_candidates == ("gradient",)
-    with pytest.raises(OARConfigError, match=r"mode=auto reached an attribution"):
+    with pytest.raises(OARConfigError, match=r"mode=auto is decided by the OAR trainer step"):
         require_resolved(cfg)
     assert startup_checks(cfg) == []
+
+
+def test_core_calls_refuse_auto_and_say_who_decides_it(lm64, make_batch):
+    """``mode=auto`` through the core (no trainer step to resolve it): every entry point says that the trainer step
+    decides ``auto`` and how a core user picks a mode, never "not a registered attribution method"."""
+    from oar_verl.core import oar_advantages
+    from oar_verl.core.methods.attribution import module_backend, run_attribution
+    from oar_verl.core.pipeline import attribute
+
+    cfg = OARConfig(mode="auto")
+    batch = build_attribution_batch(*make_batch(B=2, P=4, T=10, seed=3), torch.full((2,), int(ProbeKind.AS_MEAN)))
+    tok = type("Tok", (), {"pad_token_id": 0})()
+    rows = [torch.tensor([5, 6, 7])] * 2
+    calls = {"run_attribution": lambda: run_attribution(module_backend(lm64, cfg), batch, cfg),
+             "attribute": lambda: attribute(lm64, rows, rows, tok, cfg),
+             "oar_advantages": lambda: oar_advantages(lm64, rows, rows, torch.tensor([1.0, -1.0]), tok, cfg)}
+    for name, call in calls.items():
+        with pytest.raises(OARConfigError) as e:
+            call()
+        msg = str(e.value)
+        assert "decided by the OAR trainer step" in msg and "gradient" in msg and "measure_candidates" in msg, name
+        assert "not a registered" not in msg, name
 
 
 # -- the evidence on a real model -------------------------------------------------------------------------------------
@@ -282,7 +304,7 @@ def test_measure_candidates_scores_each_candidate_on_the_first_rows(make_lm):
     for name in ("fisher", "gradient", "random", "position"):
         torch.testing.assert_close(got["aopc"][name][measured], ref[name], rtol=1e-7, atol=1e-12)
     assert set(got["seconds_per_token"]) == {"fisher", "gradient"} and float(got["tokens"]) > 0
-    with pytest.raises(OARConfigError, match="mode=auto reached an attribution"):
+    with pytest.raises(OARConfigError, match="mode=auto is decided by the OAR trainer step"):
         measure_candidates(p, r, tok, OARConfig(mode="auto"), 3, ("gradient",), backend_for, has_reasoning=has)
 
 

@@ -214,7 +214,7 @@ def test_mode_auto_calibrates_decides_rechecks_and_resumes(setup, tmp_path, caps
     alg = algorithm(mode="auto", probe="as_mean", auto_rows=2, auto_prompts=1, auto_every=2, auto_fallback="best",
                     fidelity_rows=2)
     step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None)
-    with pytest.raises(OARConfigError, match="mode=auto reached an attribution"):
+    with pytest.raises(OARConfigError, match="mode=auto is decided by the OAR trainer step"):
         step.worker_options(1)  # nothing sends mode=auto to a worker
     io = AutoIO(tok, model, prompts, responses, SCORES)
     _, att, timing, metrics = run_step(step, io, global_step=1)

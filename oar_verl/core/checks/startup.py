@@ -93,11 +93,16 @@ def concrete_configs(cfg: OARConfig) -> list[OARConfig]:
 
 
 def require_resolved(cfg: OARConfig) -> OARConfig:
-    """``cfg``, or an OARConfigError when its mode is still ``auto``: the driver's selector resolves it to a registered
-    mode before anything attributes (oar_verl.core.auto)."""
+    """``cfg``, or an OARConfigError when its mode is still ``auto``: ``auto`` is decided by the OAR trainer step (its
+    selector, oar_verl.core.auto, resolves it to a registered mode before anything attributes); a core call
+    (``attribute``, ``oar_advantages``, ``run_attribution``) needs a concrete mode, and the error says how to pick one."""
     if cfg.mode == AUTO_MODE:
-        raise OARConfigError(f"{cfg.prefix}.mode=auto reached an attribution: the driver must resolve it to one of "
-                             f"{', '.join(registered_names()['mode'])} (oar_verl.core.auto.AutoSelector)")
+        raise OARConfigError(
+            f"{cfg.prefix}.mode=auto is decided by the OAR trainer step, not by an attribution call: the step scores "
+            f"{cfg.prefix}.auto_candidates against free controls on the run's own batches and resolves it to a method "
+            f"(docs/auto.md). Give a core call a concrete mode, one of {', '.join(registered_names()['mode'])} "
+            "(docs/method.md); to choose one on your own rows by the deletion metric, score the candidates with "
+            "oar_verl.core.auto.measure.measure_candidates")
     return cfg
 
 

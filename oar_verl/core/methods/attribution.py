@@ -22,7 +22,7 @@ from oar_verl.core.backends.base import AttributionBackend
 from oar_verl.core.backends.hf import ModuleBackend
 from oar_verl.core.backends.ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.backends.budget import Fits, PassLimits
-from oar_verl.core.checks.startup import check_config
+from oar_verl.core.checks.startup import check_config, require_resolved
 from oar_verl.core.config import OARConfig
 from oar_verl.core.batch.layout import AttributionBatch, build_attribution_batch, with_segments
 from oar_verl.core.methods.contract import METHODS, AttributionResult, MethodInputs
@@ -104,7 +104,7 @@ def run_attribution(backend: AttributionBackend, batch: AttributionBatch, cfg: O
     Returns:
         AttributionResult: (B, L) float32 importance (0 off the reasoning tokens) and what ran.
     """
-    check_config(cfg)  # the names and their combinations (core-only users have no start-up)
+    check_config(require_resolved(cfg))  # the names and their combinations (core-only users have no start-up)
     return METHODS.get(cfg.mode).run(backend, batch, cfg, MethodInputs(mask_token_id, seeds))
 
 
