@@ -23,7 +23,8 @@ from oar_verl.core.batch.probes import ProbeKind
 
 __all__ = ["Outcome", "outcome", "shift", "mask_vector", "oar_p", "oar_p_segments", "oar_p_hierarchical", "oar_g",
            "fisher", "fisher_jacobian", "fisher_full", "fisher_sketch_variance", "token_weights", "batch_oar_p",
-           "batch_oar_g", "batch_fisher", "path", "batch_path"]
+           "batch_oar_g", "batch_fisher", "path", "batch_path", "conservative_logits", "conservative",
+           "batch_conservative"]
 
 
 @dataclass(frozen=True)
@@ -407,4 +408,86 @@ def batch_path(model, prompts, prompt_mask, responses, response_mask, reasoning_
         ids, reasoning, answer, p = _row(prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,
                                          b)
         out[b, : len(ids) - p] = path(model, ids, reasoning, answer, kind, mask_token_id, points)[p:]
+    return out
+
+
+def conservative_logits(model: torch.nn.Module, embeddings: torch.Tensor) -> torch.Tensor:
+    """(L, V) float64 logits of one unpadded sequence from its (L, H) input embeddings, computed by hand from a Qwen2
+    (or Llama) model's weights with the conservative rules written into the forward (docs/method.md §13): the norm
+    scale rsqrt(mean x² + ε) detached, queries and keys detached after RoPE (the attention probabilities constant),
+    SiLU by the identity rule (silu(g) = g · [silu(g)/g], the ratio detached) and the gate × up product by the half
+    rule. The values are the model's own; only the backward differs from the plain forward's."""
+    cfg = model.config
+    L, H = embeddings.shape
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or H // heads
+    theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    angles = torch.arange(L, dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]  # (L, 1, hd)
+
+    def rope(x):  # (L, n, hd)
+        return x * cos + torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1) * sin
+
+    def norm(x, weight, eps):
+        return weight.double() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps).detach())
+
+    def linear(x, lin):
+        return x @ lin.weight.double().T + (lin.bias.double() if lin.bias is not None else 0.0)
+
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    h = embeddings.double()
+    for layer in model.model.layers:
+        att = layer.self_attn
+        x = norm(h, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+        q = rope(linear(x, att.q_proj).view(L, heads, hd)).detach()
+        k = rope(linear(x, att.k_proj).view(L, kv, hd)).detach()
+        v = linear(x, att.v_proj).view(L, kv, hd)
+        k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+        scores = torch.einsum("qnd,knd->nqk", q, k) / math.sqrt(hd)
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+        h = h + linear(torch.einsum("nqk,knd->qnd", probs, v).reshape(L, heads * hd), att.o_proj)
+        x = norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+        mlp = layer.mlp
+        gate, up = linear(x, mlp.gate_proj), linear(x, mlp.up_proj)
+        ratio = torch.where(gate != 0, torch.nn.functional.silu(gate) / torch.where(gate != 0, gate, 1.0), 0.0)
+        act = gate * ratio.detach()
+        h = h + linear(0.5 * (act * up.detach() + act.detach() * up), mlp.down_proj)
+    h = norm(h, model.model.norm.weight, model.model.norm.variance_epsilon)
+    return linear(h, model.lm_head)
+
+
+def conservative(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int],
+                 kind: ProbeKind) -> torch.Tensor:
+    """``mode=conservative`` of one sequence with an answer (docs/method.md §13): ⟨∂φ/∂e_t, e_t⟩ through
+    :func:`conservative_logits`, φ the answer tokens' log-probability over the probe's positions (LT-Logits: the
+    first answer token; AS-Mean and AS-Joint: the mean over the answer tokens).
+
+    Returns:
+        (L,) float64 signed relevance, 0 off the reasoning positions.
+    """
+    importance = torch.zeros(len(ids), dtype=torch.float64)
+    if not reasoning:
+        return importance
+    with torch.no_grad():
+        embeddings = model.get_input_embeddings()(ids[None])[0].double()
+    e = embeddings.clone().requires_grad_(True)
+    logits = conservative_logits(model, e)
+    targets = answer[:1] if kind == ProbeKind.LT_LOGITS else answer
+    phi = sum(torch.log_softmax(logits[a - 1], -1)[ids[a]] for a in targets) / len(targets)
+    (grad,) = torch.autograd.grad(phi, e)
+    for t in reasoning:
+        importance[t] = (grad[t] * embeddings[t]).sum()
+    return importance
+
+
+def batch_conservative(model, prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,
+                       kind: ProbeKind) -> torch.Tensor:
+    """(B, T) float64 response-aligned ``mode=conservative`` of a verl-layout batch, row by row."""
+    out = torch.zeros(responses.shape, dtype=torch.float64)
+    for b in range(responses.shape[0]):
+        ids, reasoning, answer, p = _row(prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,
+                                         b)
+        scores = conservative(model, ids, reasoning, answer, kind)
+        out[b, : len(ids) - p] = scores[p:]
     return out

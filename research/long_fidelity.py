@@ -71,6 +71,8 @@ METHODS = {
     # integrated gradients along the mask path, every reasoning token moved together (#36 item 4)
     "path_m1": {"mode": "path", "path_points": 1, "mask": "mean"},
     "path_m2": {"mode": "path", "path_points": 2, "mask": "mean"},
+    # conservative propagation: gradient × input of the answer's log-probability, relevance conserved (#46 item 1)
+    "conservative": {"mode": "conservative"},
 }
 # rankings derived from another method's scores at no extra cost (#36 item 4): the distance-normalised gradient,
 # each score over the moving mean of the scores within DN_WIDTH reasoning tokens of it, which divides out how a token's
@@ -80,7 +82,7 @@ DERIVED = {"oar_g_dn": "oar_g", "fisher_k1_mean_dn": "fisher_k1_mean"}
 DN_WIDTH = 64
 # a method run on the model rounded to bf16 (the actor's compute dtype on a GPU), its removals still measured on the
 # fp32 model: does bf16 rounding cost credit on a trained model? (docs/gpu_check.md measured it on random weights)
-LOW_PRECISION = {"oar_g_bf16": "oar_g", "fisher_k1_mean_bf16": "fisher_k1_mean"}
+LOW_PRECISION = {"oar_g_bf16": "oar_g", "fisher_k1_mean_bf16": "fisher_k1_mean", "conservative_bf16": "conservative"}
 BASE = {"target": "reference", "conclude_text": "\n#### ", "answer_patterns": ("gsm8k",), "probe": "as_mean"}
 OPERATORS = ("token", "zero", "delete", "resample")  # `token`: the model's plain mask token, as the methods mask
 STATS = ("naopc", "naopc_logp", "suppression", "mass", "aopc")

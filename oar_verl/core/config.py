@@ -59,10 +59,12 @@ class OARConfig:
     mode: str = _key("gradient", "method",
                      "`gradient` (OAR-G: gradient x input under embedding noise), `perturbation` (OAR-P: one-token "
                      "masking, the probe's change per masked token), `fisher` (OAR-P's masking KL to second order "
-                     "from clean-point gradients: about OAR-G's cost; docs/method.md §11) or `path` (integrated "
+                     "from clean-point gradients: about OAR-G's cost; docs/method.md §11), `path` (integrated "
                      "gradients of the shift along the mask path, every reasoning token moved together: OAR-G's "
-                     "cost with `path_points` draws; docs/method.md §12); `auto`: the run chooses among "
-                     "`auto_candidates` on its own rows (docs/auto.md).")
+                     "cost with `path_points` draws; docs/method.md §12) or `conservative` (gradient x input of the "
+                     "answer's log-probability with relevance conserved through attention, norms and the gated MLP: "
+                     "one clean input-gradient pass; FSDP / Ulysses, not Megatron; docs/method.md §13); `auto`: the "
+                     "run chooses among `auto_candidates` on its own rows (docs/auto.md).")
     preset: str = _key("paper", "method",
                        "`paper` (tau = 0.4, beta = 2.0, the paper's summaries) or `official_code` (tau = 0.25, "
                        "beta = 1.0, the official OAR-main.py); an explicit `tau` / `beta` wins over the preset.")

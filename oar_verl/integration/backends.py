@@ -79,8 +79,11 @@ def _megatron_backend(engine, cfg: OARConfig, tokens: int, *, pad_id: int, check
 
 
 def _megatron_startup_error(config) -> str | None:
-    from oar_verl.integration.megatron.layout_checks import megatron_layout_error
+    from oar_verl.integration.megatron.layout_checks import megatron_layout_error, megatron_mode_error
 
+    mode_error = megatron_mode_error(config.get("algorithm", {}).get("oar", {}))
+    if mode_error:
+        return mode_error
     model = config.actor_rollout_ref.model
     return megatron_layout_error(config.actor_rollout_ref.actor.get("megatron", {}),
                                  mtp_enabled=bool(model.get("mtp", {}).get("enable", False)),

@@ -13,3 +13,12 @@ def test_layout_errors_name_the_setting():
     assert "use_fused_kernels" in megatron_layout_error({"use_fused_kernels": True})
     assert "dynamic_context_parallel" in megatron_layout_error({"dynamic_context_parallel": True})
     assert "mtp" in megatron_layout_error({}, mtp_enabled=True)
+
+
+def test_conservative_is_refused_at_startup_on_megatron():
+    from oar_verl.integration.megatron.layout_checks import megatron_mode_error
+
+    assert megatron_mode_error({"mode": "gradient"}) is None
+    assert "mode=conservative is not available on the Megatron engine" in megatron_mode_error({"mode": "conservative"})
+    assert megatron_mode_error({"mode": "auto", "auto_candidates": ["fisher", "conservative"]}) is not None
+    assert megatron_mode_error({"mode": "auto", "auto_candidates": ["fisher"]}) is None

@@ -144,6 +144,8 @@ class AttributionBackend(Protocol):
 
     def share(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    def conservative(self) -> contextlib.AbstractContextManager: ...
+
 
 class DenseProbeTable:
     """Clean probes of ``size`` rows as dense (size, V) / (size,) tensors (Hugging Face modules, Ulysses)."""

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 # the methods register themselves in METHODS when imported
+import oar_verl.core.methods.conservative  # noqa: F401
 import oar_verl.core.methods.fisher  # noqa: F401
 import oar_verl.core.methods.gradient  # noqa: F401
 import oar_verl.core.methods.path  # noqa: F401

@@ -5,7 +5,21 @@ No megatron-core import: the start-up check runs in the driver, which may not ha
 
 from __future__ import annotations
 
-__all__ = ["MegatronLayoutError", "check_megatron_layout", "megatron_layout_error"]
+__all__ = ["CONSERVATIVE_UNSUPPORTED", "MegatronLayoutError", "check_megatron_layout", "megatron_layout_error",
+           "megatron_mode_error"]
+
+CONSERVATIVE_UNSUPPORTED = ("algorithm.oar.mode=conservative is not available on the Megatron engine yet: its "
+                            "propagation rules are written for Hugging Face modules (actor_rollout_ref.actor.strategy="
+                            "fsdp / fsdp2, with or without Ulysses); on Megatron use gradient, fisher, path or "
+                            "perturbation")
+
+
+def megatron_mode_error(oar) -> str | None:
+    """Why the Megatron engine cannot run the configured method(s), or None: ``oar`` the ``algorithm.oar`` mapping
+    (``mode``, and with ``mode=auto`` its ``auto_candidates``)."""
+    oar = oar or {}
+    modes = {oar.get("mode")} | (set(oar.get("auto_candidates") or ()) if oar.get("mode") == "auto" else set())
+    return CONSERVATIVE_UNSUPPORTED if "conservative" in modes else None
 
 
 class MegatronLayoutError(NotImplementedError):

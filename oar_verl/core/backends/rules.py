@@ -1,0 +1,115 @@
+"""Conservative propagation rules on a Hugging Face causal LM (``mode=conservative``; docs/method.md §13).
+
+Inside :func:`conservative_rules` the forward computes exactly what it computes outside (every value the same), and
+the backward treats three non-linearities as constants of the forward (Ali et al. 2022; AttnLRP, Achtibat et al.
+2024), so that gradient × input conserves relevance through the layers:
+
+* attention: queries and keys detached (the attention probabilities constant; the values carry the gradient);
+* RMSNorm: the normalisation's scale detached (y = x ⊙ s with s = w·rsqrt(mean x² + ε) constant);
+* gated MLP ``down(act(gate(x)) * up(x))``: the activation by the identity rule (act(g) = g · [act(g)/g], the ratio
+  constant) and the product by the half rule (a·u with half the gradient to each factor).
+
+Generic over the model family: attention through transformers' attention interface (the registered implementation
+the model uses, and ``eager_attention_forward`` of its modelling module), norms by class name (``*RMSNorm``), MLPs by
+their ``gate_proj`` / ``up_proj`` / ``down_proj`` / ``act_fn``. Checked on Qwen2 and Gemma 3 modules
+(tests/core/test_conservative.py); a model with none of these raises instead of running plain gradient × input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Iterator
+
+import torch
+
+
+def detached_ratio(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """out / x elementwise in fp32 or wider (0 where x = 0), detached: the constant of a rule that keeps a map's
+    value and passes its gradient as if it were linear."""
+    wide = torch.promote_types(out.dtype, torch.float32)
+    xf, of = x.detach().to(wide), out.detach().to(wide)
+    return torch.where(xf != 0, of / torch.where(xf != 0, xf, 1.0), 0.0)
+
+
+def linear_rule(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``out``'s value with the gradient of x ↦ x · (out / x) at constant ratio (the identity and norm rules)."""
+    return out.detach() + ((x - x.detach()).to(torch.promote_types(out.dtype, torch.float32))
+                           * detached_ratio(out, x)).to(out.dtype)
+
+
+def half_rule(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """a · u with half the gradient to each factor (the same value: 0.5 · (a·u + a·u) is exact)."""
+    return 0.5 * (a * u.detach() + a.detach() * u)
+
+
+def _attention_rule(fn):
+    @functools.wraps(fn)
+    def attention(module, query, key, value, *args, **kwargs):
+        return fn(module, query.detach(), key.detach(), value, *args, **kwargs)
+
+    return attention
+
+
+def _mlp_forward(mlp):
+    def forward(x):
+        gate = mlp.gate_proj(x)
+        return mlp.down_proj(half_rule(linear_rule(mlp.act_fn(gate), gate), mlp.up_proj(x)))
+
+    return forward
+
+
+def _is_gated_mlp(module: torch.nn.Module) -> bool:
+    return all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
+def _is_rmsnorm(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm")
+
+
+@contextlib.contextmanager
+def conservative_rules(model: torch.nn.Module) -> Iterator[None]:
+    """Apply the rules to ``model`` (plain or FSDP-wrapped) for the forwards and backwards run inside; everything is
+    restored on the way out, on error too.
+
+    Raises:
+        ValueError: the model has no attention, RMSNorm or gated MLP module the rules know (a family they were not
+            written for: the scores would be plain gradient × input under another name).
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    modules = list(model.modules())
+    attention = [m for m in modules if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "v_proj")]
+    norms = [m for m in modules if _is_rmsnorm(m)]
+    mlps = [m for m in modules if _is_gated_mlp(m)]
+    if not (attention and norms and mlps):
+        raise ValueError(f"mode=conservative: {type(model).__name__} has no {'attention' if not attention else ''}"
+                         f"{' RMSNorm' if not norms else ''}{' gated MLP' if not mlps else ''} module the rules know "
+                         "(q/k/v_proj attention, *RMSNorm, gate/up/down_proj MLP)")
+    impls = {getattr(getattr(m, "config", None), "_attn_implementation", None) or "eager" for m in attention}
+    undo: list = []
+    try:
+        for impl in sorted(impls - {"eager"}):  # the registered implementation, wrapped in this interface's map
+            had = impl in ALL_ATTENTION_FUNCTIONS._local_mapping
+            previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(impl)
+            ALL_ATTENTION_FUNCTIONS[impl] = _attention_rule(ALL_ATTENTION_FUNCTIONS[impl])
+            undo.append(lambda impl=impl, had=had, previous=previous: (
+                ALL_ATTENTION_FUNCTIONS.__setitem__(impl, previous) if had else ALL_ATTENTION_FUNCTIONS.__delitem__(impl)))
+        if "eager" in impls:  # the modelling modules' own eager function, looked up at call time
+            for name in sorted({type(m).__module__ for m in attention}):
+                mod = sys.modules[name]
+                if hasattr(mod, "eager_attention_forward"):
+                    original = mod.eager_attention_forward
+                    mod.eager_attention_forward = _attention_rule(original)
+                    undo.append(lambda mod=mod, original=original: setattr(mod, "eager_attention_forward", original))
+        for norm in norms:
+            handle = norm.register_forward_hook(lambda m, args, out: linear_rule(out, args[0]))
+            undo.append(handle.remove)
+        for mlp in mlps:
+            mlp.forward = _mlp_forward(mlp)  # an instance attribute over the class's forward
+            undo.append(lambda mlp=mlp: delattr(mlp, "forward"))
+        yield
+    finally:
+        for step in reversed(undo):
+            step()

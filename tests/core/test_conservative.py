@@ -1,0 +1,148 @@
+"""``mode=conservative`` (oar_verl.core.methods.conservative, oar_verl.core.backends.rules) against the float64
+reference of its own definition (devtools/reference.py: a hand-written Qwen2 forward with the rules in it), the
+conservation it is named for, and the rules' contract (values unchanged, everything restored, no silent fallback)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from devtools import reference
+from oar_verl.core import OARConfig, module_backend, run_attribution
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.backends.hf import ModuleBackend
+from oar_verl.core.backends.rules import conservative_rules
+from oar_verl.core.batch.layout import build_attribution_batch
+from oar_verl.core.batch.probes import ProbeKind
+from oar_verl.core.methods.conservative import conservative
+
+
+def with_biases(model):
+    """The model with random q/k/v biases (a random init has zero ones): the value path's bias must be the
+    reference's too, the query and key biases must not matter."""
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def lm(make_lm):
+    return with_biases(make_lm(torch.float64, seed=4))
+
+
+def answered_rows(make_batch, seed: int):
+    """A batch whose every row has reasoning and an answer (the target is the answer's log-probability)."""
+    rows = make_batch(B=6, P=4, T=12, seed=seed)
+    keep = rows[4].any(-1) & rows[5].any(-1)
+    assert int(keep.sum()) >= 3
+    return tuple(t[keep] for t in rows)
+
+
+@pytest.mark.parametrize("kind", [ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN, ProbeKind.AS_JOINT])
+@pytest.mark.parametrize("tokens,checkpointing", [(10**6, True), (16, False)])  # one pass; a pass per row
+def test_matches_the_float64_reference_of_its_definition(lm, make_batch, kind, tokens, checkpointing):
+    rows = answered_rows(make_batch, seed=5)
+    batch = build_attribution_batch(*rows, torch.full((rows[0].shape[0],), int(kind)))
+    got, passes = conservative(ModuleBackend(lm, PassLimits(tokens), checkpointing=checkpointing), batch)
+    ref = reference.batch_conservative(lm, *rows, kind)
+    torch.testing.assert_close(got[:, batch.response_start:].double(), ref, rtol=1e-6, atol=1e-12)
+    assert int((ref != 0).sum()) > 10 and (ref < 0).any() and (ref > 0).any()  # signed relevance
+    assert bool((got[~batch.reasoning_mask] == 0).all())
+    assert (passes == 1) == (tokens > 10**5)
+
+
+def test_through_the_registry_with_any_probe_and_budget_invariant(lm, make_batch):
+    rows = answered_rows(make_batch, seed=8)
+    kinds = torch.tensor([ProbeKind.AS_MEAN, ProbeKind.LT_LOGITS, ProbeKind.AS_JOINT][: rows[0].shape[0]]
+                         + [ProbeKind.AS_MEAN] * max(0, rows[0].shape[0] - 3))
+    batch = build_attribution_batch(*rows, kinds)
+    cfg = OARConfig(mode="conservative")
+    big = run_attribution(module_backend(lm, cfg, limits=PassLimits(10**6)), batch, cfg).importance
+    small = run_attribution(module_backend(lm, cfg, limits=PassLimits(12)), batch, cfg).importance
+    torch.testing.assert_close(big, small, rtol=1e-9, atol=1e-12)
+
+
+def _relevance_and_target(model, ids: torch.Tensor, position: int, token: int):
+    """Σ_t ⟨∂ℓ/∂e_t, e_t⟩ over every input token, the bias terms' share Σ_b ⟨∂ℓ/∂b, b⟩ and ℓ's linear part
+    z_token − E_p[z] for ℓ = log p(token) at ``position``, under the rules (float64)."""
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    e = model.get_input_embeddings()(ids[None]).detach().requires_grad_(True)
+    for b in biases:
+        b.requires_grad_(True)
+    try:
+        with conservative_rules(model):
+            z = model(inputs_embeds=e).logits[0, position]
+            grads = torch.autograd.grad(torch.log_softmax(z, -1)[token], [e, *biases], allow_unused=True)
+    finally:
+        for b in biases:
+            b.requires_grad_(False)
+    share = sum(float((g * b).sum()) for g, b in zip(grads[1:], biases) if g is not None)
+    z = z.detach()
+    return float((grads[0] * e).sum()), share, float(z[token] - (z.softmax(-1) * z).sum())
+
+
+def gemma3(seed: int = 0):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                           layer_types=["sliding_attention", "full_attention"], attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(cfg).double().eval()
+    with torch.no_grad():  # Gemma's norms scale by (1 + w): random w, so the rule sees a real scale
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("family,attention", [("qwen2", "sdpa"), ("qwen2", "eager"), ("gemma3", "sdpa"),
+                                              ("gemma3", "eager")])
+def test_relevance_is_conserved(make_lm, family, attention):
+    """Under the rules the network is linear in its input embeddings and biases: the relevance of every input token
+    plus the biases' share is the target's linear part, z_a − E_p[z] (the log-softmax's own normaliser, the only
+    non-linearity left, contributes −E_p[z]). Qwen2 (attention biases) and Gemma 3 (scaled embeddings, (1 + w) norms,
+    query/key norms, GELU, a sliding window shorter than the row)."""
+    model = with_biases(make_lm(torch.float64, seed=2)) if family == "qwen2" else gemma3()
+    model.set_attn_implementation(attention)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    ids = torch.randint(1, 50, (14,), generator=torch.Generator().manual_seed(3))
+    relevance, share, target = _relevance_and_target(model, ids, 11, int(ids[12]))
+    assert relevance + share == pytest.approx(target, rel=1e-9, abs=1e-12)
+    assert abs(relevance) > 1e-3 and (family == "gemma3" or abs(share) > 1e-6)  # the biases do carry some
+    # without the rules the same sum is not conserved (the check can fail)
+    e = model.get_input_embeddings()(ids[None]).detach().requires_grad_(True)
+    z = model(inputs_embeds=e).logits[0, 11]
+    (g,) = torch.autograd.grad(torch.log_softmax(z, -1)[int(ids[12])], e)
+    assert abs(float((g * e).sum()) + share - target) > 1e-3
+
+
+def test_rules_keep_every_value_and_restore_the_model(lm):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ids = torch.randint(1, 90, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = lm(ids).logits
+        with conservative_rules(lm):
+            inside = lm(ids).logits
+    assert torch.equal(inside, before)
+    local = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
+    with pytest.raises(RuntimeError, match="boom"), conservative_rules(lm):
+        raise RuntimeError("boom")
+    assert ALL_ATTENTION_FUNCTIONS._local_mapping == local
+    assert not any("forward" in m.__dict__ for m in lm.modules())
+    assert not any(m._forward_hooks for m in lm.modules())
+    with torch.no_grad():
+        assert torch.equal(lm(ids).logits, before)
+
+
+def test_a_family_without_the_rules_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40)).eval()
+    with pytest.raises(ValueError, match="mode=conservative: GPT2LMHeadModel has no"), conservative_rules(model):
+        pass
