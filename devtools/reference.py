@@ -458,10 +458,16 @@ def conservative_logits(model: torch.nn.Module, embeddings: torch.Tensor) -> tor
 
 
 def conservative(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int],
-                 kind: ProbeKind) -> torch.Tensor:
-    """``mode=conservative`` of one sequence with an answer (docs/method.md §13): ⟨∂φ/∂e_t, e_t⟩ through
-    :func:`conservative_logits`, φ the answer tokens' log-probability over the probe's positions (LT-Logits: the
-    first answer token; AS-Mean and AS-Joint: the mean over the answer tokens).
+                 kind: ProbeKind, on_module: bool = False, pad_id: int = 0) -> torch.Tensor:
+    """``mode=conservative`` of one sequence (docs/method.md §13): ⟨∂φ/∂e_t, e_t⟩ with φ the answer tokens'
+    log-probability over the probe's positions (LT-Logits: the first answer token; AS-Mean and AS-Joint: the mean over
+    the answer tokens; no answer: LT-Logits' fallback position, the last reasoning token, and the token after it).
+
+    Args:
+        on_module: run the model's own modules under :func:`oar_verl.core.backends.rules.conservative_rules` (any
+            family; a per-sequence reference of the batched, padded fast path) instead of the hand-written Qwen2
+            forward :func:`conservative_logits` (the rules' own definition).
+        pad_id: the token after a sequence's last position (what the batch's shifted targets hold there).
 
     Returns:
         (L,) float64 signed relevance, 0 off the reasoning positions.
@@ -469,25 +475,37 @@ def conservative(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int]
     importance = torch.zeros(len(ids), dtype=torch.float64)
     if not reasoning:
         return importance
+    if answer:
+        targets = [(a - 1, int(ids[a])) for a in (answer[:1] if kind == ProbeKind.LT_LOGITS else answer)]
+    else:
+        position = reasoning[-1]
+        targets = [(position, int(ids[position + 1]) if position + 1 < len(ids) else pad_id)]
     with torch.no_grad():
-        embeddings = model.get_input_embeddings()(ids[None])[0].double()
+        embeddings = model.get_input_embeddings()(ids[None])[0]
     e = embeddings.clone().requires_grad_(True)
-    logits = conservative_logits(model, e)
-    targets = answer[:1] if kind == ProbeKind.LT_LOGITS else answer
-    phi = sum(torch.log_softmax(logits[a - 1], -1)[ids[a]] for a in targets) / len(targets)
-    (grad,) = torch.autograd.grad(phi, e)
+    if on_module:
+        from oar_verl.core.backends.rules import conservative_rules
+
+        with conservative_rules(model):
+            logits = model(inputs_embeds=e[None]).logits[0].double()
+            phi = sum(torch.log_softmax(logits[p], -1)[t] for p, t in targets) / len(targets)
+            (grad,) = torch.autograd.grad(phi, e)
+    else:
+        logits = conservative_logits(model, e)
+        phi = sum(torch.log_softmax(logits[p], -1)[t] for p, t in targets) / len(targets)
+        (grad,) = torch.autograd.grad(phi, e)
     for t in reasoning:
-        importance[t] = (grad[t] * embeddings[t]).sum()
+        importance[t] = (grad[t].double() * embeddings[t].double()).sum()
     return importance
 
 
 def batch_conservative(model, prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,
-                       kind: ProbeKind) -> torch.Tensor:
+                       kind: ProbeKind, on_module: bool = False) -> torch.Tensor:
     """(B, T) float64 response-aligned ``mode=conservative`` of a verl-layout batch, row by row."""
     out = torch.zeros(responses.shape, dtype=torch.float64)
     for b in range(responses.shape[0]):
         ids, reasoning, answer, p = _row(prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,
                                          b)
-        scores = conservative(model, ids, reasoning, answer, kind)
+        scores = conservative(model, ids, reasoning, answer, kind, on_module)
         out[b, : len(ids) - p] = scores[p:]
     return out

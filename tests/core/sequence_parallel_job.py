@@ -20,6 +20,7 @@ from oar_verl.core.batch.layout import build_attribution_batch
 from oar_verl.core.batch.probes import ProbeKind
 from oar_verl.core.backends.ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.config import OARConfig
+from oar_verl.core.methods.conservative import conservative
 from oar_verl.core.methods.fisher import fisher
 from oar_verl.core.methods.gradient import oar_g
 from oar_verl.core.methods.mask_operator import mask_replacement
@@ -92,6 +93,8 @@ def main(out_dir: str) -> None:
             results[(int(kind), tokens, "path")] = path_integrated(backend, b, mean, 2)[0]
             # the unbiased estimator: the top outcome exact, the rest in 2 Rademacher sketches (3 loss columns)
             results[(int(kind), tokens, "fs")] = fisher(backend, b, 0, 1, 2, seed=4)[0]
+            # conservative propagation: the rules wrap the sequence-parallel attention itself
+            results[(int(kind), tokens, "cons")] = conservative(backend, b)[0]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -33,8 +33,8 @@ def test_probe_schedule():
 
 
 @pytest.mark.parametrize("values,message", [
-    ({"mode": "grad"}, r"algorithm\.oar\.mode='grad' is not allowed; choose one of: fisher, gradient, path, "
-                          r"perturbation"),
+    ({"mode": "grad"}, r"algorithm\.oar\.mode='grad' is not allowed; choose one of: conservative, fisher, gradient, "
+                          r"path, perturbation"),
     ({"mode": 3}, r"algorithm\.oar\.mode=3 must be a name"),
     ({"probe": None}, r"algorithm\.oar\.probe=None must be a name"),
     ({"tau": 1.0}, r"algorithm\.oar\.tau=1\.0 is out of range: must satisfy 0\.0 <= tau < 1\.0"),

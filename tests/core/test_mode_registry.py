@@ -29,6 +29,7 @@ def test_every_registered_mode_declares_its_traits():
         "perturbation": (True, False, True, False),
         "fisher": (False, True, True, True),
         "path": (False, True, True, True),
+        "conservative": (False, True, False, False),
     }
     for name in METHODS.names():
         entry = METHODS.get(name)
@@ -70,7 +71,7 @@ def test_a_new_method_that_does_not_read_gradients_is_not_warned_of():
     finally:
         METHODS.unregister("test_masking")
     with pytest.raises(OARConfigError, match=r"algorithm\.oar\.mode='test_masking' is not allowed; choose one of: "
-                                             r"fisher, gradient, path, perturbation"):
+                                             r"conservative, fisher, gradient, path, perturbation"):
         check_config(OARConfig(mode="test_masking"))
 
 

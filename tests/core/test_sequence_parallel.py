@@ -19,6 +19,7 @@ import torch
 
 from oar_verl.core.backends.hf import ModuleBackend
 from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.methods.conservative import conservative
 from oar_verl.core.methods.fisher import fisher
 from oar_verl.core.methods.gradient import sequence_seeds
 from oar_verl.core.methods.mask_operator import mask_replacement
@@ -72,6 +73,8 @@ def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
             ref = run_p(lm, b, None, PassLimits(10**6), prefix_cache=False, mask="mean")
         elif method == "fs":
             ref = fisher(ModuleBackend(lm, PassLimits(10**6)), b, 0, 1, 2, seed=4)[0]
+        elif method == "cons":
+            ref = conservative(ModuleBackend(lm, PassLimits(10**6)), b)[0]
         else:
             ref = run_p(lm, b, 0, PassLimits(10**6), prefix_cache=False)
         # the fidelity ratios are NaN where AS-Joint's signed random shift is not positive

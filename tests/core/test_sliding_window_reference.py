@@ -88,6 +88,12 @@ def path_reference(mask: int | str, points: int) -> Callable[..., torch.Tensor]:
     return run
 
 
+def conservative_reference(model, rows, kind, seeds):
+    """The rules on the model's own modules, one unpadded sequence at a time (the rules themselves: the conservation
+    and hand-written Qwen2 checks of tests/core/test_conservative.py)."""
+    return reference.batch_conservative(model, *rows, kind, on_module=True)
+
+
 # every mode registered with reads_gradients=True needs its cases here (test_every_gradient_method_has_a_reference)
 REFERENCES: dict[str, dict[str, Case]] = {
     "gradient": {
@@ -104,6 +110,11 @@ REFERENCES: dict[str, dict[str, Case]] = {
                                fisher_reference(MASK_TOKEN, 3)),
         "sketched-lt_logits": Case({"fisher_outcomes": 1, "fisher_sketches": 2, "seed": SKETCH_SEED, "mask": "token",
                                     "mask_token_id": MASK_TOKEN}, LT_LOGITS, fisher_reference(MASK_TOKEN, 1, 2)),
+    },
+    "conservative": {
+        "lt_logits": Case({}, LT_LOGITS, conservative_reference),
+        "as_mean": Case({}, AS_MEAN, conservative_reference),
+        "as_joint": Case({}, AS_JOINT, conservative_reference),
     },
     "path": {
         "token-lt_logits": Case({"path_points": 2, "mask": "token", "mask_token_id": MASK_TOKEN}, LT_LOGITS,

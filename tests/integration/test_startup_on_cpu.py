@@ -105,7 +105,7 @@ def test_a_bad_name_fails_at_start_up_naming_the_key():
     from oar_verl.core.config import OARConfigError
 
     with pytest.raises(OARConfigError, match=r"algorithm\.oar\.mode='sideways' is not allowed; choose one of: "
-                                             r"fisher, gradient, path, perturbation"):
+                                             r"conservative, fisher, gradient, path, perturbation"):
         validate_oar_setup(config("fsdp", mode="sideways"))
     with pytest.raises(OARConfigError, match=r"algorithm\.oar\.perturbation='fast' is not allowed"):
         validate_oar_setup(config("dtensor_magic", mode="perturbation", perturbation="fast"))
