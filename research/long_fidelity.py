@@ -73,6 +73,9 @@ METHODS = {
     "path_m2": {"mode": "path", "path_points": 2, "mask": "mean"},
     # conservative propagation: gradient × input of the answer's log-probability, relevance conserved (#46 item 1)
     "conservative": {"mode": "conservative"},
+    # OAR-G with noise above bf16's resolution in the logits (#46 item 2)
+    "oar_g_s01": {"mode": "gradient", "noise_std": 1e-2},
+    "oar_g_s05": {"mode": "gradient", "noise_std": 5e-2},
 }
 # rankings derived from another method's scores at no extra cost (#36 item 4): the distance-normalised gradient,
 # each score over the moving mean of the scores within DN_WIDTH reasoning tokens of it, which divides out how a token's
@@ -82,7 +85,8 @@ DERIVED = {"oar_g_dn": "oar_g", "fisher_k1_mean_dn": "fisher_k1_mean"}
 DN_WIDTH = 64
 # a method run on the model rounded to bf16 (the actor's compute dtype on a GPU), its removals still measured on the
 # fp32 model: does bf16 rounding cost credit on a trained model? (docs/gpu_check.md measured it on random weights)
-LOW_PRECISION = {"oar_g_bf16": "oar_g", "fisher_k1_mean_bf16": "fisher_k1_mean", "conservative_bf16": "conservative"}
+LOW_PRECISION = {"oar_g_bf16": "oar_g", "fisher_k1_mean_bf16": "fisher_k1_mean", "conservative_bf16": "conservative",
+                 "oar_g_s01_bf16": "oar_g_s01", "oar_g_s05_bf16": "oar_g_s05"}
 BASE = {"target": "reference", "conclude_text": "\n#### ", "answer_patterns": ("gsm8k",), "probe": "as_mean"}
 OPERATORS = ("token", "zero", "delete", "resample")  # `token`: the model's plain mask token, as the methods mask
 STATS = ("naopc", "naopc_logp", "suppression", "mass", "aopc")
@@ -102,9 +106,15 @@ class Loaded:
     _bf16: torch.nn.Module | None = None
 
     def bf16(self) -> torch.nn.Module:
-        """The model with its weights rounded to bf16 (built once, on first use)."""
+        """The model with its weights rounded to bf16 and its buffers (RoPE's inverse frequencies) kept in fp32, as an
+        actor computes under FSDP2's mixed precision and as ``from_pretrained(dtype=bfloat16)`` loads it (built once,
+        on first use). ``.to(bfloat16)`` alone would round the frequencies too, which moves OAR-G's bf16 agreement
+        with fp32 from 0.69 to 0.61 on SmolLM2's rows (#46)."""
         if self._bf16 is None:
-            self._bf16 = copy.deepcopy(self.model).to(torch.bfloat16).eval()
+            model = copy.deepcopy(self.model).to(torch.bfloat16).eval()
+            for (_, mine), (_, wide) in zip(model.named_buffers(), self.model.named_buffers()):
+                mine.data = wide.data.clone()
+            self._bf16 = model
         return self._bf16
 
 
