@@ -3,6 +3,7 @@
 * :func:`trainer_config` -- verl's ``ppo_trainer`` config composed with Hydra for an FSDP2 actor: the parameter dtype
   of its mixed precision, the padded layout with sdpa (Ulysses: remove-padding with the CPU stand-in attention),
   gradient checkpointing and dynamic batch sizes on request;
+* :func:`rows_tensordict` -- token rows in verl's V1 layout (nested, no padding), as the actor's RPCs read them;
 * :func:`actor_group` -- Ray up, the actor role spawned through ``create_colocated_worker_cls`` + ``spawn``
   (gloo on CPU, NCCL on CUDA), the model initialised, Ray shut down on the way out.
 
@@ -18,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import ray
+import torch
 from hydra import compose, initialize_config_dir
 
 import verl
@@ -65,6 +67,24 @@ def trainer_config(model_dir: str, *, n_ranks: int = 1, batch_size: int, micro_b
     with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
                                version_base=None):
         return compose(config_name="ppo_trainer", overrides=overrides)
+
+
+def rows_tensordict(prompts: Sequence, responses: Sequence):
+    """verl's V1 layout (nested, no padding) of B (prompt, response) token rows (lists or 1-D tensors of ids), as
+    ``compute_log_prob`` and ``compute_token_importance`` read it: ``input_ids``, ``position_ids``, ``prompts``,
+    ``responses``, ``response_mask`` and ``loss_mask`` (the response tokens of each whole sequence)."""
+    from tensordict import TensorDict
+
+    def nested(rows):
+        return torch.nested.as_nested_tensor([torch.as_tensor(r) for r in rows], layout=torch.jagged)
+
+    prompts, responses = [torch.as_tensor(p) for p in prompts], [torch.as_tensor(r) for r in responses]
+    ids = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
+    return TensorDict({"input_ids": nested(ids), "position_ids": nested([torch.arange(len(x)) for x in ids]),
+                       "prompts": nested(prompts), "responses": nested(responses),
+                       "response_mask": nested([torch.ones(len(r)) for r in responses]),
+                       "loss_mask": nested([torch.cat([torch.zeros(len(p)), torch.ones(len(r))])
+                                            for p, r in zip(prompts, responses)])}, batch_size=[len(ids)])
 
 
 @contextmanager

@@ -47,6 +47,14 @@ def fisher_importance(model, batch, mask_token_id: int, limits, *, outcomes: int
                            mask_token_id=mask_token_id).importance
 
 
+def conservative_importance(model, batch, limits, *, checkpointing: bool = True) -> torch.Tensor:
+    """(B, L) ``mode=conservative`` importance (conserved relevance to the answer's log-probability) on a Hugging Face
+    module."""
+    cfg = OARConfig(mode="conservative")
+    return run_attribution(module_backend(model, cfg, limits=limits, checkpointing=checkpointing), batch,
+                           cfg).importance
+
+
 def path_importance(model, batch, limits, *, points: int = 2, checkpointing: bool = True) -> torch.Tensor:
     """(B, L) ``mode=path`` importance (``points`` points on the path to the mean embedding, the default mask operator)
     on a Hugging Face module."""

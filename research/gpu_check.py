@@ -312,9 +312,26 @@ def precision_point(model, length: int, rows: int, device: str) -> dict:
     return point
 
 
+def measured_points(result: dict, keys, measure, partial: Path, on_oom=lambda: None, **error_fields) -> dict:
+    """``result`` with a point per key (a length, or a verl-worker variant): ``measure(key)`` each, a point that runs
+    out of memory recorded as such (the others' figures stand; ``on_oom`` tidies up), every finished point written to
+    ``partial`` at once (a part stopped by its time limit keeps what it measured)."""
+    for key in keys:
+        start = time.perf_counter()
+        try:
+            p = measure(key)
+        except torch.OutOfMemoryError as e:
+            on_oom()
+            p = {"length": key, **error_fields, "error": f"out of memory: {str(e).splitlines()[0]}"}
+        p["wall_seconds"] = time.perf_counter() - start
+        result["points"].append(p)
+        partial.write_text(json.dumps(result, indent=1))
+    return result
+
+
 def run_verl_worker(shape: str, variants: list[str], device: str, partial: Path, repeats: int) -> dict:
     """The verl-worker part: :func:`research.verl_worker.run_variant` for each variant, on one model built once (in
-    the temp dir, kept for a resumed run); each finished variant written to ``partial`` at once."""
+    the temp dir, kept for a resumed run)."""
     import tempfile
 
     if device == "cpu":  # verl's CPU platform, selected before verl is first imported (here and in the Ray workers)
@@ -328,49 +345,34 @@ def run_verl_worker(shape: str, variants: list[str], device: str, partial: Path,
     work = Path(os.environ.get("GPU_CHECK_WORK") or tempfile.gettempdir()) / f"oar-gpu-check-verl-worker-{shape}"
     work.mkdir(parents=True, exist_ok=True)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    result: dict = {"part": VERL_WORKER, "shape": shape, "points": []}
-    for variant in variants:
-        start = time.perf_counter()
-        try:
-            p = verl_worker.run_variant(plan, variant, device, work, log)
-        except torch.OutOfMemoryError as e:
-            p = {"length": variant, "error": f"out of memory: {str(e).splitlines()[0]}"}
-        p["wall_seconds"] = time.perf_counter() - start
-        result["points"].append(p)
-        partial.write_text(json.dumps(result, indent=1))
-    return result
+    return measured_points({"part": VERL_WORKER, "shape": shape, "points": []}, variants,
+                           lambda variant: verl_worker.run_variant(plan, variant, device, work, log), partial)
 
 
 def run_part(kind: str, shape: str, lengths: list, methods: list[str], validate_length: int, rows: int,
              device: str, dtype: torch.dtype, partial: Path, repeats: int = 1) -> dict:
-    """Every length of one part on one model; each finished point is written to ``partial`` at once (a part stopped
-    by its time limit keeps what it measured)."""
+    """Every length of one part on one model (:func:`measured_points`)."""
     if kind == VERL_WORKER:
         return run_verl_worker(shape, lengths, device, partial, repeats)
     model = scaling.build_model(shape, device, torch.float32 if kind == "precision" else dtype)
     if kind != "precision":  # precision compares scores, not times: no warm-up
         warm_up(model, rows, device)
-    result: dict = {"part": kind, "shape": shape, "shape_values": scaling.SHAPES[shape], "points": []}
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    for n in progress(lengths, desc=f"{kind}-{shape}", unit="length"):
-        start = time.perf_counter()
+
+    def measure(n: int) -> dict:
         try:
             if kind == "attribution":
-                p = attribution_point(model, n, rows, device, methods, repeats)
-            elif kind == "precision":
-                p = precision_point(model, n, rows, device)
-            else:
-                p = long_reasoning.cost_point(shape, n, [SPLIT], device, dtype, rows, long_reasoning.SHARES,
-                                              n == validate_length, log, model=model,
-                                              segments_of=synthetic_segments)
-        except torch.OutOfMemoryError as e:  # record and go on: the other lengths' figures stand
-            _grads(model, False)
-            p = {"length": n, "rows": rows, "error": f"out of memory: {str(e).splitlines()[0]}"}
-        _release(device)
-        p["wall_seconds"] = time.perf_counter() - start
-        result["points"].append(p)
-        partial.write_text(json.dumps(result, indent=1))
-    return result
+                return attribution_point(model, n, rows, device, methods, repeats)
+            if kind == "precision":
+                return precision_point(model, n, rows, device)
+            return long_reasoning.cost_point(shape, n, [SPLIT], device, dtype, rows, long_reasoning.SHARES,
+                                             n == validate_length, log, model=model, segments_of=synthetic_segments)
+        finally:
+            _release(device)
+
+    result: dict = {"part": kind, "shape": shape, "shape_values": scaling.SHAPES[shape], "points": []}
+    return measured_points(result, progress(lengths, desc=f"{kind}-{shape}", unit="length"), measure, partial,
+                           on_oom=lambda: _grads(model, False), rows=rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -539,7 +541,7 @@ def verl_worker_rows(results: dict) -> list[dict]:
     """One row per verl-worker variant measured: its calls (time and peak ratios, host syncs), agreement with the
     core and its checks."""
     res = results.get(VERL_WORKER)
-    return [] if res is None else [p for p in res["points"]]
+    return [] if res is None else list(res["points"])
 
 
 def failed_checks(summary: dict) -> list[str]:

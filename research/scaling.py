@@ -43,7 +43,7 @@ from oar_verl.core.methods.gradient import sequence_seeds
 from oar_verl.core.batch.layout import build_attribution_batch
 from oar_verl.core.backends.memory import ModelShape, PassKind, pass_bytes
 from oar_verl.core.batch.probes import ProbeKind
-from research.common import oar_p_importance, oar_g_importance, fisher_importance
+from research.common import conservative_importance, fisher_importance, oar_g_importance, oar_p_importance
 
 SHAPES = {
     # layers, hidden, heads, kv heads, head dim, intermediate, vocab, tied: Qwen2.5's ratios (I ≈ 5.3 H,
@@ -146,6 +146,8 @@ def point(args) -> dict:
         seconds, peak = measure(lambda: fisher_importance(model, batch, 0, limits, outcomes=args.fisher_outcomes,
                                                           sketches=args.fisher_sketches), device)
         info.update(fisher_outcomes=args.fisher_outcomes, fisher_sketches=args.fisher_sketches)
+    elif args.method == "conservative":  # one clean input-gradient pass per row under the propagation rules
+        seconds, peak = measure(lambda: conservative_importance(model, batch, limits), device)
     else:
         per_pass = max(1, tokens // (PROMPT + args.point_length))
         n_copies = int(batch.reasoning_mask[0].sum())
@@ -171,6 +173,9 @@ def predicted(shape: str, dtype: torch.dtype, rows: int, length: int) -> dict:
             "oar_g": max(pass_bytes(PassKind.INPUT_GRADIENT, rows * n, s, checkpointing=True,
                                     logit_positions=rows * ANSWER),
                          pass_bytes(PassKind.FORWARD, rows * n, s, logit_positions=rows * ANSWER)) / mib,
+            # one input-gradient pass under the propagation rules, reading the answer positions
+            "conservative": pass_bytes(PassKind.RULES_GRADIENT, rows * n, s, checkpointing=True,
+                                       logit_positions=rows * ANSWER) / mib,
             "oar_p": (pass_bytes(PassKind.FORWARD_CACHED, n, s) + s.per_layer_transient() * rows * n * s.dtype_bytes
                       + 2 * s.kv_heads * s.head_dim * rows * n * s.dtype_bytes) / mib}
 

@@ -67,6 +67,11 @@ GPU = Plan("qwen2.5-1.5b", (2048, 2560, 3072, 4096), (1024, 1536, 2048, 2560), b
 TINY = Plan("tiny", (64, 96, 128, 160), (64, 96, 128, 160), budget=512)
 
 
+def mode_label(cfg: dict) -> str:
+    """The step's name of an attribution call's OARConfig values (:data:`MODES`)."""
+    return "segment" if cfg.get("perturbation") == "segment" else cfg["mode"]
+
+
 def oar_config(mode: str, budget: int):
     """The OARConfig of one attribution call (``segment``: OAR-P's segment policy, sentences of 8-64 tokens)."""
     from oar_verl.core.config import OARConfig
@@ -212,6 +217,7 @@ def _probed_worker():
     module imports without it, e.g. in gpu_check's planner)."""
     from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 
+    from oar_verl.integration.fields import CONFIG_KEY
     from oar_verl.integration.worker import OARActorRolloutRefWorker
 
     actor_mesh = make_nd_compute_dataproto_dispatch_fn(mesh_name="actor")
@@ -236,7 +242,8 @@ def _probed_worker():
             from verl.utils import tensordict_utils as tu
 
             count = bool(tu.pop(data, COUNT_SYNCS_KEY, default=False))  # the warm-up call counts, the rest are timed
-            return self._probe("compute_token_importance", super().compute_token_importance, data, count_syncs=count)
+            return self._probe(mode_label(tu.get(data, CONFIG_KEY)), super().compute_token_importance, data,
+                               count_syncs=count)
 
         @register(dispatch_mode=actor_mesh)
         def update_actor(self, data):
@@ -262,23 +269,6 @@ def __getattr__(name: str):
 # ---------------------------------------------------------------------------------------------------------------------
 # One variant: the step through the group, then the core on the same weights
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def _nested(rows):
-    return torch.nested.as_nested_tensor([torch.as_tensor(r) for r in rows], layout=torch.jagged)
-
-
-def rows_tensordict(prompts, responses):
-    """verl's V1 layout (nested, no padding) of the rows, as ``compute_log_prob`` and the OAR RPC read it."""
-    from tensordict import TensorDict
-
-    ids = [torch.tensor(p + r) for p, r in zip(prompts, responses)]
-    return TensorDict({"input_ids": _nested(ids), "position_ids": _nested([torch.arange(len(x)) for x in ids]),
-                       "prompts": _nested([torch.tensor(p) for p in prompts]),
-                       "responses": _nested([torch.tensor(r) for r in responses]),
-                       "response_mask": _nested([torch.ones(len(r)) for r in responses]),
-                       "loss_mask": _nested([torch.cat([torch.zeros(len(p)), torch.ones(len(r))])
-                                             for p, r in zip(prompts, responses)])}, batch_size=[len(ids)])
 
 
 def update_tensordict(prompts, responses, pad_id: int, old_log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -384,7 +374,7 @@ def run_variant(plan: Plan, param_dtype: str, device: str, work: Path, log=print
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from devtools.verl_group import actor_group, trainer_config
+    from devtools.verl_group import actor_group, rows_tensordict, trainer_config
     from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
     from oar_verl.quickstart.launcher import new_ray_temp_dir
 
@@ -403,13 +393,14 @@ def run_variant(plan: Plan, param_dtype: str, device: str, work: Path, log=print
     with actor_group(worker_cls, cfg, new_ray_temp_dir(), 1, device, num_cpus=min(8, os.cpu_count() or 1)) as wg:
         point["group_seconds"] = time.perf_counter() - t1
         log(f"[verl-worker {param_dtype}] group up in {point['group_seconds']:.0f} s")
-        logp_data = rows_tensordict(prompts, responses)
+        rows = rows_tensordict(prompts, responses)
+        logp_data = rows.clone()
         tu.assign_non_tensor(logp_data, temperature=1.0, compute_loss=False, calculate_entropy=False)
         for _ in range(plan.repeats):
             log_probs = wg.compute_log_prob(logp_data.clone())["log_probs"]
         worker_imp, masks = {}, {}
         for mode in MODES:
-            data = rows_tensordict(prompts, responses)
+            data = rows.clone()
             tu.assign_non_tensor(data, **{CONFIG_KEY: oar_config(mode, plan.budget).to_dict(), STEP_KEY: 3})
             for i in range(calls_of(mode, plan.repeats)):  # the first warms up and counts host syncs
                 call = data.clone()
@@ -434,7 +425,7 @@ def run_variant(plan: Plan, param_dtype: str, device: str, work: Path, log=print
     point["estimator"] = {m: {k: v for k, v in c.items() if k != "advantages"} for m, c in checks.items()}
     point["device_name"] = records["device_name"]
     point["worker_distributions"] = records["distributions"]
-    point["calls"] = summarise_calls(records["calls"], plan.repeats)
+    point["calls"] = summarise_calls(records["calls"])
     t2 = time.perf_counter()
     core = core_reference(model_dir, prompts, responses, plan.budget, param_dtype, device)
     point["core_seconds"] = time.perf_counter() - t2
@@ -450,17 +441,15 @@ def calls_of(mode: str, repeats: int) -> int:
     return min(repeats, 2) if mode == "segment" else repeats
 
 
-def summarise_calls(calls: list[dict], repeats: int) -> dict:
+def summarise_calls(calls: list[dict]) -> dict:
     """Per call of the step (log-probs, each attribution mode, update): the median seconds of the calls after the
     first (warm, and uninstrumented: the first attribution call counts host syncs), the last call's peak device memory
     (absolute, and above its start; the update's with the optimizer's state already allocated, as in every later
     step), the host syncs by site, every call's seconds and peaks, and the ratios to ``update_actor`` and to the
     old-log-prob pass."""
     by: dict[str, list[dict]] = collections.defaultdict(list)
-    modes = iter([m for m in MODES for _ in range(calls_of(m, repeats))])
-    for c in calls:
-        name = next(modes) if c["call"] == "compute_token_importance" else c["call"]
-        by[name].append(c)
+    for c in calls:  # each record is named by its call (an attribution call by its mode)
+        by[c["call"]].append(c)
     out = {}
     for name, cs in by.items():
         last, timed = cs[-1], (cs[1:] if len(cs) > 1 else cs)

@@ -145,7 +145,7 @@ def test_gpu_check_budget_and_resume_without_verl(tmp_path):
         assert f"[gpu_check] {name}: {NOT_RUN}" in first.stderr
 
     # 2. a part whose estimate cannot fit is skipped, the smaller parts after it still run, in plan order
-    second = _run(tmp_path, out, "--estimate", "attribution-tiny-128=100000")
+    second = _run(tmp_path, out, "--budget-s", "100000", "--estimate", "attribution-tiny-128=1e9")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert _started(second) == [n for n in TINY if n not in ran + ["attribution-tiny-128"]], second.stderr[-3000:]
     res = json.loads((out / "gpu_check.json").read_text())
@@ -155,7 +155,7 @@ def test_gpu_check_budget_and_resume_without_verl(tmp_path):
     # 3. the next run resumes the skipped part only; the parts written before are not touched
     stamps = _stamps(out)
     assert set(stamps) == {f"{n}.json" for n in TINY if n != "attribution-tiny-128"}
-    third = _run(tmp_path, out, "--repeats", "2")  # each call timed twice, the median kept
+    third = _run(tmp_path, out, "--budget-s", "100000", "--repeats", "2")  # each call timed twice, the median kept
     assert third.returncode == 0, third.stderr[-3000:]
     assert _started(third) == ["attribution-tiny-128"]
     assert {k: v for k, v in _stamps(out).items() if k in stamps} == stamps

@@ -10,7 +10,6 @@ pass at its measured level as rows grow, so that a per-token host read in a hot 
 
 from __future__ import annotations
 
-import collections
 
 import pytest
 import torch

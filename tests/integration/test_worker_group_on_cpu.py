@@ -179,8 +179,11 @@ def test_gpu_check_verl_worker_part_on_cpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(block), str(root), os.environ.get("PYTHONPATH", "")]),
            "PYTHON": sys.executable, "OAR_GPU_BUNDLE": str(tmp_path / "no-bundle"), "GPU_CHECK_WORK": str(tmp_path)}
     out = tmp_path / "out"
+    # a budget and an estimate of the test's own (the part's hard limit is then 600 s, not a multiple of an estimate a
+    # busy machine could exceed)
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--tiny", "--parts", "verl-worker",
-                           "--lengths", "fp32", "--repeats", "2", "--part-limit-s", "600", "--out", str(out)],
+                           "--lengths", "fp32", "--repeats", "2", "--part-limit-s", "600", "--budget-s", "100000",
+                           "--estimate", "verl-worker=300", "--out", str(out)],
                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     summary = json.loads((out / "gpu_check.json").read_text())

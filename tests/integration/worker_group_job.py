@@ -21,13 +21,13 @@ from __future__ import annotations
 import sys
 
 import torch
-from tensordict import TensorDict
 
 from verl.utils import tensordict_utils as tu
 
 from oar_verl.core.config import OARConfig
 from oar_verl.integration.fields import CONFIG_KEY, FIDELITY_FIELDS, STEP_KEY
 from oar_verl.integration.worker import OARActorRolloutRefWorker
+from devtools.verl_group import rows_tensordict
 from job_support import actor_group, saved, tokenized, trainer_config
 
 # Rank 0 gets the first half of the batch: short responses there, long ones on rank 1.
@@ -47,17 +47,7 @@ def main() -> None:
     prompts, responses = [torch.tensor(p) for p in prompts], [torch.tensor(r) for r in responses]
     cfg = trainer_config(model_dir, n_ranks=n_ranks, batch_size=2, micro_batch_size=1, sp=sp, checkpointing=True)
     with actor_group(OARActorRolloutRefWorker, cfg, ray_tmp, n_ranks) as wg:
-        def nested(rows):
-            return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-
-        ids = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
-        data = TensorDict({
-            "input_ids": nested(ids), "position_ids": nested([torch.arange(len(x)) for x in ids]),
-            "prompts": nested(prompts), "responses": nested(responses),
-            "response_mask": nested([torch.ones(len(r)) for r in responses]),
-            "loss_mask": nested([torch.cat([torch.zeros(len(p)), torch.ones(len(r))])
-                                 for p, r in zip(prompts, responses)]),
-        }, batch_size=[len(ids)])
+        data = rows_tensordict(prompts, responses)
         # "hierarchical": OAR-P's segment level, then exact OAR-P inside the top segments (the ranks need different
         # numbers of passes at each level, known only after the first)
         # "gradient_k3": OAR-G with 3 noise draws per sequence (draw rows packed under the same budget)

@@ -144,7 +144,7 @@ class AttributionBackend(Protocol):
 
     def share(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def conservative(self) -> contextlib.AbstractContextManager: ...
+    def propagation_rules(self) -> contextlib.AbstractContextManager: ...
 
 
 class DenseProbeTable:
@@ -168,7 +168,8 @@ class DenseProbeTable:
 class DenseProbes:
     """The members shared by the backends whose every rank reads whole (b, V) probes (a Hugging Face module, plain or
     sequence-sharded): clean probes kept as dense tensors, the shift of :mod:`oar_verl.core.batch.probes`, nothing to share,
-    and the rank alignment given at construction (``_align``; None: a single rank's own count)."""
+    the rank alignment given at construction (``_align``; None: a single rank's own count), and the conservative
+    propagation rules of the module (``self.model``; under Ulysses the wrapped attention is the sequence-parallel one)."""
 
     _align: Callable[[int], int] | None = None
 
@@ -183,6 +184,11 @@ class DenseProbes:
 
     def share(self, x: torch.Tensor) -> torch.Tensor:
         return x  # every rank read the probe itself
+
+    def propagation_rules(self) -> contextlib.AbstractContextManager:
+        from oar_verl.core.backends.rules import conservative_rules
+
+        return conservative_rules(self.model)
 
 
 def with_fillers(passes: list[Pass], count: int, filler: Pass, batch: AttributionBatch) -> list[Pass]:

@@ -28,7 +28,6 @@ from oar_verl.core.backends.base import DenseProbes, EmbeddingHook, OnProbe, Pas
 from oar_verl.core.backends.budget import PassLimits, pack_copies, pack_rows
 from oar_verl.core.batch.layout import AttributionBatch
 from oar_verl.core.backends.prefix_cache import shared_prefix_cache
-from oar_verl.core.backends.rules import conservative_rules
 from oar_verl.core.batch.probes import logits_at, probe_from_logits, probe_keep_positions
 
 logger = logging.getLogger("oar_verl")
@@ -82,9 +81,6 @@ class ModuleBackend(DenseProbes):
 
     def embedding(self, token_id: int) -> torch.Tensor:
         return embedding_row(self.model, token_id)
-
-    def conservative(self):
-        return conservative_rules(self.model)
 
     def mean_embedding(self) -> torch.Tensor:
         return embedding_mean(self.model)

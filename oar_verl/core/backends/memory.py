@@ -21,6 +21,10 @@ __all__ = ["ModelShape", "PassKind", "free_accelerator_bytes", "memory_guard", "
 _SAVED_H, _SAVED_I = 4, 5
 _TRANSIENT_H, _TRANSIENT_I = 4, 3  # one layer's live tensors in a no-grad forward: hidden, norm, residual; gate/up/act
 _BACKWARD = 2  # a layer in its backward: its saved activations plus gradients of the same size
+# under the conservative propagation rules the layer in its backward holds about twice that: the norms' and the
+# activation's fp32 ratios and the half rule's detached copies beside the plain tensors (measured on CPU, cpu-quick
+# shape, 2 x 1,152 tokens, fp32: 452 MiB against 290 for fisher's plain input-gradient pass; docs/method.md §13)
+_RULES_BACKWARD = 2 * _BACKWARD
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class PassKind:
     FORWARD = "forward"
     FORWARD_CACHED = "forward_cached"
     INPUT_GRADIENT = "input_gradient"
+    RULES_GRADIENT = "rules_gradient"  # an input-gradient pass under the conservative propagation rules
     TRAINING = "training"
 
 
@@ -92,9 +97,9 @@ def pass_bytes(kind: str, tokens: int, shape: ModelShape, *, checkpointing: bool
         return shape.kv_cache() * tokens * b + layer + logit_positions * V * 4
     saved_layer = shape.per_layer_saved() * tokens * b
     # the layer being differentiated holds its saved activations and their gradients at once
-    backward = _BACKWARD * saved_layer
+    backward = (_RULES_BACKWARD if kind == PassKind.RULES_GRADIENT else _BACKWARD) * saved_layer
     saved = (shape.layers * H * tokens * b + backward) if checkpointing else (shape.layers * saved_layer + backward)
-    if kind == PassKind.INPUT_GRADIENT:
+    if kind in (PassKind.INPUT_GRADIENT, PassKind.RULES_GRADIENT):
         leaf = 3 * H * tokens * b + 2 * H * tokens * 4  # clean, leaf, gradient; the fp32 product for the saliency
         return saved + leaf + logit_positions * V * 4 * 2
     if kind == PassKind.TRAINING:

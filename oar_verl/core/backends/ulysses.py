@@ -21,7 +21,6 @@ from oar_verl.core.backends.base import DenseProbes, EmbeddingHook, OnProbe, Pas
 from oar_verl.core.backends.hf import (embedding_mean, embedding_replaced, embedding_row, embedding_scores,
                                      layer_checkpointing)
 from oar_verl.core.backends.budget import AttributionMemoryError, PassLimits, pack_lengths
-from oar_verl.core.backends.rules import conservative_rules
 from oar_verl.core.batch.layout import AttributionBatch
 from oar_verl.core.batch.probes import ProbeOutput
 
@@ -199,9 +198,6 @@ class UlyssesBackend(DenseProbes):
 
     def embedding(self, token_id: int) -> torch.Tensor:
         return embedding_row(self.model, token_id)
-
-    def conservative(self):
-        return conservative_rules(self.model)  # the wrapped attention is the sequence-parallel one
 
     def mean_embedding(self) -> torch.Tensor:
         return embedding_mean(self.model)

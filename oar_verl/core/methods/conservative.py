@@ -32,7 +32,7 @@ def conservative(backend: AttributionBackend, batch: AttributionBatch) -> tuple[
     """Conserved relevance of every reasoning token to its row's answer, on any backend that has the rules.
 
     Args:
-        backend: the model runtime (``conservative()``: the rules' context).
+        backend: the model runtime (``propagation_rules()``: the rules' context).
         batch: AttributionBatch (B, L); B >= 1 when other data-parallel ranks run more passes.
 
     Returns:
@@ -42,18 +42,18 @@ def conservative(backend: AttributionBackend, batch: AttributionBatch) -> tuple[
     B, L = batch.input_ids.shape
     target = answer_target(batch)
     rows = torch.arange(B, device=batch.input_ids.device)
-    packs = backend.plan(target, rows, PassKind.INPUT_GRADIENT)
+    packs = backend.plan(target, rows, PassKind.RULES_GRADIENT)  # the rules hold more per layer (core/backends/memory)
     passes = with_fillers([Pass(rows[p]) for p in packs], backend.align(len(packs)),
                           Pass(first_row(batch), filler=True), batch)
     hook = EmbeddingHook(lambda grad, clean: embedding_projection(grad, clean))
-    with backend.conservative():
+    with backend.propagation_rules():
         got = backend.run(target, passes, lambda i, probe: probe.phi, hook)
     scores = collect(got, packs, (B, L), batch.input_ids.device)
     # where the probe is read (Megatron: the last stage) the scores go to every rank
     return backend.share(torch.where(batch.reasoning_mask, scores, 0.0)), len(packs)
 
 
-@method("conservative", forward_only=False, reads_gradients=True, uses_mask_token=False)
+@method("conservative", forward_only=False, reads_gradients=True, uses_mask_token=False, propagation_rules=True)
 def run_conservative(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs
                      ) -> AttributionResult:
     """``mode=conservative``: :func:`conservative` (no method keys)."""

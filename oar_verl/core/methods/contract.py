@@ -69,6 +69,8 @@ class Method:
         linearises_mask: it differentiates at the clean point along the move of a masked token to *one* embedding,
             so it takes only the mask operators that have one (``MaskOperator.one_embedding``: not ``resample``).
         segments: cfg -> whether this configuration needs the rows' reasoning segments (``AttributionBatch.segments``).
+        propagation_rules: its backward runs under the backend's conservative propagation rules
+            (``AttributionBackend.propagation_rules``), which an engine without them refuses at start-up.
     """
 
     run: Callable[..., AttributionResult]
@@ -77,19 +79,21 @@ class Method:
     uses_mask_token: bool
     linearises_mask: bool = False
     segments: Callable[[object], bool] = _never
+    propagation_rules: bool = False
 
 
 METHODS: Registry[Method] = Registry("attribution method", "algorithm.oar.mode")
 
 
 def method(name: str, *, forward_only: bool, reads_gradients: bool, uses_mask_token: bool,
-           linearises_mask: bool = False, segments: Callable[[object], bool] | None = None):
+           linearises_mask: bool = False, segments: Callable[[object], bool] | None = None,
+           propagation_rules: bool = False):
     """Decorator: register the decorated ``run`` function as the method ``name`` (``algorithm.oar.mode``) with its
     traits (:class:`Method`; the first three have no default: every method declares them)."""
 
     def add(run: Callable[..., AttributionResult]) -> Callable[..., AttributionResult]:
         METHODS.register(name)(Method(run, forward_only, reads_gradients, uses_mask_token, linearises_mask,
-                                      segments or _never))
+                                      segments or _never, propagation_rules))
         return run
 
     return add

@@ -22,9 +22,8 @@ from oar_verl.core.batch.layout import AttributionBatch
 from oar_verl.core.backends.collectives import max_over_ranks
 from oar_verl.integration.megatron.engine import (CleanTable, EngineRows, ProbeHook, engine_batch, engine_rows,
                                                   full_recompute, micro_batch_rows, no_param_grads, run_engine)
-from oar_verl.integration.megatron.layout_checks import CONSERVATIVE_UNSUPPORTED, check_megatron_layout
+from oar_verl.integration.megatron.layout_checks import RULES_UNSUPPORTED, check_megatron_layout
 from oar_verl.integration.megatron.vocab_parallel import VPProbe, vp_outcome_shift
-
 
 
 def embedding_module(engine):
@@ -92,10 +91,11 @@ class MegatronBackend:
                        group=mpu.get_pipeline_model_parallel_group())
         return buf.to(x.device)
 
-    def conservative(self):
-        """``mode=conservative``'s rules are written for Hugging Face modules (FSDP, Ulysses); start-up refuses the
-        mode on this engine (:data:`CONSERVATIVE_UNSUPPORTED`), so reaching here is a bug."""
-        raise NotImplementedError(CONSERVATIVE_UNSUPPORTED)
+    def propagation_rules(self):
+        """The conservative propagation rules are written for Hugging Face modules (FSDP, Ulysses); start-up refuses
+        the methods that need them on this engine (:func:`~.layout_checks.megatron_mode_error`), so reaching here is a
+        bug."""
+        raise NotImplementedError(RULES_UNSUPPORTED)
 
     def embedding(self, token_id: int) -> torch.Tensor | None:
         """(H,) the token's word embedding on the first pipeline stage (None on the others, which never project)."""

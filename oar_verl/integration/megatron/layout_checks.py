@@ -5,21 +5,28 @@ No megatron-core import: the start-up check runs in the driver, which may not ha
 
 from __future__ import annotations
 
-__all__ = ["CONSERVATIVE_UNSUPPORTED", "MegatronLayoutError", "check_megatron_layout", "megatron_layout_error",
+__all__ = ["RULES_UNSUPPORTED", "MegatronLayoutError", "check_megatron_layout", "megatron_layout_error",
            "megatron_mode_error"]
 
-CONSERVATIVE_UNSUPPORTED = ("algorithm.oar.mode=conservative is not available on the Megatron engine yet: its "
-                            "propagation rules are written for Hugging Face modules (actor_rollout_ref.actor.strategy="
-                            "fsdp / fsdp2, with or without Ulysses); on Megatron use gradient, fisher, path or "
-                            "perturbation")
+RULES_UNSUPPORTED = ("conservative propagation rules are written for Hugging Face modules "
+                     "(actor_rollout_ref.actor.strategy=fsdp / fsdp2, with or without Ulysses), not for the Megatron "
+                     "engine")
 
 
 def megatron_mode_error(oar) -> str | None:
     """Why the Megatron engine cannot run the configured method(s), or None: ``oar`` the ``algorithm.oar`` mapping
-    (``mode``, and with ``mode=auto`` its ``auto_candidates``)."""
+    (``mode``, and with ``mode=auto`` its ``auto_candidates``); a registered method that needs the backend's
+    propagation rules (``Method.propagation_rules``) is refused."""
+    from oar_verl.core.checks.registries import METHODS
+
     oar = oar or {}
-    modes = {oar.get("mode")} | (set(oar.get("auto_candidates") or ()) if oar.get("mode") == "auto" else set())
-    return CONSERVATIVE_UNSUPPORTED if "conservative" in modes else None
+    modes = [oar.get("mode")] + (list(oar.get("auto_candidates") or ()) if oar.get("mode") == "auto" else [])
+    needs = [m for m in modes if m in METHODS.names() and METHODS.get(m).propagation_rules]
+    if not needs:
+        return None
+    others = ", ".join(n for n in METHODS.names() if not METHODS.get(n).propagation_rules)
+    return (f"algorithm.oar.mode={needs[0]} is not available on the Megatron engine yet: its {RULES_UNSUPPORTED}; "
+            f"on Megatron use one of {others}")
 
 
 class MegatronLayoutError(NotImplementedError):
