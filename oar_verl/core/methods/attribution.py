@@ -23,6 +23,7 @@ from oar_verl.core.backends.base import AttributionBackend
 from oar_verl.core.backends.hf import ModuleBackend
 from oar_verl.core.backends.ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.backends.budget import Fits, PassLimits
+from oar_verl.core.backends.shared import SharedAttribution
 from oar_verl.core.checks.startup import check_config, require_resolved
 from oar_verl.core.config import OARConfig
 from oar_verl.core.batch.layout import AttributionBatch, build_attribution_batch, with_segments
@@ -31,7 +32,7 @@ from oar_verl.core.batch.probes import ProbeKind
 from oar_verl.core.registry import Registry
 
 __all__ = ["AttributionResult", "DEFAULT_MAX_TOKENS", "METHODS", "module_backend", "pass_limits", "probe_kinds",
-           "response_importance", "run_attribution"]
+           "response_importance", "run_attribution", "shared_attribution", "shared_modes"]
 
 # the budget when neither the configuration nor the trainer gives one (core-only use): a typical verl
 # ppo_max_token_len_per_gpu
@@ -107,6 +108,28 @@ def run_attribution(backend: AttributionBackend, batch: AttributionBatch, cfg: O
     """
     check_config(require_resolved(cfg))  # the names and their combinations (core-only users have no start-up)
     return METHODS.get(cfg.mode).run(backend, batch, cfg, MethodInputs(mask_token_id, seeds))
+
+
+def shared_modes() -> tuple[str, ...]:
+    """The registered methods that can read their scores from a forward the trainer runs anyway."""
+    return tuple(name for name in METHODS.names() if METHODS.get(name).shared is not None)
+
+
+def shared_attribution(model: torch.nn.Module, batch: AttributionBatch, cfg: OARConfig,
+                       recompute: Callable[[int], bool], *, mask_token_id: int | None = None,
+                       seeds: torch.Tensor | None = None) -> SharedAttribution:
+    """The configured method's :class:`~oar_verl.core.backends.shared.SharedAttribution` on ``model`` (a Hugging
+    Face causal LM, plain or FSDP-wrapped): run the caller's forwards of ``batch``'s rows inside its ``forward``.
+
+    Raises:
+        ValueError: ``cfg.mode`` runs its own passes (naming the modes that share).
+    """
+    entry = METHODS.get(require_resolved(cfg).mode)
+    if entry.shared is None:
+        raise ValueError(f"{cfg.prefix}.mode={cfg.mode} cannot read its scores from the old-log-prob forward (it "
+                         f"runs its own passes); the modes that can: {', '.join(shared_modes())}")
+    target = entry.shared(module_backend(model, cfg), batch, cfg, MethodInputs(mask_token_id, seeds))
+    return SharedAttribution(model, target, recompute)
 
 
 def response_importance(model: torch.nn.Module, prompts: torch.Tensor, prompt_mask: torch.Tensor,

@@ -17,6 +17,7 @@ import torch
 
 from oar_verl.core.backends.base import AttributionBackend, EmbeddingHook, Pass, collect, first_row, with_fillers
 from oar_verl.core.backends.memory import PassKind
+from oar_verl.core.backends.shared import SharedTarget
 from oar_verl.core.batch.layout import AttributionBatch
 from oar_verl.core.methods.contract import AttributionResult, MethodInputs, method
 from oar_verl.core.methods.gradient import embedding_projection
@@ -53,7 +54,17 @@ def conservative(backend: AttributionBackend, batch: AttributionBatch) -> tuple[
     return backend.share(torch.where(batch.reasoning_mask, scores, 0.0)), len(packs)
 
 
-@method("conservative", forward_only=False, reads_gradients=True, uses_mask_token=False, propagation_rules=True)
+def conservative_target(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs
+                        ) -> SharedTarget:
+    """``mode=conservative`` read from a shared clean forward (:mod:`oar_verl.core.backends.shared`): φ of every row,
+    one backward under the rules (which leave the forward's values unchanged)."""
+    return SharedTarget(answer_target(batch), 1, lambda probe, rows: (probe.phi[:, None], torch.ones_like(
+        probe.phi[:, None], dtype=torch.float32)), lambda grad, clean: embedding_projection(grad, clean),
+        lambda projections, weights: projections[:, 0], rules=True)
+
+
+@method("conservative", forward_only=False, reads_gradients=True, uses_mask_token=False, propagation_rules=True,
+        shared=conservative_target)
 def run_conservative(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs
                      ) -> AttributionResult:
     """``mode=conservative``: :func:`conservative` (no method keys)."""

@@ -71,6 +71,9 @@ class Method:
         segments: cfg -> whether this configuration needs the rows' reasoning segments (``AttributionBatch.segments``).
         propagation_rules: its backward runs under the backend's conservative propagation rules
             (``AttributionBackend.propagation_rules``), which an engine without them refuses at start-up.
+        shared: (backend, batch, cfg, inputs) -> its :class:`~oar_verl.core.backends.shared.SharedTarget`: a
+            clean-point gradient method that can read its scores from a forward the trainer runs anyway (verl's
+            old-log-prob pass); None: it runs its own passes.
     """
 
     run: Callable[..., AttributionResult]
@@ -80,6 +83,7 @@ class Method:
     linearises_mask: bool = False
     segments: Callable[[object], bool] = _never
     propagation_rules: bool = False
+    shared: Callable[..., object] | None = None
 
 
 METHODS: Registry[Method] = Registry("attribution method", "algorithm.oar.mode")
@@ -87,13 +91,13 @@ METHODS: Registry[Method] = Registry("attribution method", "algorithm.oar.mode")
 
 def method(name: str, *, forward_only: bool, reads_gradients: bool, uses_mask_token: bool,
            linearises_mask: bool = False, segments: Callable[[object], bool] | None = None,
-           propagation_rules: bool = False):
+           propagation_rules: bool = False, shared: Callable[..., object] | None = None):
     """Decorator: register the decorated ``run`` function as the method ``name`` (``algorithm.oar.mode``) with its
     traits (:class:`Method`; the first three have no default: every method declares them)."""
 
     def add(run: Callable[..., AttributionResult]) -> Callable[..., AttributionResult]:
         METHODS.register(name)(Method(run, forward_only, reads_gradients, uses_mask_token, linearises_mask,
-                                      segments or _never, propagation_rules))
+                                      segments or _never, propagation_rules, shared))
         return run
 
     return add

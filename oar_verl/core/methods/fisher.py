@@ -18,6 +18,7 @@ from oar_verl.core.batch.hashing import _uniform
 from oar_verl.core.batch.layout import AttributionBatch
 from oar_verl.core.methods.mask_operator import method_replacement, replacement_embedding
 from oar_verl.core.backends.memory import PassKind
+from oar_verl.core.backends.shared import SharedTarget
 from oar_verl.core.methods.contract import AttributionResult, MethodInputs, method
 from oar_verl.core.methods.perturbation import as_replacement
 
@@ -103,6 +104,30 @@ def probe_columns(probe, outcomes: int, sketches: int, signs) -> tuple[torch.Ten
     return torch.stack(losses, 1), torch.cat(weights, 1)
 
 
+def fisher_columns(probe, outcomes: int, sketches: int, signs, joint: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`probe_columns` of every row, with an AS-Joint row's (``joint`` (n,) bool) columns replaced by φ at
+    column 0 and nothing else (φ's gradient once): (losses (n, C), weights (n, C) float32)."""
+    losses, w = probe_columns(probe, outcomes, sketches, signs)
+    phi = torch.zeros_like(losses)
+    phi[:, 0] = probe.phi
+    return torch.where(joint.to(losses.device)[:, None], phi, losses), w
+
+
+def cached_signs(seed: int, sketches: int):
+    """(global vocab ids (V,)) -> (S, V) :func:`sketch_signs`, hashed once per vocabulary (shard) of a call (keyed
+    without reading the ids back from the device: a rank reads the same vocabulary in every pass)."""
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def signs(vocab_ids: torch.Tensor) -> torch.Tensor:
+        key = (vocab_ids.device, vocab_ids.shape[0])
+        if key not in cache:
+            cache[key] = sketch_signs(seed, sketches, vocab_ids)
+        return cache[key]
+
+    return signs
+
+
 def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: int | Replacement, outcomes: int,
            sketches: int = 0, seed: int = 0) -> tuple[torch.Tensor, int]:
     """Second-order masking scores of every reasoning token, on any backend (see the module docstring).
@@ -130,30 +155,17 @@ def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: 
     passes = with_fillers([Pass(item_rows[p]) for p in packs], backend.align(len(packs)),
                           Pass(first_row(batch), filler=True), batch)
     weights = torch.zeros(item_rows.shape[0], columns, dtype=torch.float32, device=device)
-    sign_cache: dict[tuple, torch.Tensor] = {}
-
-    def signs(vocab_ids: torch.Tensor) -> torch.Tensor:
-        # a rank reads the same vocabulary (shard) in every pass of a call: hash its signs once (keyed without
-        # reading the ids back from the device)
-        key = (vocab_ids.device, vocab_ids.shape[0])
-        if key not in sign_cache:
-            sign_cache[key] = sketch_signs(seed, S, vocab_ids)
-        return sign_cache[key]
+    signs = cached_signs(seed, S)
 
     def loss(i: int, probe) -> torch.Tensor:
         p = passes[i]
-        losses, w = probe_columns(probe, K, S, signs)  # (n, C)
+        losses, w = fisher_columns(probe, K, S, signs, batch.probe.joint[p.rows])  # (n, C)
         if columns == 1:  # one column per item: its own (a filler's: column 0)
             c = (item_column[packs[i]] if not p.filler else torch.zeros(1, dtype=torch.long, device=device))
             c = c.to(losses.device)[:, None]
             losses, w = losses.gather(1, c), w.gather(1, c)
         if not p.filler:
             weights[packs[i]] = w.to(device)
-        joint = batch.probe.joint[p.rows].to(losses.device)
-        # AS-Joint rows: φ's gradient once (column 0), no other loss
-        phi = torch.zeros_like(losses)
-        phi[:, 0] = probe.phi
-        losses = torch.where(joint[:, None], phi, losses)
         return losses if columns > 1 else losses[:, 0]  # one loss per row where each column has its own pass
 
     # (H,); None where no embedding lives (Megatron's later stages)
@@ -172,7 +184,21 @@ def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: 
     return backend.share(torch.where(batch.reasoning_mask, scores, 0.0)), len(packs)
 
 
-@method("fisher", forward_only=False, reads_gradients=True, uses_mask_token=True, linearises_mask=True)
+def fisher_target(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> SharedTarget:
+    """``mode=fisher`` read from a shared clean forward (:mod:`oar_verl.core.backends.shared`): the same columns,
+    weights, projection and Fisher sum as :func:`fisher`, one forward and C backwards per sequence."""
+    K, S = cfg.fisher_outcomes, cfg.fisher_sketches
+    mask = method_replacement(backend, batch, cfg, inputs, f"{cfg.prefix}.mode=fisher")
+    mask_embedding = replacement_embedding(backend, as_replacement(mask))
+    signs = cached_signs(cfg.seed, S)
+    joint = batch.probe.joint
+    return SharedTarget(batch, K + S, lambda probe, rows: fisher_columns(probe, K, S, signs, joint[rows]),
+                        lambda grad, clean: embedding_projection(grad, clean, mask_embedding),
+                        lambda projections, weights: fisher_importance(projections, weights, joint))
+
+
+@method("fisher", forward_only=False, reads_gradients=True, uses_mask_token=True, linearises_mask=True,
+        shared=fisher_target)
 def run_fisher(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
     """``mode=fisher``: :func:`fisher` with ``mask``, ``fisher_outcomes``, ``fisher_sketches`` and ``seed`` of the
     configuration."""

@@ -1,0 +1,239 @@
+"""Attribution read from a forward that runs anyway: verl's old-log-prob pass (docs/method.md §14).
+
+A clean-point gradient method (``fisher``, ``conservative``) needs one forward of the clean rows and backwards from
+the outcome probe to the input embeddings. verl's old-log-prob pass is that forward, over the same rows with the same
+weights. Inside :meth:`SharedAttribution.forward` a forward of the model computes exactly what it computes outside
+(the logits are returned detached, so every log-prob the caller reads is the same number), while
+
+* the input embedding's output is a detached leaf that requires grad (the only one: parameters frozen),
+* the LM head also reads the logits of the probe positions only (:func:`probe_index`), with their graph, and
+* on the way out the probe is read from them, the method's losses (:class:`SharedTarget`) are back-propagated to the
+  leaf, one backward per loss column, and each token's projection is stored by its batch row and column
+  (:class:`ForwardLayout`).
+
+The forward may be laid out as the caller likes (verl's packed rows, padded rows in a column window): a
+:class:`ForwardLayout` says where each flat token of it sits in the :class:`~oar_verl.core.batch.layout.
+AttributionBatch`. ``recompute`` chooses per forward whether the decoder layers keep their activations (one backward
+costs about one forward) or only their inputs (the backward recomputes each layer, about two forwards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from oar_verl.core.backends.base import frozen_parameters
+from oar_verl.core.backends.hf import layer_checkpointing
+from oar_verl.core.batch.layout import AttributionBatch
+from oar_verl.core.batch.probes import ProbeOutput, probe_from_logits
+
+
+@dataclass(frozen=True)
+class SharedTarget:
+    """What a clean-point gradient method reads from a shared forward.
+
+    Attributes:
+        batch: the batch whose probe is read (``conservative``: every probe as φ).
+        columns: C >= 1 losses per row, one backward each from the one forward.
+        losses: (probe of n rows, their batch rows (n,)) -> (losses (n, C), weights (n, C) float32 detached).
+        project: (grad (b, s, H), clean (b, s, H)) -> (b, s) float32 projection of every position.
+        finish: (projections (B, C, L) float32, weights (B, C)) -> (B, L) float32 scores.
+        rules: the backward runs under the model's conservative propagation rules.
+    """
+
+    batch: AttributionBatch
+    columns: int
+    losses: Callable[[ProbeOutput, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    finish: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    rules: bool = False
+
+
+@dataclass(frozen=True)
+class ForwardLayout:
+    """Where the tokens of one forward sit in the batch: flat token j of the forward's (b·s) positions is
+    ``flat[j]``, of batch row ``row[j]`` in column ``col[j]``; ``slot[j]`` is its sequence within the forward.
+
+    Attributes:
+        rows: (n,) long the batch row of each sequence of the forward.
+        flat, slot, row, col: (m,) long per real token.
+    """
+
+    rows: torch.Tensor
+    flat: torch.Tensor
+    slot: torch.Tensor
+    row: torch.Tensor
+    col: torch.Tensor
+
+    @classmethod
+    def packed(cls, rows: torch.Tensor, offsets: torch.Tensor, starts: torch.Tensor) -> ForwardLayout:
+        """Sequences packed end to end (verl's remove-padding layout, (1, total)): sequence i holds flat
+        [offsets[i], offsets[i + 1]) and begins at batch column ``starts[i]``.
+
+        Args:
+            rows: (n,) long batch rows. offsets: (n + 1,) long cumulative lengths. starts: (n,) long first column.
+        """
+        lengths = offsets[1:] - offsets[:-1]
+        slot = torch.arange(rows.shape[0], device=rows.device).repeat_interleave(lengths)
+        flat = torch.arange(int(offsets[-1]), device=rows.device) + int(offsets[0])
+        col = starts[slot] + (flat - offsets[slot])
+        return cls(rows, flat, slot, rows[slot], col)
+
+    @classmethod
+    def padded(cls, rows: torch.Tensor, attention_mask: torch.Tensor, lo: int) -> ForwardLayout:
+        """Padded rows (n, s) of batch columns [lo, lo + s), real where ``attention_mask`` (n, s) is set."""
+        slot, c = attention_mask.bool().nonzero().unbind(1)
+        return cls(rows, slot * attention_mask.shape[1] + c, slot, rows[slot], c + lo)
+
+
+def probe_index(layout: ForwardLayout, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probe positions of every sequence of a forward, padded to the widest: (index (n, K) long into the flat
+    positions, its (batch row, column) pairs' weights (n, K); padding: index 0, weight 0).
+
+    Args:
+        layout: the forward's layout. weight: (B, L) the probe's logit weights (``ProbeSpec.logit_weight``).
+    """
+    w = weight[layout.row, layout.col]
+    kept = w != 0
+    slot = layout.slot[kept]
+    n = layout.rows.shape[0]
+    counts = torch.bincount(slot, minlength=n)
+    rank = torch.arange(slot.shape[0], device=slot.device) - (counts.cumsum(0) - counts)[slot]
+    width = max(int(counts.max()) if n else 0, 1)
+    index = torch.zeros(n, width, dtype=torch.long, device=slot.device)
+    weights = torch.zeros(n, width, dtype=weight.dtype, device=slot.device)
+    index[slot, rank] = layout.flat[kept]
+    weights[slot, rank] = w[kept]
+    return index, weights
+
+
+class SharedAttribution:
+    """A clean-point gradient method's scores gathered over the forwards run inside :meth:`forward`.
+
+    Args:
+        model: the Hugging Face causal LM (or its FSDP wrapper) the caller runs.
+        target: the method's :class:`SharedTarget`.
+        recompute: (tokens of a forward) -> whether its backward recomputes the decoder layers (gradient
+            checkpointing) instead of keeping their activations (:func:`recompute_choice`).
+    """
+
+    def __init__(self, model: torch.nn.Module, target: SharedTarget, recompute: Callable[[int], bool]):
+        self.model, self.target, self.recompute = model, target, recompute
+        B, L = target.batch.input_ids.shape
+        device = target.batch.input_ids.device
+        self.projections = torch.zeros(B, target.columns, L, dtype=torch.float32, device=device)
+        self.weights = torch.zeros(B, target.columns, dtype=torch.float32, device=device)
+        self.covered = torch.zeros(B, dtype=torch.bool, device=device)
+        self.choices: list[tuple[int, bool]] = []  # (tokens, recomputed) per forward, for the log
+
+    @contextlib.contextmanager
+    def forward(self, layout: ForwardLayout) -> Iterator[None]:
+        """Run the model's forward(s) of ``layout``'s rows inside: they are attributed on the way out. The model's
+        forward runs with grad on (a caller's ``no_grad`` is lifted for it alone); its logits leave detached."""
+        tokens = int(layout.flat.shape[0])
+        recompute = bool(self.recompute(tokens))
+        self.choices.append((tokens, recompute))
+        index, weights = probe_index(layout, self.target.batch.probe.logit_weight)
+        captured: dict[str, torch.Tensor] = {}
+        modes: list[bool] = []
+
+        def enter(module, args):
+            modes.append(torch.is_grad_enabled())
+            torch.set_grad_enabled(True)
+
+        def leave(module, args, out):
+            torch.set_grad_enabled(modes.pop())
+
+        def at_embedding(module, args, out):
+            clean = out.detach()
+            leaf = clean.clone().requires_grad_(True)
+            captured["clean"], captured["leaf"] = clean, leaf
+            return leaf
+
+        def at_head(module, args, out):
+            # the probe positions' logits only (n, K, V), read here where a sharded head's weight is whole
+            hidden = args[0]
+            captured["logits"] = F.linear(hidden.reshape(-1, hidden.shape[-1])[index], module.weight,
+                                          getattr(module, "bias", None))
+            return out.detach()
+
+        handles = [self.model.register_forward_pre_hook(enter), self.model.register_forward_hook(leave,
+                                                                                                  always_call=True),
+                   self.model.get_input_embeddings().register_forward_hook(at_embedding),
+                   self.model.get_output_embeddings().register_forward_hook(at_head)]
+        rules = _rules(self.model) if self.target.rules else contextlib.nullcontext()
+        try:
+            with frozen_parameters(self.model), layer_checkpointing(self.model, recompute), rules:
+                yield
+                for h in handles:
+                    h.remove()
+                handles = []
+                if "logits" not in captured or "leaf" not in captured:
+                    raise RuntimeError("a shared attribution forward ran no forward of the model")
+                with torch.enable_grad():
+                    self._backward(layout, index, weights, captured)
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _backward(self, layout: ForwardLayout, index: torch.Tensor, w: torch.Tensor, captured: dict) -> None:
+        """Read the probe from the kept logits, back-propagate the method's losses, store the projections."""
+        t = self.target
+        spec = t.batch.probe
+        rows = layout.rows
+        targets = spec.target_ids[rows[:, None], _columns(layout, index)]
+        probe = probe_from_logits(captured["logits"], w, targets, spec.joint[rows])
+        losses, weights = t.losses(probe, rows)
+        losses = losses.reshape(rows.shape[0], t.columns)
+        leaf, clean = captured["leaf"], captured["clean"]
+        for c in range(t.columns):  # C backwards from one forward, never one per token
+            losses[:, c].sum().backward(retain_graph=c + 1 < t.columns)
+            flat = t.project(leaf.grad, clean).reshape(-1)
+            self.projections[layout.row, c, layout.col] = flat[layout.flat].to(self.projections.device)
+            leaf.grad = None
+        self.weights[rows] = weights.to(self.weights.device)
+        self.covered[rows] = True
+
+    def result(self) -> torch.Tensor:
+        """(B, L) float32 scores at reasoning positions of the rows attributed so far, 0 elsewhere."""
+        scores = self.target.finish(self.projections, self.weights)
+        keep = self.target.batch.reasoning_mask & self.covered[:, None]
+        return torch.where(keep, scores, 0.0)
+
+
+def _columns(layout: ForwardLayout, index: torch.Tensor) -> torch.Tensor:
+    """(n, K) batch columns of the flat positions ``index`` (n, K) (a padding entry: its sequence's first token)."""
+    col_of = torch.zeros(int(layout.flat.max()) + 1 if layout.flat.numel() else 1, dtype=torch.long,
+                         device=layout.flat.device)
+    col_of[layout.flat] = layout.col
+    return col_of[index]
+
+
+def _rules(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    from oar_verl.core.backends.rules import conservative_rules
+
+    return conservative_rules(model)
+
+
+def recompute_choice(setting: str, need: Callable[[int, bool], int], limit: int | None) -> Callable[[int], bool]:
+    """``recompute`` of :class:`SharedAttribution` for ``algorithm.oar.recompute``.
+
+    Args:
+        setting: ``always`` (checkpoint every layer), ``never``, or ``auto``: keep the activations where the pass
+            without recompute needs at most ``limit`` bytes.
+        need: (tokens, recompute) -> the pass's peak activation bytes (the memory model,
+            :func:`oar_verl.core.backends.memory.pass_bytes`).
+        limit: bytes a pass may hold (the training step's peak, or less where the accelerator has less free);
+            None: no bound known (``auto`` then recomputes, the safe side).
+    """
+    if setting == "always":
+        return lambda tokens: True
+    if setting == "never":
+        return lambda tokens: False
+    if setting != "auto":
+        raise ValueError(f"algorithm.oar.recompute={setting!r}: choose one of auto, always, never")
+    return lambda tokens: limit is None or need(tokens, False) > limit

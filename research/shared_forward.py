@@ -1,0 +1,201 @@
+"""What attribution adds to the old-log-prob pass when it reads its scores from that pass (issue #45), measured side
+by side in one process on the same model and rows.
+
+For each response length (one row of 128 prompt + T response tokens, random weights at the shape asked for):
+
+* **log_prob**: verl's old-log-prob pass alone: a forward without grad, full logits, fp32 log-softmax of the response;
+* **shared <method> recompute / keep**: the same pass with the method read from it
+  (:mod:`oar_verl.core.backends.shared`), the backward recomputing each layer, or keeping the activations;
+* **separate fisher**: today's path, its own forward + recomputed input-gradient pass, after the log-prob pass;
+* **peer OAR-G** (``--peer``): OAR-G built the way GRAIL's is, full logits and no recompute (:func:`peer_oar_g`);
+* **train**: the actor's training forward + backward with gradient checkpointing (parameter gradients).
+
+Reported: (pass with attribution − pass alone) ÷ train, with the cost model's prediction in forward units (train
+4F: forward, recompute, two backward matmuls; a shared backward adds F, its recompute another F), and each peak
+(allocator peak over the state before on CUDA, resident-memory rise on CPU) ÷ train's. ``auto`` says what
+``algorithm.oar.recompute=auto`` picks with train's peak as the bound.
+
+usage:
+    python -m research.shared_forward                                   # CPU: cpu-quick shape, 1k and 2k tokens
+    python -m research.shared_forward --device cuda --shape qwen2.5-7b --lengths 4096,16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from datetime import date
+
+import torch
+
+from oar_verl.core import OARConfig
+from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.backends.hf import ModuleBackend
+from oar_verl.core.backends.memory import ModelShape, PassKind, free_accelerator_bytes, pass_bytes
+from oar_verl.core.backends.shared import ForwardLayout, recompute_choice
+from oar_verl.core.methods.attribution import run_attribution, shared_attribution
+from research.common import measure
+from research.scaling import PROMPT, build_model, make_rows, train_step
+
+MASK = 7
+
+
+def log_prob_pass(model, batch) -> torch.Tensor:
+    """verl's old-log-prob pass on the rows: no grad, full logits, fp32 log-softmax of the taken response tokens."""
+    with torch.no_grad():
+        logits = model(**batch.model_inputs(), use_cache=False).logits
+        start = batch.response_start
+        logp = torch.log_softmax(logits[:, start - 1:-1].float(), -1)
+        return logp.gather(-1, batch.input_ids[:, start:, None]).squeeze(-1)
+
+
+def shared_pass(model, batch, cfg, recompute: bool) -> torch.Tensor:
+    """The old-log-prob pass with ``cfg.mode`` read from it; returns the log-probs (the scores stay in ``shared``)."""
+    shared = shared_attribution(model, batch, cfg, lambda tokens: recompute, mask_token_id=MASK)
+    rows = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
+    with shared.forward(ForwardLayout.padded(rows, batch.attention_mask, 0)):
+        out = log_prob_pass(model, batch)
+    shared.result()
+    return out
+
+
+def peer_oar_g(model, batch, noise_std: float = 1e-3) -> torch.Tensor:
+    """OAR-G built the way GRAIL's is: full (B, L, V) logits of a clean forward and of a noisy forward with grad, no
+    recompute, the answer positions' KL back-propagated to the embeddings; (B, L) |gradient × input|."""
+    inputs = batch.model_inputs()
+    ids = inputs.pop("input_ids")
+    answer = batch.probe.logit_weight != 0
+    with torch.no_grad():
+        emb = model.get_input_embeddings()(ids).detach()  # (Hugging Face's checkpointing marks it requiring grad)
+        clean = torch.log_softmax(model(inputs_embeds=emb, **inputs, use_cache=False).logits.float(), -1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        g = torch.Generator(device=emb.device).manual_seed(0)
+        leaf = (emb + noise_std * torch.randn(emb.shape, generator=g, device=emb.device, dtype=emb.dtype)).detach()
+        leaf.requires_grad_(True)
+        logp = torch.log_softmax(model(inputs_embeds=leaf, **inputs, use_cache=False).logits.float(), -1)
+        kl = (clean.exp() * (clean - logp)).sum(-1)
+        (kl * answer).sum().backward()
+        return (leaf.grad.float() * emb.float()).sum(-1).abs()
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+def timed(fn, device: str, repeats: int) -> tuple[float, float]:
+    """(median seconds, max peak MiB) of ``repeats`` calls after one warm-up."""
+    fn()
+    got = [measure(fn, device) for _ in range(repeats)]
+    return statistics.median(s for s, _ in got), max(p for _, p in got)
+
+
+def predicted(columns: int, recompute: bool) -> float:
+    """The cost model's added time ÷ train: C backwards of F each (no weight gradients), F more each with recompute,
+    against train's 4F."""
+    return columns * (2.0 if recompute else 1.0) / 4.0
+
+
+def run(args) -> list[dict]:
+    device, dtype = args.device, getattr(torch, args.dtype)
+    model = build_model(args.shape, device, dtype)
+    shape = ModelShape.from_hf_config(model.config, dtype)
+    out = []
+    for length in args.lengths:
+        batch = make_rows(args.rows, length, model.config.vocab_size, device)
+        tokens = args.rows * (PROMPT + length)
+        row = {"length": length, "rows": args.rows, "tokens": tokens}
+
+        def train():
+            for p in model.parameters():
+                p.requires_grad_(True)
+            train_step(model, batch)
+            model.zero_grad(set_to_none=True)
+
+        row["train_s"], row["train_mib"] = timed(train, device, args.repeats)
+        row["log_prob_s"], row["log_prob_mib"] = timed(lambda: log_prob_pass(model, batch), device, args.repeats)
+        limit = row["train_mib"] * 2**20
+        free = free_accelerator_bytes(torch.device(device))
+        if free is not None:
+            limit = min(limit, 0.9 * free)
+        need = lambda n, r: pass_bytes(PassKind.INPUT_GRADIENT, n, shape, checkpointing=r, logit_positions=8)
+        row["auto_recomputes"] = recompute_choice("auto", need, int(limit))(tokens)
+        for mode in args.modes:
+            cfg = OARConfig(mode=mode, mask="token", mask_token_id=MASK)
+            for recompute in (True, False):
+                key = f"{mode}_{'recompute' if recompute else 'keep'}"
+                if not recompute and need(tokens, False) > (free if free is not None else float("inf")):
+                    row[key] = "skipped: the kept activations exceed the free memory"
+                    continue
+                s, mib = timed(lambda: shared_pass(model, batch, cfg, recompute), device, args.repeats)
+                row[key] = {"added_x_train": (s - row["log_prob_s"]) / row["train_s"],
+                            "model_x_train": predicted(1, recompute), "peak_x_train": mib / row["train_mib"],
+                            "seconds": s, "peak_mib": mib}
+        if args.separate:
+            cfg = OARConfig(mode="fisher", mask="token", mask_token_id=MASK)
+            backend = ModuleBackend(model, PassLimits(tokens), checkpointing=True)
+            s, mib = timed(lambda: run_attribution(backend, batch, cfg, mask_token_id=MASK), device, args.repeats)
+            row["fisher_separate"] = {"added_x_train": s / row["train_s"], "model_x_train": 0.25 + predicted(1, True),
+                                      "peak_x_train": mib / row["train_mib"], "seconds": s, "peak_mib": mib}
+        if args.peer:  # the GRAIL-structure OAR-G, after the log-prob pass like ours
+            s, mib = timed(lambda: peer_oar_g(model, batch), device, args.repeats)
+            row["peer_oar_g"] = {"added_x_train": s / row["train_s"], "model_x_train": float("nan"),
+                                 "peak_x_train": mib / row["train_mib"], "seconds": s, "peak_mib": mib}
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
+def table(rows: list[dict], modes: list[str]) -> str:
+    lines = ["| T | variant | added × train (model) | peak × train's |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['length']} | log-prob pass alone | {r['log_prob_s'] / r['train_s']:.2f} (0.25) | "
+                     f"{r['log_prob_mib'] / r['train_mib']:.2f} |")
+        for key in [f"{m}_{v}" for m in modes for v in ("recompute", "keep")] + ["fisher_separate",
+                                                                                         "peer_oar_g"]:
+            v = r.get(key)
+            if isinstance(v, dict):
+                lines.append(f"| {r['length']} | {key.replace('_', ' ')} | {v['added_x_train']:.2f} "
+                             f"({v['model_x_train']:.2f}) | {v['peak_x_train']:.2f} |")
+            elif v:
+                lines.append(f"| {r['length']} | {key.replace('_', ' ')} | {v} | |")
+        lines.append(f"| {r['length']} | `recompute=auto` picks | {'recompute' if r['auto_recomputes'] else 'keep'} "
+                     "| |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shape", default="cpu-quick")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--lengths", default="1024,2048")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--modes", default="fisher,conservative")
+    ap.add_argument("--no-separate", dest="separate", action="store_false")
+    ap.add_argument("--peer", action="store_true", help="also the GRAIL-structure OAR-G (full logits, no recompute)")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.modes = args.modes.split(",")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = run(args)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"\n{date.today()} {device}, {args.shape} {args.dtype}, {args.rows} row(s) of {PROMPT} + T tokens")
+    print(table(rows, args.modes))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"date": str(date.today()), "device": device, "shape": args.shape, "dtype": args.dtype,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Attribution read from a forward the caller runs anyway (oar_verl.core.backends.shared): the same scores as the
+method's own passes, in padded and packed layouts, with and without recompute; the forward's logits unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from oar_verl.core import OARConfig, module_backend, run_attribution
+from oar_verl.core.backends.base import frozen_parameters
+from oar_verl.core.backends.budget import row_spans
+from oar_verl.core.backends.memory import ModelShape, PassKind, pass_bytes
+from oar_verl.core.backends.shared import ForwardLayout, recompute_choice
+from oar_verl.core.batch.layout import build_attribution_batch
+from oar_verl.core.batch.probes import ProbeKind
+from oar_verl.core.methods.attribution import shared_attribution, shared_modes
+
+MASK = 5
+
+
+def mixed_batch(make_batch, seed: int = 3):
+    rows = make_batch(B=5, P=4, T=12, seed=seed)
+    kinds = torch.tensor([ProbeKind.AS_MEAN, ProbeKind.LT_LOGITS, ProbeKind.AS_JOINT, ProbeKind.AS_MEAN,
+                          ProbeKind.LT_LOGITS])
+    return build_attribution_batch(*rows, kinds)
+
+
+def padded_forwards(model, batch, shared, rows_per_forward: int = 2):
+    """The caller's forwards: rows in column windows, ``rows_per_forward`` a forward; returns their logits."""
+    out = []
+    for r in torch.arange(batch.input_ids.shape[0]).split(rows_per_forward):
+        inputs = batch.model_inputs(r)
+        with shared.forward(ForwardLayout.padded(r, inputs["attention_mask"], 0)):
+            out.append(model(**inputs, use_cache=False).logits)
+    return torch.cat(out)
+
+
+def packed_forward(model, batch, shared, order):
+    """verl's layout: the rows ``order`` packed end to end in one (1, total) forward, positions restarting per row."""
+    start, end = row_spans(batch.attention_mask)
+    ids = torch.cat([batch.input_ids[r, start[r]:end[r]] for r in order.tolist()])[None]
+    pos = torch.cat([torch.arange(int(end[r] - start[r])) for r in order.tolist()])[None]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), (end - start)[order].cumsum(0)])
+    with shared.forward(ForwardLayout.packed(order, offsets, start[order])):
+        return model(input_ids=ids, position_ids=pos, use_cache=False).logits
+
+
+CONFIGS = [("fisher", dict(fisher_outcomes=1)), ("fisher", dict(fisher_outcomes=2, fisher_sketches=2)),
+           ("conservative", {})]
+
+
+@pytest.mark.parametrize("mode,keys", CONFIGS)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("recompute", [True, False])
+def test_shared_forward_equals_the_methods_own_passes(lm64, make_batch, mode, keys, layout, recompute):
+    cfg = OARConfig(mode=mode, mask="token", mask_token_id=MASK, **keys)
+    batch = mixed_batch(make_batch)
+    own = run_attribution(module_backend(lm64, cfg), batch, cfg, mask_token_id=MASK).importance
+    shared = shared_attribution(lm64, batch, cfg, lambda tokens: recompute, mask_token_id=MASK)
+    with torch.no_grad():  # the caller's old-log-prob pass runs without grad: the shared forward lifts it
+        if layout == "padded":
+            padded_forwards(lm64, batch, shared)
+        else:
+            packed_forward(lm64, batch, shared, torch.tensor([3, 0, 4, 1, 2]))
+    got = shared.result()
+    torch.testing.assert_close(got, own, rtol=1e-9, atol=1e-12)
+    assert int((own != 0).sum()) > 10
+    assert shared.choices and all(c == recompute for _, c in shared.choices)
+    assert all(p.grad is None and p.requires_grad for p in lm64.parameters())
+
+
+@pytest.mark.parametrize("mode", ["fisher", "conservative"])
+def test_the_forward_s_logits_are_unchanged_and_detached(lm32, make_batch, mode):
+    cfg = OARConfig(mode=mode, mask="token", mask_token_id=MASK)
+    batch = mixed_batch(make_batch, seed=9)
+    with torch.no_grad():
+        plain = torch.cat([lm32(**batch.model_inputs(r), use_cache=False).logits
+                           for r in torch.arange(batch.input_ids.shape[0]).split(2)])
+        shared = shared_attribution(lm32, batch, cfg, lambda tokens: False, mask_token_id=MASK)
+        logits = padded_forwards(lm32, batch, shared)
+    assert torch.equal(logits, plain) and not logits.requires_grad  # bitwise: the caller's log-probs are its own
+    assert bool((shared.result() != 0).any())
+
+
+def test_rows_the_caller_did_not_run_score_zero(lm64, make_batch):
+    cfg = OARConfig(mode="fisher", mask="token", mask_token_id=MASK)
+    batch = mixed_batch(make_batch)
+    own = run_attribution(module_backend(lm64, cfg), batch, cfg, mask_token_id=MASK).importance
+    shared = shared_attribution(lm64, batch, cfg, lambda tokens: True, mask_token_id=MASK)
+    r = torch.tensor([1, 3])
+    inputs = batch.model_inputs(r)
+    with shared.forward(ForwardLayout.padded(r, inputs["attention_mask"], 0)):
+        lm64(**inputs, use_cache=False)
+    got = shared.result()
+    torch.testing.assert_close(got[r], own[r], rtol=1e-9, atol=1e-12)
+    assert bool((got[torch.tensor([0, 2, 4])] == 0).all())
+
+
+def test_methods_with_their_own_passes_are_refused_by_name(lm64, make_batch):
+    assert set(shared_modes()) == {"fisher", "conservative"}
+    for mode in ("gradient", "perturbation", "path"):
+        with pytest.raises(ValueError, match=rf"mode={mode} cannot read .* the modes that can: conservative, fisher"):
+            shared_attribution(lm64, mixed_batch(make_batch), OARConfig(mode=mode), lambda tokens: True)
+
+
+def test_a_block_without_a_forward_is_an_error(lm64, make_batch):
+    cfg = OARConfig(mode="fisher", mask="token", mask_token_id=MASK)
+    shared = shared_attribution(lm64, mixed_batch(make_batch), cfg, lambda tokens: True, mask_token_id=MASK)
+    r = torch.tensor([0])
+    with pytest.raises(RuntimeError, match="ran no forward"):
+        with shared.forward(ForwardLayout.padded(r, torch.ones(1, 3, dtype=torch.long), 0)):
+            pass
+    assert all(p.requires_grad for p in lm64.parameters())  # everything restored on the way out
+
+
+def test_recompute_choice_on_both_sides_of_its_threshold():
+    shape = ModelShape(28, 3584, 18944, 28, 4, 128, 152064)
+
+    def need(tokens, recompute):
+        return pass_bytes(PassKind.INPUT_GRADIENT, tokens, shape, checkpointing=recompute, logit_positions=8)
+
+    limit = need(4096, False)
+    auto = recompute_choice("auto", need, limit)
+    assert auto(4096) is False and auto(4097) is True  # keeps activations exactly while they fit
+    assert recompute_choice("auto", need, None)(16) is True  # no known bound: the safe side
+    assert recompute_choice("always", need, limit)(16) is True and recompute_choice("never", need, 0)(10**6) is False
+    with pytest.raises(ValueError, match="algorithm.oar.recompute='sometimes': choose one of auto, always, never"):
+        recompute_choice("sometimes", need, limit)
+
+
+def test_dataclass_layouts_agree():
+    """A padded forward of whole rows and the same rows packed name the same (row, column) tokens."""
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    rows = torch.tensor([4, 2])
+    padded = ForwardLayout.padded(rows, mask, lo=3)
+    packed = ForwardLayout.packed(rows, torch.tensor([0, 3, 5]), torch.tensor([4, 3]))
+    assert torch.equal(padded.row, packed.row) and torch.equal(padded.col, packed.col)
+    assert dataclasses.asdict(padded).keys() == dataclasses.asdict(packed).keys()
