@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from research import REPO, common, long_reasoning, scaling
+from research import REPO, common, long_reasoning, scaling, verl_worker
 from research.common import (fisher_importance, measure, oar_g_importance, oar_p_importance, path_importance,
                              progress)
 from oar_verl.core.backends.budget import PassLimits
@@ -160,7 +160,8 @@ def verl_worker_estimate(part: Part, variants, cost: CostModel, repeats: int = 1
         for n in vp.lengths(variant):
             f = _flops(vp.shape, n, 1)
             forward = f["oar_g_k1"] / 4
-            work += (repeats + 1) * forward + repeats * (f["oar_g_k1"] + f["fisher_k1"] + f["train"])
+            # log-probs (twice more with fisher read from them), OAR-G, fisher and the update, repeats times
+            work += (repeats + 1) * forward + repeats * (f["oar_g_k1"] + 2 * f["fisher_k1"] + f["train"])
             work += 3 * f["validate"] + f["oar_g_k1"] + f["fisher_k1"]  # the segment policy twice, the core's
         rate = cost.fp32_flops if variant == "fp32" else cost.bf16_flops
         seconds += cost.group_s + cost.build_s_per_gparam * params + cost.safety * work / rate
@@ -565,7 +566,9 @@ def verl_worker_markdown(rows: list[dict]) -> list[str]:
                       "the first:", "",
                   "| call | seconds | × update_actor | × old log-probs | peak GiB | above its start | × update's peak "
                   "| host syncs |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for name in ("compute_log_prob", "gradient", "fisher", "segment", "update_actor"):
+        for name in ("compute_log_prob", "gradient", "fisher", "segment", verl_worker.SHARED_CALL, "update_actor"):
+            if name not in calls:
+                continue
             c = calls[name]
             syncs = "–" if c.get("syncs") is None else str(sum(c["syncs"].values()))
             ratio = lambda key: f"{c[key]:.2f}" if key in c else "–"  # noqa: E731
@@ -577,6 +580,15 @@ def verl_worker_markdown(rows: list[dict]) -> list[str]:
         for mode, a in p["agreement"].items():
             lines.append(f"| {mode} | {max(a['max_rel_diff']):.2e} | {min(a['spearman']):.4f} | "
                          f"{p['estimator'][mode]['max_sum_error']:.2e} |")
+        sh = p.get("shared")
+        if sh is not None:
+            added = calls.get(verl_worker.SHARED_CALL, {}).get("added_vs_update_time")
+            lines += ["", f"{verl_worker.SHARED_CALL}: the old-log-prob pass with fisher read from it adds "
+                      f"{added:.2f}× update_actor to the pass alone; its log-probs against the pass alone: max |Δ| "
+                      f"{sh['log_probs_max_abs_diff']:.1e} (bitwise equal: {sh['log_probs_equal']}); its scores against "
+                      f"the fisher call: worst row max rel. diff {max(sh['agreement']['max_rel_diff']):.2e}, worst "
+                      f"row Spearman {min(sh['agreement']['spearman']):.4f}; recomputed share "
+                      f"{sum(sh['recomputed']) / max(len(sh['recomputed']), 1):.2f}"]
         syncs = {site: n for mode in ("gradient", "fisher", "segment") for site, n in
                  (calls[mode].get("syncs") or {}).items()}
         if syncs:

@@ -33,8 +33,8 @@ import torch
 from oar_verl.core import OARConfig
 from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.backends.hf import ModuleBackend
-from oar_verl.core.backends.memory import ModelShape, PassKind, free_accelerator_bytes, pass_bytes
-from oar_verl.core.backends.shared import ForwardLayout, recompute_choice
+from oar_verl.core.backends.memory import ModelShape, PassKind, free_accelerator_bytes, pass_bytes, recompute_choice
+from oar_verl.core.backends.shared import ForwardLayout
 from oar_verl.core.methods.attribution import run_attribution, shared_attribution
 from research.common import measure
 from research.scaling import PROMPT, build_model, make_rows, train_step

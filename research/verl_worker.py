@@ -10,8 +10,9 @@ precision (``bf16``: what users train with; ``fp32``: the exactness check) on on
 2. the group built as verl's trainers build it (:mod:`devtools.verl_group`): gradient checkpointing, dynamic batch
    sizes (one token budget for training, log-probs and attribution), sdpa attention;
 3. what one training step runs: old log-probs -> ``compute_token_importance`` for ``gradient``, ``fisher`` and the
-   ``segment`` policy of ``perturbation`` -> the ``oar`` estimator (Σw = R, finite weights) -> ``update_actor`` with
-   the reshaped advantages;
+   ``segment`` policy of ``perturbation`` -> the old-log-prob pass again with fisher read from it
+   (``algorithm.oar.shared_forward``: verl's log-probs unchanged, the separate call's scores) -> the ``oar`` estimator
+   (Σw = R, finite weights) -> ``update_actor`` with the reshaped advantages;
 4. per call, in the worker process: seconds (device synchronised), peak device memory above the call's start, and in
    attribution every host synchronisation (CUDA's sync debug mode), by the line of ours that caused it;
 5. the core on the same weights and rows afterwards, in this process (:func:`oar_verl.core.pipeline.attribute` on the
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 MODES = ("gradient", "fisher", "segment")  # the three attribution calls of the step, in order
+SHARED_CALL = "fisher-shared"  # the old-log-prob pass with fisher read from it (algorithm.oar.shared_forward)
 COUNT_SYNCS_KEY = "probe_count_syncs"  # non-tensor flag: count this attribution call's host syncs (slower: untimed)
 FP32_TOLERANCE = 1e-3  # per row: max |worker - core| / max |core|
 BF16_SPEARMAN = 0.98  # per row, over the reasoning tokens
@@ -217,7 +219,7 @@ def _probed_worker():
     module imports without it, e.g. in gpu_check's planner)."""
     from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 
-    from oar_verl.integration.fields import CONFIG_KEY
+    from oar_verl.integration.fields import CONFIG_KEY, SHARED_KEY
     from oar_verl.integration.worker import OARActorRolloutRefWorker
 
     actor_mesh = make_nd_compute_dataproto_dispatch_fn(mesh_name="actor")
@@ -235,7 +237,10 @@ def _probed_worker():
 
         @register(dispatch_mode=actor_mesh)
         def compute_log_prob(self, data):
-            return self._probe("compute_log_prob", super().compute_log_prob, data)
+            from verl.utils import tensordict_utils as tu
+
+            shared = tu.get(data, SHARED_KEY) is not None  # the pass with fisher read from it
+            return self._probe(SHARED_CALL if shared else "compute_log_prob", super().compute_log_prob, data)
 
         @register(dispatch_mode=actor_mesh)
         def compute_token_importance(self, data):
@@ -375,7 +380,7 @@ def run_variant(plan: Plan, param_dtype: str, device: str, work: Path, log=print
     from verl.workers.utils.padding import no_padding_2_padding
 
     from devtools.verl_group import actor_group, rows_tensordict, trainer_config
-    from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
+    from oar_verl.integration.fields import CONFIG_KEY, SHARED_KEY, STEP_KEY
     from oar_verl.quickstart.launcher import new_ray_temp_dir
 
     t0 = time.perf_counter()
@@ -410,6 +415,17 @@ def run_variant(plan: Plan, param_dtype: str, device: str, work: Path, log=print
             masks[mode] = [r.bool() for r in out["oar_reasoning_mask"].unbind()]
             point.setdefault("passes", {})[mode] = out["oar_passes"].tolist()
             log(f"[verl-worker {param_dtype}] {mode} done")
+        shared_data = logp_data.clone()  # the same pass, with fisher read from it
+        tu.assign_non_tensor(shared_data, **{SHARED_KEY: {CONFIG_KEY: oar_config("fisher", plan.budget).to_dict(),
+                                                          STEP_KEY: 3}})
+        for _ in range(plan.repeats):
+            shared = wg.compute_log_prob(shared_data.clone())
+        point["shared"] = {"log_probs_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(
+            log_probs.unbind(), shared["log_probs"].unbind())),
+            "log_probs_equal": all(torch.equal(a, b) for a, b in zip(log_probs.unbind(), shared["log_probs"].unbind())),
+            "recomputed": shared["oar_recomputed"].tolist(), "shared": shared["oar_shared"].tolist()}
+        shared_imp = [r.float() for r in shared["token_importance"].unbind()]
+        log("[verl-worker %s] fisher read from the old-log-prob pass done" % param_dtype)
         after = wg.compute_log_prob(logp_data.clone())["log_probs"]
         point["log_probs_unchanged"] = all(torch.equal(a, b) for a, b in zip(log_probs.unbind(), after.unbind()))
         checks = {mode: estimator_checks(worker_imp[mode], masks[mode], responses) for mode in MODES}
@@ -430,6 +446,7 @@ def run_variant(plan: Plan, param_dtype: str, device: str, work: Path, log=print
     core = core_reference(model_dir, prompts, responses, plan.budget, param_dtype, device)
     point["core_seconds"] = time.perf_counter() - t2
     point["agreement"] = {m: agreement(worker_imp[m], core[m], masks[m]) for m in MODES}
+    point["shared"]["agreement"] = agreement(shared_imp, worker_imp["fisher"], masks["fisher"])
     point["distributions"] = loaded_distributions()
     point["checks"] = verdicts(point)
     return point
@@ -466,6 +483,11 @@ def summarise_calls(calls: list[dict]) -> dict:
         e["vs_log_prob_time"] = e["seconds"] / logp["seconds"]
         if e["absolute_peak_bytes"] is not None:
             e["vs_update_peak"] = e["absolute_peak_bytes"] / max(update["absolute_peak_bytes"], 1)
+    if SHARED_CALL in out:  # what reading fisher from the pass adds to it, × the update
+        e = out[SHARED_CALL]
+        e["added_vs_update_time"] = (e["seconds"] - logp["seconds"]) / update["seconds"]
+        if e["absolute_peak_bytes"] is not None:
+            e["vs_update_peak"] = e["absolute_peak_bytes"] / max(update["absolute_peak_bytes"], 1)
     return out
 
 
@@ -488,6 +510,23 @@ def verdicts(point: dict) -> dict:
         if peak is not None:
             out[f"{mode}: peak <= update_actor's"] = (peak <= 1.0, peak)
     out["log-probs unchanged by attribution"] = (point["log_probs_unchanged"], None)
+    sh = point.get("shared")
+    if sh is not None:  # fisher read from the old-log-prob pass: verl's log-probs, the separate call's scores
+        if bf16:
+            out["fisher-shared: log-probs = the pass alone (max |Δ| <= 1e-2)"] = (
+                sh["log_probs_max_abs_diff"] <= 1e-2, sh["log_probs_max_abs_diff"])
+            rho = [r if r == r else (1.0 if d <= 1e-2 else 0.0)
+                   for r, d in zip(sh["agreement"]["spearman"], sh["agreement"]["max_rel_diff"])]
+            out[f"fisher-shared = fisher (Spearman >= {BF16_SPEARMAN} per row)"] = (min(rho) >= BF16_SPEARMAN, min(rho))
+        else:
+            out["fisher-shared: log-probs = the pass alone (bitwise)"] = (sh["log_probs_equal"],
+                                                                         sh["log_probs_max_abs_diff"])
+            worst = max(sh["agreement"]["max_rel_diff"])
+            out[f"fisher-shared = fisher (max rel diff <= {FP32_TOLERANCE:g} per row)"] = (worst <= FP32_TOLERANCE,
+                                                                                          worst)
+        peak = point["calls"].get(SHARED_CALL, {}).get("vs_update_peak")
+        if peak is not None:
+            out["fisher-shared: peak <= update_actor's"] = (peak <= 1.0, peak)
     kl = abs(point["update_metrics"][0].get("actor/ppo_kl", float("nan")))
     if not bf16:  # the first update's own log-probs equal the old ones: the handed-over rows are aligned
         out["first update: |PPO KL| <= 1e-6 (old log-probs aligned)"] = (kl <= 1e-6, kl)

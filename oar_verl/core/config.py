@@ -20,6 +20,7 @@ TARGETS = ("response", "reference")
 APPLY_TO = ("all", "negative", "positive")
 AUTO_MODE = "auto"  # `mode=auto`: the driver chooses a registered mode per band (oar_verl.core.auto, docs/auto.md)
 AUTO_FALLBACKS = ("grpo", "best")
+RECOMPUTE = ("auto", "always", "never")
 AUTO_MAX_CANDIDATES = 8  # the integrations' per-row fields hold this many candidates
 
 # Presets only fill the keys the user did not set.  `paper`: the values the paper's summaries report; `official_code`:
@@ -141,6 +142,15 @@ class OARConfig:
                                              "null = the actor's own (`log_prob_max_token_len_per_gpu` for OAR-P / "
                                              "`ppo_max_token_len_per_gpu` for OAR-G with `use_dynamic_bsz`, else the "
                                              "micro-batch size x the longest sequence).")
+    shared_forward: bool = _key(True, "budgets",
+                                "`fisher` and `conservative` read their scores from verl's old-log-prob forward "
+                                "(one forward for both, backwards only from the probe; docs/method.md §14) where the "
+                                "engine allows it (FSDP without Ulysses, remove-padding, no fused kernels); elsewhere, "
+                                "on fidelity and `mode=auto` calibration steps and with false, their own passes.")
+    recompute: str = _key("auto", "budgets",
+                          "Gradient checkpointing of attribution's backwards: `auto` (keep the activations where the "
+                          "pass without recompute fits under the training step's peak and the free memory, recompute "
+                          "elsewhere; the choice is logged as `oar/recomputed_share`), `always` or `never`.")
     chunk_size: int | None = _key(None, "budgets",
                                   "Optional cap on OAR-P's masked copies per pass, >= 1; null = the token budget "
                                   "alone.")
@@ -248,8 +258,10 @@ class OARConfig:
         for key in ("max_token_len_per_gpu", "chunk_size"):
             if getattr(self, key) is not None:
                 _integer(p, key, getattr(self, key), lo=1)
-        if not isinstance(self.prefix_cache, bool):
-            raise OARConfigError(f"{p}.prefix_cache must be true or false, got {self.prefix_cache!r}")
+        for key in ("prefix_cache", "shared_forward"):
+            if not isinstance(getattr(self, key), bool):
+                raise OARConfigError(f"{p}.{key} must be true or false, got {getattr(self, key)!r}")
+        _choice(p, "recompute", self.recompute, RECOMPUTE)
         _integer(p, "mask_span", self.mask_span, lo=1)
         _name(p, "perturbation", self.perturbation)
         if not isinstance(self.segment_split, str) or not self.segment_split:

@@ -23,7 +23,7 @@ from oar_verl.core.methods.mask_operator import mask_replacement
 from oar_verl.core.preprocess import PreparedAttribution, prepare_attribution
 from oar_verl.core.reshaping.reshape import Reshaped, attribution_rows, reshape_advantages
 
-__all__ = ["RowAttribution", "attribute", "oar_advantages", "reshape"]
+__all__ = ["RowAttribution", "attribute", "oar_advantages", "reshape", "row_attribution"]
 
 # what attribute() runs on: a Hugging Face module, a backend, or a function of the prepared batch returning a backend
 Runner = torch.nn.Module | AttributionBackend | Callable[[PreparedAttribution], AttributionBackend]
@@ -185,12 +185,19 @@ def attribute(backend: Runner, prompts: Sequence[torch.Tensor], responses: Seque
                                    device=device)
     runner = _backend(backend, prepared, cfg)
     result = run_attribution(runner, prepared.batch, cfg, mask_token_id=prepared.mask_token_id, seeds=prepared.seeds)
+    return row_attribution(prepared, result, runner)
+
+
+def row_attribution(prepared: PreparedAttribution, result: AttributionResult,
+                    backend: AttributionBackend | None = None) -> RowAttribution:
+    """The :class:`RowAttribution` of every prepared row from a method's result (run by :func:`attribute`, or read
+    from a shared forward: :mod:`oar_verl.core.backends.shared`, ``backend`` None)."""
     mask, spans = prepared.response_mask, prepared.spans
     return RowAttribution(
         prepared.padded_importance(result.importance), spans.reasoning_mask.bool() & mask,
         spans.answer_mask.bool() & mask, mask, torch.ones(mask.shape[0], dtype=torch.bool), spans.found.bool(),
         prepared.answer_probe.bool(), result.passes, None if result.copies is None else result.copies.cpu(),
-        None if result.refined is None else result.refined.cpu(), prepared, result, runner)
+        None if result.refined is None else result.refined.cpu(), prepared, result, backend)
 
 
 def token_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from oar_verl.core.methods.attribution import module_backend, pass_limits
+from oar_verl.core.methods.attribution import METHODS, module_backend, pass_limits
 from oar_verl.core.backends.base import AttributionBackend
 from oar_verl.core.backends.ulysses import SequenceShards
 from oar_verl.core.config import OARConfig
-from oar_verl.core.backends.memory import memory_guard, model_shape
+from oar_verl.core.backends.memory import PassKind, memory_guard, model_shape, recompute_policy
 from oar_verl.core.registry import Registry
 
 
@@ -27,12 +27,17 @@ class EngineBackend:
         device: engine -> where the attribution inputs go.
         eval_numerics: engine -> None; no dropout during attribution (inside ``engine.eval_mode()``).
         startup_error: verl's full config -> a message naming the setting this engine cannot attribute with, or None.
+        recompute: (engine, cfg, tokens, *, checkpointing) -> whether attribution's backwards recompute the layers
+            (``algorithm.oar.recompute`` with the actor's ``checkpointing`` and update budget ``tokens``): a bool, or
+            a choice per pass of so many tokens.
     """
 
     make: Callable[..., AttributionBackend]
     device: Callable[[object], torch.device]
     eval_numerics: Callable[[object], None]
     startup_error: Callable[[object], str | None] = lambda config: None
+    recompute: Callable[..., bool | Callable[[int], bool]] = (
+        lambda engine, cfg, tokens, *, checkpointing: fixed_recompute(cfg, checkpointing))
 
 
 ENGINE_BACKENDS: Registry[EngineBackend] = Registry("actor strategy OAR can attribute with",
@@ -47,12 +52,33 @@ def _module_device(engine) -> torch.device:
     return torch.device("cpu")
 
 
-def _fsdp_backend(engine, cfg: OARConfig, tokens: int, *, pad_id: int, checkpointing: bool,
+def fixed_recompute(cfg: OARConfig, checkpointing: bool) -> bool:
+    """``algorithm.oar.recompute`` as one setting for every pass: ``always`` / ``never``, or the actor's own
+    checkpointing under ``auto`` (where ranks must agree pass by pass: Ulysses recomputes collectives)."""
+    return {"always": True, "never": False}.get(cfg.recompute, checkpointing)
+
+
+def _fsdp_recompute(engine, cfg: OARConfig, tokens: int, *, checkpointing: bool) -> bool | Callable[[int], bool]:
+    """Per pass from the memory model, bounded by the update's peak at ``tokens`` per micro-batch plus this rank's
+    parameter gradients (freed while attribution runs) and the free memory
+    (:func:`~oar_verl.core.backends.memory.recompute_policy`); under Ulysses one setting (:func:`fixed_recompute`)."""
+    if sequence_shards(engine) is not None:
+        return fixed_recompute(cfg, checkpointing)
+    grads = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+                for p in engine.module.parameters() if p.requires_grad)
+    kind = PassKind.RULES_GRADIENT if METHODS.get(cfg.mode).propagation_rules else PassKind.INPUT_GRADIENT
+    return recompute_policy(cfg.recompute, model_shape(engine.module), kind, _module_device(engine), tokens,
+                            train_checkpointing=checkpointing, grad_bytes=grads)
+
+
+def _fsdp_backend(engine, cfg: OARConfig, tokens: int, *, pad_id: int, checkpointing: bool | Callable[[int], bool],
                   align: Callable[[int], int]) -> AttributionBackend:
     """The engine's module, whole sequences per pass, with the memory guard of this accelerator; under Ulysses
-    sequence parallelism, every pass sharded over the group like verl's own forward (docs/verl.md)."""
+    sequence parallelism, every pass sharded over the group like verl's own forward (docs/verl.md). ``checkpointing``
+    a choice per pass: the guard counts a pass as recomputed unless ``recompute=never``."""
     shape = model_shape(engine.module)
-    guard = memory_guard(_module_device(engine), shape, checkpointing=checkpointing) if shape is not None else None
+    guarded = checkpointing if isinstance(checkpointing, bool) else cfg.recompute != "never"
+    guard = memory_guard(_module_device(engine), shape, checkpointing=guarded) if shape is not None else None
     return module_backend(engine.module, cfg, limits=pass_limits(cfg, tokens, guard), checkpointing=checkpointing,
                           align=align, shards=sequence_shards(engine), pad_id=pad_id)
 
@@ -66,7 +92,8 @@ def sequence_shards(engine) -> SequenceShards | None:
 
 
 ENGINE_BACKENDS.register("fsdp", "fsdp2")(EngineBackend(make=_fsdp_backend, device=_module_device,
-                                                       eval_numerics=lambda engine: engine.module.eval()))
+                                                       eval_numerics=lambda engine: engine.module.eval(),
+                                                       recompute=_fsdp_recompute))
 
 
 def _megatron_backend(engine, cfg: OARConfig, tokens: int, *, pad_id: int, checkpointing: bool,

@@ -23,8 +23,14 @@ AUTO_CONTROLS = ("random", "position", "entropy")
 AUTO_FIELDS = (tuple(f"aopc_c{i}" for i in range(AUTO_SLOTS)) + tuple(f"aopc_{k}" for k in AUTO_CONTROLS)
                + ("static", "tokens") + tuple(f"spt_c{i}" for i in range(AUTO_SLOTS)))
 
+# extra_info of verl's compute_log_prob call when attribution is read from that pass (the worker then returns the
+# OUTPUT_FIELDS with the log-probs): {CONFIG_KEY: ..., STEP_KEY: ...}
+SHARED_KEY = "oar_shared_forward"
+# a (B,) field the worker adds to its shard so that each of verl's micro-batches names its rows
+ROW_FIELD = "oar_row"
+
 # what compute_token_importance returns: per row (nested, response-aligned) and per sequence
 OUTPUT_FIELDS = ("token_importance", "oar_reasoning_mask", "oar_answer_mask", "oar_span_found", "oar_answer_probe",
                  "oar_passes", "oar_copies", "oar_refined", "oar_params_fingerprint",
-                 "oar_log_prob_params_fingerprint") + tuple(f"oar_fidelity_{k}" for k in FIDELITY_FIELDS) + \
+                 "oar_log_prob_params_fingerprint", "oar_recomputed", "oar_shared") + tuple(f"oar_fidelity_{k}" for k in FIDELITY_FIELDS) + \
     tuple(f"oar_auto_{k}" for k in AUTO_FIELDS)

@@ -95,6 +95,8 @@ class StepAttribution:
         auto: name -> (N,) float64 per attributed row, the worker's ``oar_auto_<name>`` fields
             (:data:`~oar_verl.integration.fields.AUTO_FIELDS`: a ``mode=auto`` calibration step's measurement);
             empty when none came back.
+        recomputed: (N,) per attributed row, the share of its rank's backwards that recomputed the layers (NaN:
+            not counted). shared: (N,) 1 where its scores were read from the old-log-prob forward, 0 where not.
     """
 
     estimator_inputs: EstimatorInputs
@@ -109,6 +111,8 @@ class StepAttribution:
     refined: torch.Tensor
     fidelity: dict[str, torch.Tensor] = field(default_factory=dict)
     auto: dict[str, torch.Tensor] = field(default_factory=dict)
+    recomputed: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    shared: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
 
 def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: BatchRows,
@@ -132,7 +136,10 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
     match = torch.full((len(rows),), float("nan"))
     copies, refined = torch.full((B,), -1.0), torch.full((B,), -1.0)
     fidelity, auto = {}, {}
+    recomputed, shared = torch.full((len(rows),), float("nan")), torch.zeros(len(rows))
     if out is not None and len(rows):
+        recomputed = out["oar_recomputed"].float() if "oar_recomputed" in out else recomputed
+        shared = out["oar_shared"].float() if "oar_shared" in out else shared
         fidelity = {k: out[f"oar_fidelity_{k}"].double() for k in FIDELITY_FIELDS if f"oar_fidelity_{k}" in out}
         auto = {k: out[f"oar_auto_{k}"].double() for k in AUTO_FIELDS if f"oar_auto_{k}" in out}
         passes = out["oar_passes"].float() if "oar_passes" in out else passes
@@ -150,7 +157,8 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
     base_adv, base_ret = base if base is not None else (None, None)
     inputs = EstimatorInputs(importance, reasoning & batch.response_mask.bool(), attributed, batch.response_mask,
                              batch.scores if base is not None else None, base_adv, base_ret)
-    return StepAttribution(inputs, rows, answer, found, probe, batch, passes, match, copies, refined, fidelity, auto)
+    return StepAttribution(inputs, rows, answer, found, probe, batch, passes, match, copies, refined, fidelity, auto,
+                           recomputed, shared)
 
 
 def merge_outputs(parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> tuple[torch.Tensor, dict | None]:

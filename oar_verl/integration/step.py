@@ -29,6 +29,7 @@ from oar_verl.core.checks.startup import require_resolved
 from oar_verl.core.config import AUTO_MODE, OARConfig
 from oar_verl.core.fidelity.step import due as fidelity_due
 from oar_verl.core.fidelity.step import step_metrics
+from oar_verl.core.methods.attribution import shared_modes
 from oar_verl.core.reshaping.reshape import attribution_rows
 from oar_verl.integration import dumps, handoff
 from oar_verl.integration.estimator import base_advantage
@@ -138,6 +139,13 @@ class OARStep:
         if base is None:
             return batch.eligible.clone()
         return attribution_rows(base[0], batch.response_mask, self.cfg, batch.eligible)
+
+    def shares_forward(self, global_step: int) -> bool:
+        """Whether this step's scores are read from verl's old-log-prob forward (``algorithm.oar.shared_forward``;
+        docs/method.md §14): a method that can, not on a fidelity step (its follow-up passes need the method's own
+        backend) and not under ``mode=auto`` (its calibration steps score every candidate)."""
+        return (self.cfg.shared_forward and self.selector is None and self.cfg.mode in shared_modes()
+                and not fidelity_due(self.cfg, global_step))
 
     def worker_options(self, global_step: int, mode: str | None = None,
                        auto: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -272,6 +280,10 @@ class OARStep:
             reasoning = att.estimator_inputs.reasoning_mask.sum(-1).float()
             metrics["oar/perturbation_copies"] = float(att.copies[counted].sum())
             metrics["oar/refined_share"] = float(att.refined[counted].sum() / reasoning[counted].sum().clamp(min=1))
+        if len(att.shared):  # docs/method.md §14: read from the old-log-prob forward (its time is in old_log_prob)
+            metrics["oar/shared_forward"] = float(att.shared.mean())
+        if len(att.recomputed) and not bool(att.recomputed.isnan().all()):
+            metrics["oar/recomputed_share"] = float(att.recomputed.nanmean())
         if len(att.policy_match) and not bool(att.policy_match.isnan().any()):
             # 1: every rank attributed with exactly the weights its old-log-prob pass used (docs/verl.md)
             metrics["oar/policy_matches_old_log_prob"] = float(att.policy_match.min())

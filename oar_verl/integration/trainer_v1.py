@@ -24,7 +24,7 @@ from oar_verl.integration.guard import uses_oar
 from oar_verl.integration.rows import BatchRows
 from oar_verl.integration.startup import validate_mask_token, validate_oar_setup
 from oar_verl.integration.step import OARStep, checkpoint_folder, model_window
-from oar_verl.integration.fields import OUTPUT_FIELDS
+from oar_verl.integration.fields import OUTPUT_FIELDS, SHARED_KEY
 from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
 
 # verl's V1 trainer modes OAR runs on, and the OAR trainer mode registered for each
@@ -33,11 +33,13 @@ OAR_MODE_PREFIX = "oar_"
 
 
 class V1IO:
-    """The step's view of one V1 batch (``KVBatchMeta``) and the trainer's actor worker group."""
+    """The step's view of one V1 batch (``KVBatchMeta``) and the trainer's actor worker group; with ``shared``, the
+    workers already stored every row's importance fields with the old log-probs (no RPC)."""
 
-    def __init__(self, trainer: PPOTrainer, batch):
+    def __init__(self, trainer: PPOTrainer, batch, shared: bool = False):
         self.trainer = trainer
         self.batch = batch
+        self.shared = shared
 
     def rows(self, with_responses: bool) -> BatchRows:
         auto = self.trainer.oar_step is not None and self.trainer.oar_step.selector is not None
@@ -64,8 +66,9 @@ class V1IO:
 
     def compute_importance(self, rows: torch.Tensor, options: dict[str, Any]) -> dict[str, torch.Tensor]:
         sub = self.batch.select_keys([self.batch.keys[i] for i in rows.tolist()])
-        sub.extra_info = {**(self.batch.extra_info or {}), **options}
-        self.trainer.actor_rollout_wg.compute_token_importance(sub)
+        if not self.shared:
+            sub.extra_info = {**(self.batch.extra_info or {}), **options}
+            self.trainer.actor_rollout_wg.compute_token_importance(sub)
         out = tq.kv_batch_get(keys=sub.keys, partition_id=sub.partition_id, select_fields=list(OUTPUT_FIELDS))
         return dict(out.to_padded_tensor().items())
 
@@ -77,10 +80,19 @@ class OARStepLayer(PPOTrainer):
     _oar_attribution = None
 
     def _compute_old_log_prob(self, batch, metrics: dict):
-        batch = super()._compute_old_log_prob(batch, metrics)
+        # docs/method.md §14: where the method can, the workers read its scores from this very forward
+        shared = self.oar_step is not None and self.oar_step.shares_forward(self.global_steps) and not _bypass(self)
+        if shared:
+            batch.extra_info[SHARED_KEY] = self.oar_step.worker_options(self.global_steps)
+        try:
+            out = super()._compute_old_log_prob(batch, metrics)
+        finally:
+            batch.extra_info.pop(SHARED_KEY, None)  # extra_info persists: no later RPC may see it
+        (out.extra_info or {}).pop(SHARED_KEY, None)
         if self.oar_step is not None:
-            self._oar_attribution = self.oar_step.attribute(V1IO(self, batch), self.global_steps, self.timing_raw)
-        return batch
+            self._oar_attribution = self.oar_step.attribute(V1IO(self, out, shared), self.global_steps,
+                                                            self.timing_raw)
+        return out
 
     def _compute_advantage(self, batch, metrics: dict):
         att, self._oar_attribution = self._oar_attribution, None
@@ -91,6 +103,12 @@ class OARStepLayer(PPOTrainer):
         with self.oar_step.advantage(att, self.global_steps, metrics):
             batch = super()._compute_advantage(batch, metrics)
         return batch
+
+
+def _bypass(trainer: PPOTrainer) -> bool:
+    """verl's rollout-correction bypass mode: no old-log-prob pass runs (the rollout's log-probs stand in)."""
+    correction = trainer.config.algorithm.get("rollout_correction", None)
+    return bool(correction and correction.get("bypass_mode", False))
 
 
 class OARTrainerMixin:

@@ -27,13 +27,17 @@ from oar_verl.core.checks.startup import require_resolved
 from oar_verl.core.config import OARConfig
 from oar_verl.core.fidelity.summary import default_min_gap
 from oar_verl.core.fidelity.step import due
-from oar_verl.core.pipeline import attribute
-from oar_verl.core.preprocess import PreparedAttribution
+from oar_verl.core.backends.budget import row_spans
+from oar_verl.core.methods.attribution import shared_attribution
+from oar_verl.core.methods.contract import AttributionResult
+from oar_verl.core.pipeline import attribute, row_attribution
+from oar_verl.core.preprocess import PreparedAttribution, prepare_attribution
 from oar_verl.integration.actor_budget import actor_token_budget
 from oar_verl.integration.backends import ENGINE_BACKENDS
 from oar_verl.core.backends.collectives import max_over_ranks
 from oar_verl.integration.fields import (AUTO_CONTROLS, AUTO_FIELDS, AUTO_KEY, AUTO_SLOTS, CONFIG_KEY, FIDELITY_FIELDS,
-                                         GROUND_TRUTH_KEY, STEP_KEY)
+                                         GROUND_TRUTH_KEY, ROW_FIELD, SHARED_KEY, STEP_KEY)
+from oar_verl.integration.shared_pass import attributed_log_prob, shared_pass_error
 
 logger = logging.getLogger("oar_verl")
 
@@ -129,9 +133,65 @@ class TokenImportanceMixin:
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_log_prob(self, data: TensorDict) -> TensorDict:
-        """verl's ``compute_log_prob``, unchanged, after noting the weights it runs with."""
+        """verl's ``compute_log_prob`` after noting the weights it runs with; with ``oar_shared_forward`` among the
+        call's options (:data:`~oar_verl.integration.fields.SHARED_KEY`: the step's ``oar_config`` and
+        ``oar_global_step``), the same log-probs plus the ``compute_token_importance`` fields of every row, read from
+        the same forward where the engine allows it (:mod:`oar_verl.integration.shared_pass`), else attributed right
+        after it in this call."""
         self._oar_log_prob_fingerprint = params_fingerprint(self.actor.engine)
-        return super().compute_log_prob(data)
+        options = tu.get(data, SHARED_KEY)
+        if options is None:
+            return super().compute_log_prob(data)
+        cfg = require_resolved(_config(json.dumps(options[CONFIG_KEY], sort_keys=True)))
+        step = int(options[STEP_KEY])
+        strategy = self.actor.engine_config.strategy
+        fused = tu.get(data, "use_fused_kernels", default=self.actor.engine_config.use_fused_kernels)
+        reason = shared_pass_error(strategy, self.actor.engine, bool(fused))
+        if reason is not None:
+            _log_once(f"oar: attribution runs after the old-log-prob pass, not inside it: {reason}")
+            out = super().compute_log_prob(data)
+            fields = self._importance(data, cfg, step, auto=None)
+            return _merged(out, fields)
+        return self._shared_log_prob(data, cfg, step)
+
+    def _shared_log_prob(self, data: TensorDict, cfg: OARConfig, step: int) -> TensorDict | None:
+        """The old-log-prob pass with ``cfg.mode`` read from each micro-batch's forward."""
+        engine = self.actor.engine
+        kind = ENGINE_BACKENDS.get(self.actor.engine_config.strategy)
+        device = kind.device(engine)
+        prompts, responses = unpack_rows(data)
+        truths = ground_truths(data) if cfg.target == "reference" else None
+        tokenizer = self.actor.model_config.tokenizer
+        prepared = prepare_attribution(prompts, responses, tokenizer, cfg, step, ground_truths=truths, device=device)
+        batch = prepared.batch
+        data[ROW_FIELD] = torch.arange(len(responses))
+        fingerprint = params_fingerprint(engine)
+        longest = max_over_ranks(prepared.longest, device)
+        recompute = kind.recompute(engine, cfg, actor_token_budget(cfg, self.actor.engine_config, longest),
+                                   checkpointing=self._oar_checkpointing())
+
+        def make():
+            kind.eval_numerics(engine)
+            return shared_attribution(engine.module, batch, cfg, recompute, mask_token_id=prepared.mask_token_id,
+                                      seeds=prepared.seeds)
+
+        packed = tu.get(data, "use_remove_padding", default=self.actor.model_config.get("use_remove_padding", False))
+        with attributed_log_prob(engine, make, row_spans(batch.attention_mask)[0], batch.input_ids,
+                                 bool(packed)) as made:
+            out = super().compute_log_prob(data)
+        if not made:
+            raise RuntimeError("oar: verl's old-log-prob pass ran no micro-batch on this rank")
+        shared = made[0]
+        result = AttributionResult(shared.result(), len(shared.choices))
+        att = row_attribution(prepared, result)
+        if out is None:
+            return None
+        recomputed = sum(c for _, c in shared.choices) / max(len(shared.choices), 1)
+        return _merged(out, importance_output(att, cfg, step, fingerprint, fingerprint, recomputed, shared=True))
+
+    def _oar_checkpointing(self) -> bool:
+        """The actor's own gradient checkpointing (attribution's backwards recompute alike unless told otherwise)."""
+        return bool(getattr(self.actor.model_config, "enable_gradient_checkpointing", False))
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_token_importance(self, data: TensorDict) -> TensorDict | None:
@@ -157,6 +217,10 @@ class TokenImportanceMixin:
         cfg = require_resolved(_config(json.dumps(tu.get(data, CONFIG_KEY), sort_keys=True)))  # never mode=auto
         auto = tu.get(data, AUTO_KEY)  # a mode=auto calibration step: {"candidates": [...]}; else None
         step = int(tu.get(data, STEP_KEY, default=0))
+        return self._importance(data, cfg, step, auto)
+
+    def _importance(self, data: TensorDict, cfg: OARConfig, step: int, auto: dict | None) -> TensorDict | None:
+        """The body of ``compute_token_importance``: the configured method's own passes on this rank's rows."""
         engine = self.actor.engine
         kind = ENGINE_BACKENDS.get(self.actor.engine_config.strategy)
         fingerprint = params_fingerprint(engine)
@@ -169,10 +233,9 @@ class TokenImportanceMixin:
         def backend_for(c: OARConfig, prepared: PreparedAttribution):
             # the actor's own token budget; the longest sequence of any rank, so that every rank packs by the same one
             longest = max_over_ranks(prepared.longest, device)
-            return kind.make(engine, c, actor_token_budget(c, self.actor.engine_config, longest),
-                             pad_id=tokenizer.pad_token_id or 0,
-                             checkpointing=bool(getattr(self.actor.model_config, "enable_gradient_checkpointing",
-                                                        False)),
+            tokens = actor_token_budget(c, self.actor.engine_config, longest)
+            return kind.make(engine, c, tokens, pad_id=tokenizer.pad_token_id or 0,
+                             checkpointing=kind.recompute(engine, c, tokens, checkpointing=self._oar_checkpointing()),
                              align=lambda n: max_over_ranks(n, device))
 
         def backend(prepared: PreparedAttribution):
@@ -193,22 +256,56 @@ class TokenImportanceMixin:
                 min_gap=gap, entropies=entropies)
         if not engine.is_mp_src_rank_with_outputs():
             return None
-        lens = att.lengths
-        return TensorDict({
-            "token_importance": _nested(att.importance, lens),
-            "oar_reasoning_mask": _nested(att.reasoning_mask.float(), lens),
-            "oar_answer_mask": _nested(att.answer_mask.float(), lens),
-            "oar_span_found": att.span_found.float(),
-            "oar_answer_probe": att.answer_probe.float(),
-            "oar_passes": torch.full((len(lens),), float(att.passes)),
-            "oar_copies": torch.full((len(lens),), -1.0) if att.copies is None else att.copies.float(),
-            "oar_refined": torch.full((len(lens),), -1.0) if att.refined is None else att.refined.float(),
-            "oar_params_fingerprint": torch.full((len(lens),), fingerprint, dtype=torch.float64),
-            "oar_log_prob_params_fingerprint": torch.full((len(lens),), float("nan") if log_prob_fingerprint is None
-                                                          else log_prob_fingerprint, dtype=torch.float64),
-            **{f"oar_fidelity_{k}": fidelity[k] for k in FIDELITY_FIELDS},
-            **auto_fields(measured, candidates, len(lens)),
-        }, batch_size=[len(lens)]).cpu()
+        choices = getattr(att.backend, "recomputed", None)
+        recomputed = sum(choices) / len(choices) if choices else float("nan")
+        return importance_output(att, cfg, step, fingerprint, log_prob_fingerprint, recomputed, fidelity=fidelity,
+                                 measured=measured, candidates=candidates)
+
+
+def importance_output(att, cfg: OARConfig, step: int, fingerprint: float, log_prob_fingerprint: float | None,
+                      recomputed: float, *, fidelity: dict | None = None, measured: dict | None = None,
+                      candidates=(), shared: bool = False) -> TensorDict:
+    """The :data:`~oar_verl.integration.fields.OUTPUT_FIELDS` of a rank's :class:`~oar_verl.core.pipeline.
+    RowAttribution` (see ``compute_token_importance``); ``fidelity`` None: NaN (a step not due)."""
+    lens = att.lengths
+    B = len(lens)
+    if fidelity is None:
+        fidelity = {k: torch.full((B,), float("nan"), dtype=torch.float64) for k in FIDELITY_FIELDS}
+    return TensorDict({
+        "token_importance": _nested(att.importance, lens),
+        "oar_reasoning_mask": _nested(att.reasoning_mask.float(), lens),
+        "oar_answer_mask": _nested(att.answer_mask.float(), lens),
+        "oar_span_found": att.span_found.float(),
+        "oar_answer_probe": att.answer_probe.float(),
+        "oar_passes": torch.full((B,), float(att.passes)),
+        "oar_copies": torch.full((B,), -1.0) if att.copies is None else att.copies.float(),
+        "oar_refined": torch.full((B,), -1.0) if att.refined is None else att.refined.float(),
+        "oar_params_fingerprint": torch.full((B,), fingerprint, dtype=torch.float64),
+        "oar_log_prob_params_fingerprint": torch.full((B,), float("nan") if log_prob_fingerprint is None
+                                                      else log_prob_fingerprint, dtype=torch.float64),
+        "oar_recomputed": torch.full((B,), float(recomputed)),
+        "oar_shared": torch.full((B,), float(shared)),
+        **{f"oar_fidelity_{k}": fidelity[k] for k in FIDELITY_FIELDS},
+        **auto_fields(measured, list(candidates), B),
+    }, batch_size=[B]).cpu()
+
+
+def _merged(out: TensorDict | None, fields: TensorDict | None) -> TensorDict | None:
+    """verl's log-prob output with the importance fields of the same rows added (None on ranks without outputs)."""
+    if out is None or fields is None:
+        return out
+    for key in fields.keys():
+        out[key] = fields[key]
+    return out
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning(message)
 
 
 class OARActorRolloutRefWorker(TokenImportanceMixin, ActorRolloutRefWorker):

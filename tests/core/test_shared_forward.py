@@ -3,16 +3,14 @@ method's own passes, in padded and packed layouts, with and without recompute; t
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from oar_verl.core import OARConfig, module_backend, run_attribution
 from oar_verl.core.backends.base import frozen_parameters
 from oar_verl.core.backends.budget import row_spans
-from oar_verl.core.backends.memory import ModelShape, PassKind, pass_bytes
-from oar_verl.core.backends.shared import ForwardLayout, recompute_choice
+from oar_verl.core.backends.memory import ModelShape, PassKind, pass_bytes, recompute_choice, recompute_policy
+from oar_verl.core.backends.shared import ForwardLayout
 from oar_verl.core.batch.layout import build_attribution_batch
 from oar_verl.core.batch.probes import ProbeKind
 from oar_verl.core.methods.attribution import shared_attribution, shared_modes
@@ -42,8 +40,7 @@ def packed_forward(model, batch, shared, order):
     start, end = row_spans(batch.attention_mask)
     ids = torch.cat([batch.input_ids[r, start[r]:end[r]] for r in order.tolist()])[None]
     pos = torch.cat([torch.arange(int(end[r] - start[r])) for r in order.tolist()])[None]
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), (end - start)[order].cumsum(0)])
-    with shared.forward(ForwardLayout.packed(order, offsets, start[order])):
+    with shared.forward(ForwardLayout.sequences(order, (end - start)[order], start[order])):
         return model(input_ids=ids, position_ids=pos, use_cache=False).logits
 
 
@@ -72,7 +69,7 @@ def test_shared_forward_equals_the_methods_own_passes(lm64, make_batch, mode, ke
 
 
 @pytest.mark.parametrize("mode", ["fisher", "conservative"])
-def test_the_forward_s_logits_are_unchanged_and_detached(lm32, make_batch, mode):
+def test_the_forward_s_logits_are_unchanged(lm32, make_batch, mode):
     cfg = OARConfig(mode=mode, mask="token", mask_token_id=MASK)
     batch = mixed_batch(make_batch, seed=9)
     with torch.no_grad():
@@ -80,7 +77,7 @@ def test_the_forward_s_logits_are_unchanged_and_detached(lm32, make_batch, mode)
                            for r in torch.arange(batch.input_ids.shape[0]).split(2)])
         shared = shared_attribution(lm32, batch, cfg, lambda tokens: False, mask_token_id=MASK)
         logits = padded_forwards(lm32, batch, shared)
-    assert torch.equal(logits, plain) and not logits.requires_grad  # bitwise: the caller's log-probs are its own
+    assert torch.equal(logits, plain)  # bitwise: the caller's log-probs are its own
     assert bool((shared.result() != 0).any())
 
 
@@ -126,15 +123,52 @@ def test_recompute_choice_on_both_sides_of_its_threshold():
     assert auto(4096) is False and auto(4097) is True  # keeps activations exactly while they fit
     assert recompute_choice("auto", need, None)(16) is True  # no known bound: the safe side
     assert recompute_choice("always", need, limit)(16) is True and recompute_choice("never", need, 0)(10**6) is False
-    with pytest.raises(ValueError, match="algorithm.oar.recompute='sometimes': choose one of auto, always, never"):
+    with pytest.raises(ValueError, match="algorithm.oar.recompute='sometimes' is not allowed; choose one of: auto, "
+                                         "always, never"):
         recompute_choice("sometimes", need, limit)
 
 
-def test_dataclass_layouts_agree():
-    """A padded forward of whole rows and the same rows packed name the same (row, column) tokens."""
+def test_recompute_policy_is_bounded_by_the_training_step():
+    shape = ModelShape(28, 3584, 18944, 28, 4, 128, 152064)
+    cpu = torch.device("cpu")
+    train = pass_bytes(PassKind.TRAINING, 8192, shape, checkpointing=True)
+    keep = lambda t: 1.5 * pass_bytes(PassKind.INPUT_GRADIENT, t, shape, checkpointing=False, logit_positions=8)
+    policy = recompute_policy("auto", shape, PassKind.INPUT_GRADIENT, cpu, 8192)
+    fits = max(t for t in range(256, 8193, 256) if keep(t) <= train)
+    assert policy(fits) is False and policy(fits + 256) is True
+    with_grads = recompute_policy("auto", shape, PassKind.INPUT_GRADIENT, cpu, 8192, grad_bytes=15 * 2**30)
+    assert with_grads(fits + 256) is False  # the update's gradients are free while attribution runs
+    assert recompute_policy("auto", None, PassKind.INPUT_GRADIENT, cpu, 8192)(1) is True
+
+
+def test_layouts_name_the_same_tokens():
+    """A padded forward in a column window, the same rows packed end to end and right-padded to a width name the same
+    (row, column) tokens, each at its own flat position."""
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
     rows = torch.tensor([4, 2])
     padded = ForwardLayout.padded(rows, mask, lo=3)
-    packed = ForwardLayout.packed(rows, torch.tensor([0, 3, 5]), torch.tensor([4, 3]))
-    assert torch.equal(padded.row, packed.row) and torch.equal(padded.col, packed.col)
-    assert dataclasses.asdict(padded).keys() == dataclasses.asdict(packed).keys()
+    packed = ForwardLayout.sequences(rows, torch.tensor([3, 2]), torch.tensor([4, 3]))
+    right = ForwardLayout.sequences(rows, torch.tensor([3, 2]), torch.tensor([4, 3]), width=5)
+    for other in (packed, right):
+        assert torch.equal(padded.row, other.row) and torch.equal(padded.col, other.col)
+    assert padded.flat.tolist() == [1, 2, 3, 4, 5] and packed.flat.tolist() == [0, 1, 2, 3, 4]
+    assert right.flat.tolist() == [0, 1, 2, 5, 6]
+
+
+def test_right_padded_forward_equals_the_methods_own_passes(lm64, make_batch):
+    """verl's padded layout (rows right-padded to the longest of the micro-batch, real tokens first)."""
+    cfg = OARConfig(mode="fisher", mask="token", mask_token_id=MASK)
+    batch = mixed_batch(make_batch)
+    own = run_attribution(module_backend(lm64, cfg), batch, cfg, mask_token_id=MASK).importance
+    shared = shared_attribution(lm64, batch, cfg, lambda tokens: True, mask_token_id=MASK)
+    start, end = row_spans(batch.attention_mask)
+    order = torch.tensor([2, 4, 0, 1, 3])
+    lengths = (end - start)[order]
+    width = int(lengths.max())
+    ids = torch.zeros(len(order), width, dtype=torch.long)
+    mask = torch.arange(width)[None] < lengths[:, None]
+    ids[mask] = torch.cat([batch.input_ids[r, start[r]:end[r]] for r in order.tolist()])
+    pos = torch.where(mask, torch.arange(width)[None], 0)
+    with torch.no_grad(), shared.forward(ForwardLayout.sequences(order, lengths, start[order], width)):
+        lm64(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False)
+    torch.testing.assert_close(shared.result(), own, rtol=1e-9, atol=1e-12)

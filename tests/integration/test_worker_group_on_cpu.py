@@ -191,7 +191,12 @@ def test_gpu_check_verl_worker_part_on_cpu(tmp_path):
     (p,) = summary["verl_worker"]
     assert p["param_dtype"] == "fp32" and p["device_name"] == "cpu"
     assert {k for k, c in p["checks"].items() if not c["ok"]} == set(), p["checks"]
-    assert len(p["checks"]) == 3 * 2 + 2  # per mode: agreement and Σw = R; log-probs unchanged; the update's KL
+    # per mode: agreement and Σw = R; log-probs unchanged; the update's KL; fisher read from the old-log-prob pass: its
+    # log-probs bitwise verl's, its scores the fisher call's (no peaks on CPU)
+    assert len(p["checks"]) == 3 * 2 + 2 + 2
+    shared = p["shared"]
+    assert shared["log_probs_equal"] and set(shared["shared"]) == {1.0}, shared
+    assert shared["agreement"]["nonzero"] > 50 and max(shared["agreement"]["max_rel_diff"]) <= 1e-3
     for mode in ("gradient", "fisher", "segment"):
         a = p["agreement"][mode]
         assert a["nonzero"] > 50 and max(a["max_rel_diff"]) <= 1e-3, (mode, a)

@@ -50,18 +50,20 @@ class ModuleBackend(DenseProbes):
         limits: the token budget of one pass (and optional caps and memory guard).
         prefix_cache: OAR-P copies reuse their row's clean key/value prefix (the model must support
             ``past_key_values``).
-        checkpointing: checkpoint the decoder layers in backward passes.
+        checkpointing: checkpoint the decoder layers in backward passes; or (tokens of a pass) -> whether to, chosen
+            per pass (:func:`~oar_verl.core.backends.memory.recompute_policy`, ``algorithm.oar.recompute``).
         align: maps this rank's pass count to the count every data-parallel rank runs (default: its own).
     """
 
     shared_backwards = True  # the embedding leaf's graph is kept between a pass's backwards
 
     def __init__(self, model: torch.nn.Module | None, limits: PassLimits, *, prefix_cache: bool = True,
-                 checkpointing: bool = True, align: Callable[[int], int] | None = None):
+                 checkpointing: bool | Callable[[int], bool] = True, align: Callable[[int], int] | None = None):
         self.model, self.limits = model, limits
         self.prefix_cache, self.checkpointing = prefix_cache, checkpointing
         self._align = align
         self._cache = None  # (row, key/value cache) of the last clean pass run with cache="keep"
+        self.recomputed: list[bool] = []  # per backward pass run: whether it recomputed the layers (logged)
 
     def plan(self, batch: AttributionBatch, rows: torch.Tensor, kind: str, ordered: bool = False
              ) -> list[torch.Tensor]:
@@ -72,12 +74,18 @@ class ModuleBackend(DenseProbes):
 
     def run(self, batch: AttributionBatch, passes: Sequence[Pass], on_probe: OnProbe,
             hook: EmbeddingHook | None = None) -> list[torch.Tensor | None]:
-        with (_backward_settings(self.model, self.checkpointing) if hook else contextlib.nullcontext()):
+        with (frozen_parameters(self.model) if hook else contextlib.nullcontext()):
             try:
                 return [self._backward(batch, p, i, on_probe, hook) if hook else self._forward(batch, p, i, on_probe)
                         for i, p in enumerate(passes)]
             finally:
                 self._cache = None
+
+    def recomputes(self, tokens: int) -> bool:
+        """Whether a backward pass of ``tokens`` positions (rows × window) checkpoints the decoder layers."""
+        choice = bool(self.checkpointing(tokens) if callable(self.checkpointing) else self.checkpointing)
+        self.recomputed.append(choice)
+        return choice
 
     def embedding(self, token_id: int) -> torch.Tensor:
         return embedding_row(self.model, token_id)
@@ -148,7 +156,8 @@ class ModuleBackend(DenseProbes):
                                                  spec.joint))
 
         noise = None if hook.noise is None else lambda clean: hook.noise(i, *reasoning_slots(mask), clean)
-        scores = embedding_scores(self.model, mask, noise, loss, hook)
+        with layer_checkpointing(self.model, self.recomputes(p.rows.shape[0] * (hi - lo))):
+            scores = embedding_scores(self.model, mask, noise, loss, hook)
         out = scores.new_zeros(*scores.shape[:-1], batch.input_ids.shape[1])
         out[..., lo:hi] = scores
         return out
@@ -238,12 +247,6 @@ def embedding_scores(model: torch.nn.Module, mask: torch.Tensor,
         handle.remove()
     scores = [hook.project(g, captured["clean"]) for g in grads]
     return scores[0] if hook.outputs == 1 else torch.stack(scores, 1)
-
-
-@contextlib.contextmanager
-def _backward_settings(model: torch.nn.Module, checkpointing: bool) -> Iterator[None]:
-    with frozen_parameters(model), layer_checkpointing(model, checkpointing):
-        yield
 
 
 @contextlib.contextmanager

@@ -9,11 +9,13 @@ state are the same for training and attribution and are not counted. Formulas an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ModelShape", "PassKind", "free_accelerator_bytes", "memory_guard", "model_shape", "pass_bytes"]
+__all__ = ["ModelShape", "PassKind", "free_accelerator_bytes", "memory_guard", "model_shape", "pass_bytes",
+           "recompute_choice", "recompute_policy"]
 
 # saved-for-backward elements per token per layer, in units of (H, I, q/kv widths); from the layer's graph:
 # input norm in/out (2H), q/k/v (Q + 2KV), attention output (Q) + its softmax statistics, o_proj input (Q),
@@ -146,3 +148,39 @@ def model_shape(model: torch.nn.Module) -> ModelShape | None:
         return ModelShape.from_hf_config(config, dtype if dtype.is_floating_point else torch.bfloat16)
     except (AttributeError, StopIteration, TypeError):
         return None
+
+
+def recompute_choice(setting: str, need: Callable[[int, bool], int], limit: int | None) -> Callable[[int], bool]:
+    """(tokens of a pass) -> whether its backward recomputes the decoder layers, for ``algorithm.oar.recompute``.
+
+    Args:
+        setting: ``always`` (checkpoint every layer), ``never``, or ``auto``: keep the activations where the pass
+            without recompute needs at most ``limit`` bytes.
+        need: (tokens, recompute) -> the pass's peak activation bytes (:func:`pass_bytes`).
+        limit: bytes a pass may hold (:func:`recompute_policy`); None: no bound known (``auto`` then recomputes).
+    """
+    from oar_verl.core.config import RECOMPUTE
+
+    if setting not in RECOMPUTE:
+        raise ValueError(f"algorithm.oar.recompute={setting!r} is not allowed; choose one of: {', '.join(RECOMPUTE)}")
+    if setting != "auto":
+        return lambda tokens: setting == "always"
+    return lambda tokens: limit is None or need(tokens, False) > limit
+
+
+def recompute_policy(setting: str, shape: ModelShape | None, kind: str, device: torch.device, train_tokens: int, *,
+                     train_checkpointing: bool = True, grad_bytes: int = 0, headroom: float = 0.9,
+                     margin: float = 1.5) -> Callable[[int], bool]:
+    """:func:`recompute_choice` of an attribution pass of ``kind`` on a model of ``shape``, bounded by the training
+    step: a pass keeps its activations where ``margin`` × its estimate is within the update's own activation peak at
+    ``train_tokens`` tokens per micro-batch plus ``grad_bytes`` (the parameter gradients the update holds beside them,
+    freed while attribution runs), and within ``headroom`` × the accelerator's free memory (read now). Never above the
+    training step's peak; an unknown shape always recomputes under ``auto``."""
+    if shape is None:
+        return recompute_choice(setting, lambda tokens, recompute: 0, None)
+    limit = pass_bytes(PassKind.TRAINING, train_tokens, shape, checkpointing=train_checkpointing) + grad_bytes
+    free = free_accelerator_bytes(device)
+    if free is not None:
+        limit = min(limit, int(headroom * free))
+    return recompute_choice(setting, lambda tokens, recompute: int(margin * pass_bytes(
+        kind, tokens, shape, checkpointing=recompute, logit_positions=8)), limit)

@@ -3,13 +3,15 @@
 A clean-point gradient method (``fisher``, ``conservative``) needs one forward of the clean rows and backwards from
 the outcome probe to the input embeddings. verl's old-log-prob pass is that forward, over the same rows with the same
 weights. Inside :meth:`SharedAttribution.forward` a forward of the model computes exactly what it computes outside
-(the logits are returned detached, so every log-prob the caller reads is the same number), while
+(the logits keep their values, so every log-prob the caller reads is the same number), while
 
 * the input embedding's output is a detached leaf that requires grad (the only one: parameters frozen),
-* the LM head also reads the logits of the probe positions only (:func:`probe_index`), with their graph, and
+* the logits of the probe positions (:func:`probe_index`) are kept with their graph, and
 * on the way out the probe is read from them, the method's losses (:class:`SharedTarget`) are back-propagated to the
   leaf, one backward per loss column, and each token's projection is stored by its batch row and column
-  (:class:`ForwardLayout`).
+  (:class:`ForwardLayout`). The backward goes through the LM head's output like any backward (a sharding wrapper
+  regathers the head's weight as usual), so it holds one (tokens, V) gradient of the logits in the model's dtype at
+  its peak, as the training step does.
 
 The forward may be laid out as the caller likes (verl's packed rows, padded rows in a column window): a
 :class:`ForwardLayout` says where each flat token of it sits in the :class:`~oar_verl.core.batch.layout.
@@ -24,7 +26,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from oar_verl.core.backends.base import frozen_parameters
 from oar_verl.core.backends.hf import layer_checkpointing
@@ -70,18 +71,21 @@ class ForwardLayout:
     col: torch.Tensor
 
     @classmethod
-    def packed(cls, rows: torch.Tensor, offsets: torch.Tensor, starts: torch.Tensor) -> ForwardLayout:
-        """Sequences packed end to end (verl's remove-padding layout, (1, total)): sequence i holds flat
-        [offsets[i], offsets[i + 1]) and begins at batch column ``starts[i]``.
+    def sequences(cls, rows: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor,
+                  width: int | None = None) -> ForwardLayout:
+        """Whole sequences, each beginning at batch column ``starts[i]``: packed end to end in one (1, total) row
+        (``width`` None: verl's remove-padding layout), or one (n, width) row each, right-padded (verl's padded
+        layout).
 
         Args:
-            rows: (n,) long batch rows. offsets: (n + 1,) long cumulative lengths. starts: (n,) long first column.
+            rows: (n,) long batch rows. lengths: (n,) long tokens of each sequence. starts: (n,) long first column.
+            width: the padded rows' width (>= every length), or None.
         """
-        lengths = offsets[1:] - offsets[:-1]
         slot = torch.arange(rows.shape[0], device=rows.device).repeat_interleave(lengths)
-        flat = torch.arange(int(offsets[-1]), device=rows.device) + int(offsets[0])
-        col = starts[slot] + (flat - offsets[slot])
-        return cls(rows, flat, slot, rows[slot], col)
+        first = lengths.cumsum(0) - lengths  # each sequence's first token among all real tokens
+        j = torch.arange(slot.shape[0], device=rows.device) - first[slot]  # position within the sequence
+        flat = (first[slot] if width is None else slot * width) + j
+        return cls(rows, flat, slot, rows[slot], starts[slot] + j)
 
     @classmethod
     def padded(cls, rows: torch.Tensor, attention_mask: torch.Tensor, lo: int) -> ForwardLayout:
@@ -118,7 +122,8 @@ class SharedAttribution:
         model: the Hugging Face causal LM (or its FSDP wrapper) the caller runs.
         target: the method's :class:`SharedTarget`.
         recompute: (tokens of a forward) -> whether its backward recomputes the decoder layers (gradient
-            checkpointing) instead of keeping their activations (:func:`recompute_choice`).
+            checkpointing) instead of keeping their activations
+            (:func:`~oar_verl.core.backends.memory.recompute_policy`).
     """
 
     def __init__(self, model: torch.nn.Module, target: SharedTarget, recompute: Callable[[int], bool]):
@@ -133,7 +138,8 @@ class SharedAttribution:
     @contextlib.contextmanager
     def forward(self, layout: ForwardLayout) -> Iterator[None]:
         """Run the model's forward(s) of ``layout``'s rows inside: they are attributed on the way out. The model's
-        forward runs with grad on (a caller's ``no_grad`` is lifted for it alone); its logits leave detached."""
+        forward runs with grad on (a caller's ``no_grad`` is lifted for it alone), so its logits carry the graph until
+        the block ends; their values are the plain forward's (read them without grad, as verl does)."""
         tokens = int(layout.flat.shape[0])
         recompute = bool(self.recompute(tokens))
         self.choices.append((tokens, recompute))
@@ -155,11 +161,9 @@ class SharedAttribution:
             return leaf
 
         def at_head(module, args, out):
-            # the probe positions' logits only (n, K, V), read here where a sharded head's weight is whole
-            hidden = args[0]
-            captured["logits"] = F.linear(hidden.reshape(-1, hidden.shape[-1])[index], module.weight,
-                                          getattr(module, "bias", None))
-            return out.detach()
+            # the probe positions' logits (n, K, V), read from the head's own output so that a sharding wrapper's
+            # backward hooks (FSDP regathering the head's weight) run as in any backward; the output is unchanged
+            captured["logits"] = out.reshape(-1, out.shape[-1])[index]
 
         handles = [self.model.register_forward_pre_hook(enter), self.model.register_forward_hook(leave,
                                                                                                   always_call=True),
@@ -217,23 +221,3 @@ def _rules(model: torch.nn.Module) -> contextlib.AbstractContextManager:
     from oar_verl.core.backends.rules import conservative_rules
 
     return conservative_rules(model)
-
-
-def recompute_choice(setting: str, need: Callable[[int, bool], int], limit: int | None) -> Callable[[int], bool]:
-    """``recompute`` of :class:`SharedAttribution` for ``algorithm.oar.recompute``.
-
-    Args:
-        setting: ``always`` (checkpoint every layer), ``never``, or ``auto``: keep the activations where the pass
-            without recompute needs at most ``limit`` bytes.
-        need: (tokens, recompute) -> the pass's peak activation bytes (the memory model,
-            :func:`oar_verl.core.backends.memory.pass_bytes`).
-        limit: bytes a pass may hold (the training step's peak, or less where the accelerator has less free);
-            None: no bound known (``auto`` then recomputes, the safe side).
-    """
-    if setting == "always":
-        return lambda tokens: True
-    if setting == "never":
-        return lambda tokens: False
-    if setting != "auto":
-        raise ValueError(f"algorithm.oar.recompute={setting!r}: choose one of auto, always, never")
-    return lambda tokens: limit is None or need(tokens, False) > limit

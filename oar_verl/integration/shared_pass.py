@@ -1,0 +1,73 @@
+"""verl's old-log-prob pass with attribution read from it (``algorithm.oar.shared_forward``; docs/method.md §14).
+
+verl's FSDP engine runs the old-log-prob pass micro-batch by micro-batch through ``engine.forward_step`` (rows
+packed end to end with remove-padding, else right-padded to the micro-batch's longest). For the duration of one ``compute_log_prob`` call the worker puts a wrapper in front of
+that method on the engine instance: each micro-batch's forward runs inside
+:meth:`~oar_verl.core.backends.shared.SharedAttribution.forward`, with the :class:`~oar_verl.core.backends.shared.
+ForwardLayout` of its packed rows (each micro-batch carries its rows' indices in :data:`~oar_verl.integration.fields.
+ROW_FIELD`). verl computes its log-probs from the same logits as without it; nothing of verl is patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from oar_verl.core.backends.shared import ForwardLayout, SharedAttribution
+from oar_verl.integration.backends import sequence_shards
+from oar_verl.integration.fields import ROW_FIELD
+
+
+def shared_pass_error(strategy: str, engine, fused_kernels: bool) -> str | None:
+    """Why verl's old-log-prob pass on this engine cannot carry attribution (the worker then attributes after it, in
+    the same call), or None."""
+    if strategy not in ("fsdp", "fsdp2"):
+        return f"actor strategy {strategy} (its engine runs its own forward schedule)"
+    if sequence_shards(engine) is not None:
+        return "Ulysses sequence parallelism (each rank holds a slice of a row)"
+    if fused_kernels:
+        return "use_fused_kernels=true (the fused head computes no logits)"
+    return None
+
+
+@contextlib.contextmanager
+def attributed_log_prob(engine, make: Callable[[], SharedAttribution], starts: torch.Tensor,
+                        input_ids: torch.Tensor, packed: bool) -> Iterator[list[SharedAttribution]]:
+    """For the duration, every micro-batch of ``engine``'s forwards is attributed as it runs.
+
+    Args:
+        engine: verl's FSDP engine (its ``forward_step`` is wrapped on the instance, then restored).
+        make: builds the shared attribution at the first micro-batch (inside verl's ``eval_mode``, weights loaded).
+        starts: (B,) long first batch column of every row (the prepared batch's).
+        input_ids: (B, L) long the prepared batch's ids: each micro-batch's tokens are checked against them.
+        packed: verl's remove-padding layout (a micro-batch's rows end to end); else right-padded to its longest.
+
+    Yields:
+        a list that holds the :class:`SharedAttribution` once a micro-batch ran.
+    """
+    made: list[SharedAttribution] = []
+    original = engine.forward_step
+
+    def forward_step(micro_batch, loss_function, forward_only):
+        if not made:
+            made.append(make())
+        device = starts.device
+        rows = micro_batch[ROW_FIELD].to(device).long()
+        ids = micro_batch["input_ids"]
+        lengths = ids.offsets().diff().to(device).long()
+        width = None if packed else int(lengths.max())  # verl pads each micro-batch to its longest row
+        layout = ForwardLayout.sequences(rows, lengths, starts[rows], width)
+        # the micro-batch's real tokens, row by row, are the layout's tokens in order: one check per micro-batch
+        if not bool((ids.values().to(device) == input_ids[layout.row, layout.col]).all()):
+            raise RuntimeError("oar: a micro-batch of the old-log-prob pass does not hold the rows being attributed "
+                               "(its tokens differ from the prompts and responses of the batch)")
+        with made[0].forward(layout):
+            return original(micro_batch, loss_function, forward_only)
+
+    engine.forward_step = forward_step
+    try:
+        yield made
+    finally:
+        del engine.forward_step  # the class's method again
