@@ -4,16 +4,17 @@ by side in one process on the same model and rows.
 For each response length (one row of 128 prompt + T response tokens, random weights at the shape asked for):
 
 * **log_prob**: verl's old-log-prob pass alone: a forward without grad, full logits, fp32 log-softmax of the response;
-* **shared <method> recompute / keep**: the same pass with the method read from it
-  (:mod:`oar_verl.core.backends.shared`), the backward recomputing each layer, or keeping the activations;
+* **shared <method> recompute / keep / auto**: the same pass with the method read from it
+  (:mod:`oar_verl.core.backends.shared`), the backward recomputing each layer, keeping every layer's activations, or
+  keeping as many as ``algorithm.oar.recompute=auto`` lets fit under train's measured peak (where that is neither);
 * **separate fisher**: today's path, its own forward + recomputed input-gradient pass, after the log-prob pass;
 * **peer OAR-G** (``--peer``): OAR-G built the way GRAIL's is, full logits and no recompute (:func:`peer_oar_g`);
 * **train**: the actor's training forward + backward with gradient checkpointing (parameter gradients).
 
 Reported: (pass with attribution − pass alone) ÷ train, with the cost model's prediction in forward units (train
-4F: forward, recompute, two backward matmuls; a shared backward adds F, its recompute another F), and each peak
-(allocator peak over the state before on CUDA, resident-memory rise on CPU) ÷ train's. ``auto`` says what
-``algorithm.oar.recompute=auto`` picks with train's peak as the bound.
+4F: forward, recompute, two backward matmuls; a shared backward adds F, its recompute another F for the share of
+layers recomputed), and each peak
+(allocator peak over the state before on CUDA, resident-memory rise on CPU) ÷ train's.
 
 usage:
     python -m research.shared_forward                                   # CPU: cpu-quick shape, 1k and 2k tokens
@@ -51,7 +52,7 @@ def log_prob_pass(model, batch) -> torch.Tensor:
         return logp.gather(-1, batch.input_ids[:, start:, None]).squeeze(-1)
 
 
-def shared_pass(model, batch, cfg, recompute: bool) -> torch.Tensor:
+def shared_pass(model, batch, cfg, recompute: float) -> torch.Tensor:
     """The old-log-prob pass with ``cfg.mode`` read from it; returns the log-probs (the scores stay in ``shared``)."""
     shared = shared_attribution(model, batch, cfg, lambda tokens: recompute, mask_token_id=MASK)
     rows = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
@@ -93,10 +94,10 @@ def timed(fn, device: str, repeats: int) -> tuple[float, float]:
     return statistics.median(s for s, _ in got), max(p for _, p in got)
 
 
-def predicted(columns: int, recompute: bool) -> float:
-    """The cost model's added time ÷ train: C backwards of F each (no weight gradients), F more each with recompute,
-    against train's 4F."""
-    return columns * (2.0 if recompute else 1.0) / 4.0
+def predicted(columns: int, recompute: float) -> float:
+    """The cost model's added time ÷ train: C backwards of F each (no weight gradients), F more each for the share of
+    layers recomputed, against train's 4F."""
+    return columns * (1.0 + float(recompute)) / 4.0
 
 
 def run(args) -> list[dict]:
@@ -121,19 +122,24 @@ def run(args) -> list[dict]:
         free = free_accelerator_bytes(torch.device(device))
         if free is not None:
             limit = min(limit, 0.9 * free)
-        need = lambda n, r: pass_bytes(PassKind.INPUT_GRADIENT, n, shape, checkpointing=r, logit_positions=8)
-        row["auto_recomputes"] = recompute_choice("auto", need, int(limit))(tokens)
+        need = lambda n, kept: int(1.5 * pass_bytes(PassKind.INPUT_GRADIENT, n, shape, kept_layers=kept,
+                                                    logit_positions=8))
+        auto = recompute_choice("auto", need, int(limit), shape.layers)(tokens)  # train's measured peak bounds it
+        row["auto_share"] = auto
         for mode in args.modes:
             cfg = OARConfig(mode=mode, mask="token", mask_token_id=MASK)
-            for recompute in (True, False):
-                key = f"{mode}_{'recompute' if recompute else 'keep'}"
-                if not recompute and need(tokens, False) > (free if free is not None else float("inf")):
+            for name, share in (("recompute", 1.0), ("keep", 0.0), ("auto", auto)):
+                key = f"{mode}_{name}"
+                if name == "auto" and share in (0.0, 1.0):
+                    continue  # the same as one of the two above
+                if share < 1 and need(tokens, round(shape.layers * (1 - share))) / 1.5 > (
+                        free if free is not None else float("inf")):
                     row[key] = "skipped: the kept activations exceed the free memory"
                     continue
-                s, mib = timed(lambda: shared_pass(model, batch, cfg, recompute), device, args.repeats)
+                s, mib = timed(lambda: shared_pass(model, batch, cfg, share), device, args.repeats)
                 row[key] = {"added_x_train": (s - row["log_prob_s"]) / row["train_s"],
-                            "model_x_train": predicted(1, recompute), "peak_x_train": mib / row["train_mib"],
-                            "seconds": s, "peak_mib": mib}
+                            "model_x_train": predicted(1, share), "peak_x_train": mib / row["train_mib"],
+                            "seconds": s, "peak_mib": mib, "recomputed_share": share}
         if args.separate:
             cfg = OARConfig(mode="fisher", mask="token", mask_token_id=MASK)
             backend = ModuleBackend(model, PassLimits(tokens), checkpointing=True)
@@ -154,16 +160,15 @@ def table(rows: list[dict], modes: list[str]) -> str:
     for r in rows:
         lines.append(f"| {r['length']} | log-prob pass alone | {r['log_prob_s'] / r['train_s']:.2f} (0.25) | "
                      f"{r['log_prob_mib'] / r['train_mib']:.2f} |")
-        for key in [f"{m}_{v}" for m in modes for v in ("recompute", "keep")] + ["fisher_separate",
-                                                                                         "peer_oar_g"]:
+        for key in [f"{m}_{v}" for m in modes for v in ("recompute", "keep", "auto")] + ["fisher_separate",
+                                                                                                 "peer_oar_g"]:
             v = r.get(key)
             if isinstance(v, dict):
                 lines.append(f"| {r['length']} | {key.replace('_', ' ')} | {v['added_x_train']:.2f} "
                              f"({v['model_x_train']:.2f}) | {v['peak_x_train']:.2f} |")
             elif v:
                 lines.append(f"| {r['length']} | {key.replace('_', ' ')} | {v} | |")
-        lines.append(f"| {r['length']} | `recompute=auto` picks | {'recompute' if r['auto_recomputes'] else 'keep'} "
-                     "| |")
+        lines.append(f"| {r['length']} | `recompute=auto` recomputes | {r['auto_share']:.2f} of the layers | |")
     return "\n".join(lines)
 
 

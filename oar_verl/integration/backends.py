@@ -29,14 +29,14 @@ class EngineBackend:
         startup_error: verl's full config -> a message naming the setting this engine cannot attribute with, or None.
         recompute: (engine, cfg, tokens, *, checkpointing) -> whether attribution's backwards recompute the layers
             (``algorithm.oar.recompute`` with the actor's ``checkpointing`` and update budget ``tokens``): a bool, or
-            a choice per pass of so many tokens.
+            a share of the layers chosen per pass of so many tokens.
     """
 
     make: Callable[..., AttributionBackend]
     device: Callable[[object], torch.device]
     eval_numerics: Callable[[object], None]
     startup_error: Callable[[object], str | None] = lambda config: None
-    recompute: Callable[..., bool | Callable[[int], bool]] = (
+    recompute: Callable[..., bool | Callable[[int], float]] = (
         lambda engine, cfg, tokens, *, checkpointing: fixed_recompute(cfg, checkpointing))
 
 
@@ -58,7 +58,7 @@ def fixed_recompute(cfg: OARConfig, checkpointing: bool) -> bool:
     return {"always": True, "never": False}.get(cfg.recompute, checkpointing)
 
 
-def _fsdp_recompute(engine, cfg: OARConfig, tokens: int, *, checkpointing: bool) -> bool | Callable[[int], bool]:
+def _fsdp_recompute(engine, cfg: OARConfig, tokens: int, *, checkpointing: bool) -> bool | Callable[[int], float]:
     """Per pass from the memory model, bounded by the update's peak at ``tokens`` per micro-batch plus this rank's
     parameter gradients (freed while attribution runs) and the free memory
     (:func:`~oar_verl.core.backends.memory.recompute_policy`); under Ulysses one setting (:func:`fixed_recompute`)."""
@@ -71,7 +71,7 @@ def _fsdp_recompute(engine, cfg: OARConfig, tokens: int, *, checkpointing: bool)
                             train_checkpointing=checkpointing, grad_bytes=grads)
 
 
-def _fsdp_backend(engine, cfg: OARConfig, tokens: int, *, pad_id: int, checkpointing: bool | Callable[[int], bool],
+def _fsdp_backend(engine, cfg: OARConfig, tokens: int, *, pad_id: int, checkpointing: bool | Callable[[int], float],
                   align: Callable[[int], int]) -> AttributionBackend:
     """The engine's module, whole sequences per pass, with the memory guard of this accelerator; under Ulysses
     sequence parallelism, every pass sharded over the group like verl's own forward (docs/verl.md). ``checkpointing``

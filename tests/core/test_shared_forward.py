@@ -115,30 +115,57 @@ def test_a_block_without_a_forward_is_an_error(lm64, make_batch):
 def test_recompute_choice_on_both_sides_of_its_threshold():
     shape = ModelShape(28, 3584, 18944, 28, 4, 128, 152064)
 
-    def need(tokens, recompute):
-        return pass_bytes(PassKind.INPUT_GRADIENT, tokens, shape, checkpointing=recompute, logit_positions=8)
+    def need(tokens, kept):
+        return pass_bytes(PassKind.INPUT_GRADIENT, tokens, shape, kept_layers=kept, logit_positions=8)
 
-    limit = need(4096, False)
-    auto = recompute_choice("auto", need, limit)
-    assert auto(4096) is False and auto(4097) is True  # keeps activations exactly while they fit
-    assert recompute_choice("auto", need, None)(16) is True  # no known bound: the safe side
-    assert recompute_choice("always", need, limit)(16) is True and recompute_choice("never", need, 0)(10**6) is False
+    assert need(4096, 0) == pass_bytes(PassKind.INPUT_GRADIENT, 4096, shape, checkpointing=True, logit_positions=8)
+    assert need(4096, 28) == pass_bytes(PassKind.INPUT_GRADIENT, 4096, shape, logit_positions=8)
+    auto = recompute_choice("auto", need, need(4096, 28), 28)
+    assert auto(4096) == 0.0 and auto(4097) > 0.0  # keeps every layer exactly while they fit
+    # between the two: as many layers kept as fit, the others recomputed
+    auto = recompute_choice("auto", need, need(4096, 10), 28)
+    assert auto(4096) == 18 / 28 and need(4096, 10) <= need(4096, 10) < need(4096, 11)
+    assert recompute_choice("auto", need, need(4096, 0) - 1, 28)(4096) == 1.0  # not even the inputs fit: all
+    assert recompute_choice("auto", need, None, 28)(16) == 1.0  # no known bound: the safe side
+    assert recompute_choice("always", need, 0, 28)(16) == 1.0 and recompute_choice("never", need, 0, 28)(10**6) == 0.0
     with pytest.raises(ValueError, match="algorithm.oar.recompute='sometimes' is not allowed; choose one of: auto, "
                                          "always, never"):
-        recompute_choice("sometimes", need, limit)
+        recompute_choice("sometimes", need, 0, 28)
 
 
 def test_recompute_policy_is_bounded_by_the_training_step():
     shape = ModelShape(28, 3584, 18944, 28, 4, 128, 152064)
     cpu = torch.device("cpu")
     train = pass_bytes(PassKind.TRAINING, 8192, shape, checkpointing=True)
-    keep = lambda t: 1.5 * pass_bytes(PassKind.INPUT_GRADIENT, t, shape, checkpointing=False, logit_positions=8)
+    need = lambda t, k: 1.5 * pass_bytes(PassKind.INPUT_GRADIENT, t, shape, kept_layers=k, logit_positions=8)
     policy = recompute_policy("auto", shape, PassKind.INPUT_GRADIENT, cpu, 8192)
-    fits = max(t for t in range(256, 8193, 256) if keep(t) <= train)
-    assert policy(fits) is False and policy(fits + 256) is True
+    for tokens in (1024, 4096, 8192):
+        share = policy(tokens)
+        kept = round(28 * (1 - share))
+        assert need(tokens, kept) <= train and (kept == 28 or need(tokens, kept + 1) > train), (tokens, share)
+    assert policy(1024) < policy(8192)  # longer rows keep fewer layers
     with_grads = recompute_policy("auto", shape, PassKind.INPUT_GRADIENT, cpu, 8192, grad_bytes=15 * 2**30)
-    assert with_grads(fits + 256) is False  # the update's gradients are free while attribution runs
-    assert recompute_policy("auto", None, PassKind.INPUT_GRADIENT, cpu, 8192)(1) is True
+    assert with_grads(8192) < policy(8192)  # the update's gradients are free while attribution runs
+    assert recompute_policy("auto", None, PassKind.INPUT_GRADIENT, cpu, 8192)(1) == 1.0
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0, 0.0])
+def test_partial_recompute_keeps_the_scores(lm64, make_batch, share):
+    """Checkpointing some of the layers changes what is stored for the backward, never the scores."""
+    from oar_verl.core.backends.hf import ModuleBackend
+    from oar_verl.core.backends.budget import PassLimits
+
+    cfg = OARConfig(mode="fisher", mask="token", mask_token_id=MASK)
+    batch = mixed_batch(make_batch)
+    own = run_attribution(module_backend(lm64, cfg), batch, cfg, mask_token_id=MASK).importance
+    backend = ModuleBackend(lm64, PassLimits(10**6), checkpointing=lambda tokens: share)
+    got = run_attribution(backend, batch, cfg, mask_token_id=MASK).importance
+    torch.testing.assert_close(got, own, rtol=1e-9, atol=1e-12)
+    assert backend.recomputed == [share]
+    shared = shared_attribution(lm64, batch, cfg, lambda tokens: share, mask_token_id=MASK)
+    with torch.no_grad():
+        padded_forwards(lm64, batch, shared)
+    torch.testing.assert_close(shared.result(), own, rtol=1e-9, atol=1e-12)
 
 
 def test_layouts_name_the_same_tokens():

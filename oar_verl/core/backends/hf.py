@@ -50,20 +50,21 @@ class ModuleBackend(DenseProbes):
         limits: the token budget of one pass (and optional caps and memory guard).
         prefix_cache: OAR-P copies reuse their row's clean key/value prefix (the model must support
             ``past_key_values``).
-        checkpointing: checkpoint the decoder layers in backward passes; or (tokens of a pass) -> whether to, chosen
-            per pass (:func:`~oar_verl.core.backends.memory.recompute_policy`, ``algorithm.oar.recompute``).
+        checkpointing: checkpoint the decoder layers in backward passes; or (tokens of a pass) -> the share of them to
+            checkpoint, chosen per pass (:func:`~oar_verl.core.backends.memory.recompute_policy`,
+            ``algorithm.oar.recompute``).
         align: maps this rank's pass count to the count every data-parallel rank runs (default: its own).
     """
 
     shared_backwards = True  # the embedding leaf's graph is kept between a pass's backwards
 
     def __init__(self, model: torch.nn.Module | None, limits: PassLimits, *, prefix_cache: bool = True,
-                 checkpointing: bool | Callable[[int], bool] = True, align: Callable[[int], int] | None = None):
+                 checkpointing: bool | Callable[[int], float] = True, align: Callable[[int], int] | None = None):
         self.model, self.limits = model, limits
         self.prefix_cache, self.checkpointing = prefix_cache, checkpointing
         self._align = align
         self._cache = None  # (row, key/value cache) of the last clean pass run with cache="keep"
-        self.recomputed: list[bool] = []  # per backward pass run: whether it recomputed the layers (logged)
+        self.recomputed: list[float] = []  # per backward pass run: the share of layers it recomputed (logged)
 
     def plan(self, batch: AttributionBatch, rows: torch.Tensor, kind: str, ordered: bool = False
              ) -> list[torch.Tensor]:
@@ -81,9 +82,9 @@ class ModuleBackend(DenseProbes):
             finally:
                 self._cache = None
 
-    def recomputes(self, tokens: int) -> bool:
-        """Whether a backward pass of ``tokens`` positions (rows × window) checkpoints the decoder layers."""
-        choice = bool(self.checkpointing(tokens) if callable(self.checkpointing) else self.checkpointing)
+    def recomputes(self, tokens: int) -> float:
+        """The share of the decoder layers a backward pass of ``tokens`` positions (rows × window) checkpoints."""
+        choice = float(self.checkpointing(tokens) if callable(self.checkpointing) else self.checkpointing)
         self.recomputed.append(choice)
         return choice
 
@@ -250,15 +251,18 @@ def embedding_scores(model: torch.nn.Module, mask: torch.Tensor,
 
 
 @contextlib.contextmanager
-def layer_checkpointing(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
-    """Gradient checkpointing of the decoder layers for the duration, with eval numerics.
+def layer_checkpointing(model: torch.nn.Module, enabled: bool | float) -> Iterator[None]:
+    """Gradient checkpointing of the decoder layers for the duration, with eval numerics: of every layer (True), of
+    none (False), or of the first ``round(share × layers)`` for a share in [0, 1] (the others keep their activations
+    for the backward: recompute only where memory needs it, :func:`~oar_verl.core.backends.memory.recompute_policy`).
 
     Hugging Face decoder layers (``GradientCheckpointingLayer``) checkpoint when their ``gradient_checkpointing`` and
-    ``training`` flags are both set; dropout reads the flags of their submodules. So the layers' own ``training`` flags
-    are raised (and checkpointing switched on where the model did not enable it), nothing else, and all is restored
-    after. Models without such layers run unchanged (logged once).
+    ``training`` flags are both set; dropout reads the flags of their submodules. So the checkpointed layers' own
+    ``training`` flags are raised (and checkpointing switched on where the model did not enable it), the others'
+    lowered, nothing else, and all is restored after. Models without such layers run unchanged (logged once).
     """
-    if not enabled:
+    share = float(enabled)
+    if share == 0.0:
         yield
         return
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -266,14 +270,17 @@ def layer_checkpointing(model: torch.nn.Module, enabled: bool) -> Iterator[None]
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         _warn_once("oar: the model has no Hugging Face checkpointing layers; OAR-G runs without gradient checkpointing")
+    n = round(share * len(layers))
     saved = [(m, m.training, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in layers]
     try:
-        for m in layers:
+        for m in layers[:n]:
             if not m.gradient_checkpointing:
                 m.gradient_checkpointing = True
                 m._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
                                                                    use_reentrant=False)
             m.training = True  # this module only: its submodules (dropout) stay in eval
+        for m in layers[n:]:
+            m.training = False  # kept: its activations are saved for the backward
         yield
     finally:
         for m, training, checkpointing, func in saved:

@@ -80,7 +80,7 @@ class PassKind:
 
 
 def pass_bytes(kind: str, tokens: int, shape: ModelShape, *, checkpointing: bool = False,
-               logit_positions: int = 0) -> int:
+               logit_positions: int = 0, kept_layers: int | None = None) -> int:
     """Peak activation bytes of one pass holding ``tokens`` positions (rows × window).
 
     Args:
@@ -90,6 +90,8 @@ def pass_bytes(kind: str, tokens: int, shape: ModelShape, *, checkpointing: bool
         checkpointing: layer inputs only are saved, one layer is recomputed at a time (INPUT_GRADIENT, TRAINING).
         logit_positions: positions whose full-vocabulary logits the pass computes (probe positions; for TRAINING the
             response tokens, default all ``tokens``).
+        kept_layers: layers that keep their activations, the others checkpointed (overrides ``checkpointing``:
+            None is 0 with it, every layer without it).
     """
     b, H, V = shape.dtype_bytes, shape.hidden, shape.vocab
     layer = shape.per_layer_transient() * tokens * b
@@ -100,7 +102,8 @@ def pass_bytes(kind: str, tokens: int, shape: ModelShape, *, checkpointing: bool
     saved_layer = shape.per_layer_saved() * tokens * b
     # the layer being differentiated holds its saved activations and their gradients at once
     backward = (_RULES_BACKWARD if kind == PassKind.RULES_GRADIENT else _BACKWARD) * saved_layer
-    saved = (shape.layers * H * tokens * b + backward) if checkpointing else (shape.layers * saved_layer + backward)
+    kept = (0 if checkpointing else shape.layers) if kept_layers is None else kept_layers
+    saved = (shape.layers - kept) * H * tokens * b + kept * saved_layer + backward
     if kind in (PassKind.INPUT_GRADIENT, PassKind.RULES_GRADIENT):
         leaf = 3 * H * tokens * b + 2 * H * tokens * 4  # clean, leaf, gradient; the fp32 product for the saliency
         return saved + leaf + logit_positions * V * 4 * 2
@@ -150,37 +153,48 @@ def model_shape(model: torch.nn.Module) -> ModelShape | None:
         return None
 
 
-def recompute_choice(setting: str, need: Callable[[int, bool], int], limit: int | None) -> Callable[[int], bool]:
-    """(tokens of a pass) -> whether its backward recomputes the decoder layers, for ``algorithm.oar.recompute``.
+def recompute_choice(setting: str, need: Callable[[int, int], int], limit: int | None, layers: int
+                     ) -> Callable[[int], float]:
+    """(tokens of a pass) -> the share of the decoder layers its backward recomputes, for ``algorithm.oar.recompute``.
 
     Args:
-        setting: ``always`` (checkpoint every layer), ``never``, or ``auto``: keep the activations where the pass
-            without recompute needs at most ``limit`` bytes.
-        need: (tokens, recompute) -> the pass's peak activation bytes (:func:`pass_bytes`).
-        limit: bytes a pass may hold (:func:`recompute_policy`); None: no bound known (``auto`` then recomputes).
+        setting: ``always`` (1: checkpoint every layer), ``never`` (0), or ``auto``: keep the activations of as many
+            layers as fit, the pass then needing at most ``limit`` bytes; recompute the others.
+        need: (tokens, kept layers) -> the pass's peak activation bytes (:func:`pass_bytes`).
+        limit: bytes a pass may hold (:func:`recompute_policy`); None: no bound known (``auto`` recomputes all).
+        layers: the model's decoder layers.
     """
     from oar_verl.core.config import RECOMPUTE
 
     if setting not in RECOMPUTE:
         raise ValueError(f"algorithm.oar.recompute={setting!r} is not allowed; choose one of: {', '.join(RECOMPUTE)}")
     if setting != "auto":
-        return lambda tokens: setting == "always"
-    return lambda tokens: limit is None or need(tokens, False) > limit
+        return lambda tokens: 1.0 if setting == "always" else 0.0
+
+    def share(tokens: int) -> float:
+        if limit is None or layers <= 0:
+            return 1.0
+        # the need grows by one layer's activations per kept layer: the most that fit, host arithmetic
+        base, per_layer = need(tokens, 0), need(tokens, 1) - need(tokens, 0)
+        kept = layers if per_layer <= 0 else max(0, min(layers, (limit - base) // per_layer))
+        return (layers - kept) / layers if base <= limit else 1.0
+
+    return share
 
 
 def recompute_policy(setting: str, shape: ModelShape | None, kind: str, device: torch.device, train_tokens: int, *,
                      train_checkpointing: bool = True, grad_bytes: int = 0, headroom: float = 0.9,
-                     margin: float = 1.5) -> Callable[[int], bool]:
+                     margin: float = 1.5) -> Callable[[int], float]:
     """:func:`recompute_choice` of an attribution pass of ``kind`` on a model of ``shape``, bounded by the training
-    step: a pass keeps its activations where ``margin`` × its estimate is within the update's own activation peak at
-    ``train_tokens`` tokens per micro-batch plus ``grad_bytes`` (the parameter gradients the update holds beside them,
-    freed while attribution runs), and within ``headroom`` × the accelerator's free memory (read now). Never above the
-    training step's peak; an unknown shape always recomputes under ``auto``."""
+    step: a pass keeps the activations of as many layers as keep ``margin`` × its estimate within the update's own
+    activation peak at ``train_tokens`` tokens per micro-batch plus ``grad_bytes`` (the parameter gradients the update
+    holds beside them, freed while attribution runs), and within ``headroom`` × the accelerator's free memory (read
+    now). Never above the training step's peak; an unknown shape recomputes every layer under ``auto``."""
     if shape is None:
-        return recompute_choice(setting, lambda tokens, recompute: 0, None)
+        return recompute_choice(setting, lambda tokens, kept: 0, None, 0)
     limit = pass_bytes(PassKind.TRAINING, train_tokens, shape, checkpointing=train_checkpointing) + grad_bytes
     free = free_accelerator_bytes(device)
     if free is not None:
         limit = min(limit, int(headroom * free))
-    return recompute_choice(setting, lambda tokens, recompute: int(margin * pass_bytes(
-        kind, tokens, shape, checkpointing=recompute, logit_positions=8)), limit)
+    return recompute_choice(setting, lambda tokens, kept: int(margin * pass_bytes(
+        kind, tokens, shape, kept_layers=kept, logit_positions=8)), limit, shape.layers)

@@ -15,8 +15,8 @@ weights. Inside :meth:`SharedAttribution.forward` a forward of the model compute
 
 The forward may be laid out as the caller likes (verl's packed rows, padded rows in a column window): a
 :class:`ForwardLayout` says where each flat token of it sits in the :class:`~oar_verl.core.batch.layout.
-AttributionBatch`. ``recompute`` chooses per forward whether the decoder layers keep their activations (one backward
-costs about one forward) or only their inputs (the backward recomputes each layer, about two forwards).
+AttributionBatch`. ``recompute`` chooses per forward which share of the decoder layers keep only their inputs (their
+backward recomputes them: about two forwards) while the others keep their activations (about one).
 """
 
 from __future__ import annotations
@@ -121,19 +121,19 @@ class SharedAttribution:
     Args:
         model: the Hugging Face causal LM (or its FSDP wrapper) the caller runs.
         target: the method's :class:`SharedTarget`.
-        recompute: (tokens of a forward) -> whether its backward recomputes the decoder layers (gradient
-            checkpointing) instead of keeping their activations
+        recompute: (tokens of a forward) -> the share of the decoder layers its backward recomputes (gradient
+            checkpointing; the others keep their activations)
             (:func:`~oar_verl.core.backends.memory.recompute_policy`).
     """
 
-    def __init__(self, model: torch.nn.Module, target: SharedTarget, recompute: Callable[[int], bool]):
+    def __init__(self, model: torch.nn.Module, target: SharedTarget, recompute: Callable[[int], float]):
         self.model, self.target, self.recompute = model, target, recompute
         B, L = target.batch.input_ids.shape
         device = target.batch.input_ids.device
         self.projections = torch.zeros(B, target.columns, L, dtype=torch.float32, device=device)
         self.weights = torch.zeros(B, target.columns, dtype=torch.float32, device=device)
         self.covered = torch.zeros(B, dtype=torch.bool, device=device)
-        self.choices: list[tuple[int, bool]] = []  # (tokens, recomputed) per forward, for the log
+        self.choices: list[tuple[int, float]] = []  # (tokens, share of layers recomputed) per forward, for the log
 
     @contextlib.contextmanager
     def forward(self, layout: ForwardLayout) -> Iterator[None]:
@@ -141,7 +141,7 @@ class SharedAttribution:
         forward runs with grad on (a caller's ``no_grad`` is lifted for it alone), so its logits carry the graph until
         the block ends; their values are the plain forward's (read them without grad, as verl does)."""
         tokens = int(layout.flat.shape[0])
-        recompute = bool(self.recompute(tokens))
+        recompute = float(self.recompute(tokens))
         self.choices.append((tokens, recompute))
         index, weights = probe_index(layout, self.target.batch.probe.logit_weight)
         captured: dict[str, torch.Tensor] = {}

@@ -116,7 +116,7 @@ def shared_modes() -> tuple[str, ...]:
 
 
 def shared_attribution(model: torch.nn.Module, batch: AttributionBatch, cfg: OARConfig,
-                       recompute: Callable[[int], bool], *, mask_token_id: int | None = None,
+                       recompute: Callable[[int], float], *, mask_token_id: int | None = None,
                        seeds: torch.Tensor | None = None) -> SharedAttribution:
     """The configured method's :class:`~oar_verl.core.backends.shared.SharedAttribution` on ``model`` (a Hugging
     Face causal LM, plain or FSDP-wrapped): run the caller's forwards of ``batch``'s rows inside its ``forward``.
