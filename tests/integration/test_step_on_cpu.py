@@ -280,3 +280,29 @@ def test_mode_auto_attributes_each_sliding_window_band_with_its_own_mode(setup):
             n = len(responses[i])
             torch.testing.assert_close(att.estimator_inputs.token_importance[i, :n], want[j][:n].float())
     assert metrics["oar/auto/inside/mode/fisher"] == 1 and metrics["oar/auto/past/mode/gradient"] == 1
+
+
+def test_which_steps_read_attribution_from_the_old_log_prob_pass(setup):
+    """docs/method.md §14: a method that can, off fidelity steps, not under mode=auto, unless switched off."""
+    tok = setup[0]
+
+    def shares(step=3, **oar):
+        alg = algorithm(**oar)
+        return OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None).shares_forward(step)
+
+    assert shares(mode="fisher") and shares(mode="conservative")
+    assert not shares(mode="gradient") and not shares(mode="perturbation") and not shares(mode="path")
+    assert not shares(mode="fisher", shared_forward=False)
+    assert not shares(step=4, mode="fisher", fidelity_every=2) and shares(step=3, mode="fisher", fidelity_every=2)
+    assert not shares(mode="auto", auto_candidates=["fisher", "conservative"])
+
+
+def test_an_engine_that_cannot_carry_attribution_in_its_pass_says_why():
+    from oar_verl.integration.shared_pass import shared_pass_error
+
+    class Engine:  # verl's FSDP engine without sequence parallelism has no Ulysses group
+        ulysses_sequence_parallel_size = 1
+
+    assert shared_pass_error("fsdp2", Engine(), fused_kernels=False) is None
+    assert "megatron" in shared_pass_error("megatron", Engine(), fused_kernels=False)
+    assert "use_fused_kernels=true" in shared_pass_error("fsdp", Engine(), fused_kernels=True)
