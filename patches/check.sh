@@ -225,3 +225,39 @@ print("SMOKE 0004 OK")
 PY
 echo "== smoke 0004 (FSDP2 save on CPU)"
 VERL_USE_EXTERNAL_PLUGINS=none PYTHONPATH="$WORK" "$PY" smoke_0004.py 2>&1 | filter
+
+cat > smoke_0005.py <<'PY'
+"""Smoke check for patches/0005: registered micro-batch contexts wrap forward_step, in order, until removed."""
+import contextlib
+import inspect
+
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+assert "self.micro_batch_context(micro_batch, forward_only)" in inspect.getsource(FSDPEngine.forward_backward_batch)
+engine = object.__new__(FSDPEngine)  # the contexts need no initialised engine
+seen = []
+
+
+def factory(name):
+    @contextlib.contextmanager
+    def enter(micro_batch, forward_only):
+        seen.append((name, "in", micro_batch, forward_only))
+        yield
+        seen.append((name, "out", micro_batch, forward_only))
+    return enter
+
+
+remove_a, remove_b = engine.register_micro_batch_context(factory("a")), engine.register_micro_batch_context(factory("b"))
+with engine.micro_batch_context("mb0", True):
+    seen.append(("step",))
+assert [s[:2] for s in seen] == [("a", "in"), ("b", "in"), ("step",), ("b", "out"), ("a", "out")], seen
+remove_a()
+remove_b()
+seen.clear()
+with engine.micro_batch_context("mb1", False):
+    pass
+assert not seen  # nothing registered: an empty ExitStack
+print("SMOKE 0005 OK")
+PY
+echo "== smoke 0005 (micro-batch contexts)"
+VERL_USE_EXTERNAL_PLUGINS=none PYTHONPATH="$WORK" "$PY" smoke_0005.py 2>&1 | filter

@@ -1,11 +1,12 @@
 """verl's old-log-prob pass with attribution read from it (``algorithm.oar.shared_forward``; docs/method.md §14).
 
-verl's FSDP engine runs the old-log-prob pass micro-batch by micro-batch through ``engine.forward_step`` (rows
-packed end to end with remove-padding, else right-padded to the micro-batch's longest). For the duration of one ``compute_log_prob`` call the worker puts a wrapper in front of
-that method on the engine instance: each micro-batch's forward runs inside
+verl's FSDP engine runs the old-log-prob pass micro-batch by micro-batch through ``engine.forward_step`` (rows packed
+end to end with remove-padding, else right-padded to the micro-batch's longest). For the duration of one
+``compute_log_prob`` call the worker runs each micro-batch's forward inside
 :meth:`~oar_verl.core.backends.shared.SharedAttribution.forward`, with the :class:`~oar_verl.core.backends.shared.
-ForwardLayout` of its packed rows (each micro-batch carries its rows' indices in :data:`~oar_verl.integration.fields.
-ROW_FIELD`). verl computes its log-probs from the same logits as without it; nothing of verl is patched.
+ForwardLayout` of its rows (each micro-batch carries its rows' indices in :data:`~oar_verl.integration.fields.
+ROW_FIELD`): through verl's per-micro-batch contexts where the engine has them (patches/0005), else by a wrapper in
+front of ``forward_step`` on the engine instance. verl computes its log-probs from the same logits as without it.
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ def shared_pass_error(strategy: str, engine, fused_kernels: bool) -> str | None:
 @contextlib.contextmanager
 def attributed_log_prob(engine, make: Callable[[], SharedAttribution], starts: torch.Tensor,
                         input_ids: torch.Tensor, packed: bool) -> Iterator[list[SharedAttribution]]:
-    """For the duration, every micro-batch of ``engine``'s forwards is attributed as it runs.
+    """For the duration, every micro-batch of ``engine``'s forwards is attributed as it runs: through verl's
+    per-micro-batch contexts where the engine has them (patches/0005), else around ``forward_step`` wrapped on the
+    instance (restored on the way out).
 
     Args:
-        engine: verl's FSDP engine (its ``forward_step`` is wrapped on the instance, then restored).
+        engine: verl's FSDP engine.
         make: builds the shared attribution at the first micro-batch (inside verl's ``eval_mode``, weights loaded).
         starts: (B,) long first batch column of every row (the prepared batch's).
         input_ids: (B, L) long the prepared batch's ids: each micro-batch's tokens are checked against them.
@@ -48,9 +51,8 @@ def attributed_log_prob(engine, make: Callable[[], SharedAttribution], starts: t
         a list that holds the :class:`SharedAttribution` once a micro-batch ran.
     """
     made: list[SharedAttribution] = []
-    original = engine.forward_step
 
-    def forward_step(micro_batch, loss_function, forward_only):
+    def attributed(micro_batch, forward_only=True) -> contextlib.AbstractContextManager:
         if not made:
             made.append(make())
         device = starts.device
@@ -63,7 +65,20 @@ def attributed_log_prob(engine, make: Callable[[], SharedAttribution], starts: t
         if not bool((ids.values().to(device) == input_ids[layout.row, layout.col]).all()):
             raise RuntimeError("oar: a micro-batch of the old-log-prob pass does not hold the rows being attributed "
                                "(its tokens differ from the prompts and responses of the batch)")
-        with made[0].forward(layout):
+        return made[0].forward(layout)
+
+    register = getattr(engine, "register_micro_batch_context", None)
+    if register is not None:  # verl with patches/0005
+        remove = register(attributed)
+        try:
+            yield made
+        finally:
+            remove()
+        return
+    original = engine.forward_step
+
+    def forward_step(micro_batch, loss_function, forward_only):
+        with attributed(micro_batch):
             return original(micro_batch, loss_function, forward_only)
 
     engine.forward_step = forward_step
