@@ -247,7 +247,8 @@ def factory(name):
     return enter
 
 
-remove_a, remove_b = engine.register_micro_batch_context(factory("a")), engine.register_micro_batch_context(factory("b"))
+remove_a = engine.register_micro_batch_context(factory("a"))
+remove_b = engine.register_micro_batch_context(factory("b"))
 with engine.micro_batch_context("mb0", True):
     seen.append(("step",))
 assert [s[:2] for s in seen] == [("a", "in"), ("b", "in"), ("step",), ("b", "out"), ("a", "out")], seen

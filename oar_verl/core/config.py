@@ -145,8 +145,8 @@ class OARConfig:
     shared_forward: bool = _key(True, "budgets",
                                 "`fisher` and `conservative` read their scores from verl's old-log-prob forward "
                                 "(one forward for both, backwards only from the probe; docs/method.md §14) where the "
-                                "engine allows it (FSDP without Ulysses, remove-padding, no fused kernels); elsewhere, "
-                                "on fidelity and `mode=auto` calibration steps and with false, their own passes.")
+                                "engine allows it (FSDP without Ulysses or fused kernels; elsewhere right after the "
+                                "pass, in the same call); under `mode=auto` and with false, their own passes.")
     recompute: str = _key("auto", "budgets",
                           "Gradient checkpointing of attribution's backwards: `auto` (keep the activations where the "
                           "pass without recompute fits under the training step's peak and the free memory, recompute "

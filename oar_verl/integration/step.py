@@ -142,10 +142,9 @@ class OARStep:
 
     def shares_forward(self, global_step: int) -> bool:
         """Whether this step's scores are read from verl's old-log-prob forward (``algorithm.oar.shared_forward``;
-        docs/method.md §14): a method that can, not on a fidelity step (its follow-up passes need the method's own
-        backend) and not under ``mode=auto`` (its calibration steps score every candidate)."""
-        return (self.cfg.shared_forward and self.selector is None and self.cfg.mode in shared_modes()
-                and not fidelity_due(self.cfg, global_step))
+        docs/method.md §14): a method that can, not under ``mode=auto`` (its calibration steps score every candidate
+        and its bands may run other modes). A fidelity step measures right after the pass, in the same call."""
+        return self.cfg.shared_forward and self.selector is None and self.cfg.mode in shared_modes()
 
     def worker_options(self, global_step: int, mode: str | None = None,
                        auto: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ the batch keys (V1) or that the legacy trainer reads back.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -83,6 +84,16 @@ def response_entropies(data: TensorDict) -> list[torch.Tensor] | None:
         lengths = (mask.sum(-1) if mask is not None else torch.full((values.shape[0],), values.shape[1])).tolist()
         return [v[:int(n)] for v, n in zip(values, lengths)]  # per row, not per token
     return None
+
+
+def pass_entropies(out: TensorDict | None, responses: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Per-row 1-D policy entropies over each response's tokens from this rank's old-log-prob output (nested over
+    prompt + response; the entropy of token j is read at position j - 1, as verl slices its log-probs), or None when
+    the pass computed none."""
+    if out is None or "entropy" not in out.keys():
+        return None
+    rows = out["entropy"].unbind()
+    return [e[len(e) - len(r) - 1:len(e) - 1] for e, r in zip(rows, responses)]  # per row, not per token
 
 
 @functools.lru_cache(maxsize=8)
@@ -167,8 +178,8 @@ class TokenImportanceMixin:
         data[ROW_FIELD] = torch.arange(len(responses))
         fingerprint = params_fingerprint(engine)
         longest = max_over_ranks(prepared.longest, device)
-        recompute = kind.recompute(engine, cfg, actor_token_budget(cfg, self.actor.engine_config, longest),
-                                   checkpointing=self._oar_checkpointing())
+        tokens = actor_token_budget(cfg, self.actor.engine_config, longest)
+        recompute = kind.recompute(engine, cfg, tokens, checkpointing=self._oar_checkpointing())
 
         def make():
             kind.eval_numerics(engine)
@@ -184,10 +195,22 @@ class TokenImportanceMixin:
         shared = made[0]
         result = AttributionResult(shared.result(), len(shared.choices))
         att = row_attribution(prepared, result)
+        fidelity = None
+        if due(cfg, step):  # the step's fidelity on the method's backend, every rank alike, the weights unchanged
+            pad_id = tokenizer.pad_token_id or 0
+            backend = kind.make(engine, cfg, tokens, pad_id=pad_id, checkpointing=recompute,
+                                align=lambda n: max_over_ranks(n, device))
+            att = dataclasses.replace(att, backend=backend)
+            with engine.eval_mode():
+                kind.eval_numerics(engine)
+                module = engine.module[0] if isinstance(engine.module, (list, tuple)) else engine.module
+                fidelity = att.fidelity(cfg, step, min_gap=default_min_gap(module),
+                                        entropies=pass_entropies(out, responses))
         if out is None:
             return None
         recomputed = sum(c for _, c in shared.choices) / max(len(shared.choices), 1)
-        return _merged(out, importance_output(att, cfg, step, fingerprint, fingerprint, recomputed, shared=True))
+        return _merged(out, importance_output(att, cfg, step, fingerprint, fingerprint, recomputed, fidelity=fidelity,
+                                              shared=True))
 
     def _oar_checkpointing(self) -> bool:
         """The actor's own gradient checkpointing (attribution's backwards recompute alike unless told otherwise)."""

@@ -283,7 +283,7 @@ def test_mode_auto_attributes_each_sliding_window_band_with_its_own_mode(setup):
 
 
 def test_which_steps_read_attribution_from_the_old_log_prob_pass(setup):
-    """docs/method.md §14: a method that can, off fidelity steps, not under mode=auto, unless switched off."""
+    """docs/method.md §14: a method that can, fidelity steps included, not under mode=auto, unless switched off."""
     tok = setup[0]
 
     def shares(step=3, **oar):
@@ -293,7 +293,7 @@ def test_which_steps_read_attribution_from_the_old_log_prob_pass(setup):
     assert shares(mode="fisher") and shares(mode="conservative")
     assert not shares(mode="gradient") and not shares(mode="perturbation") and not shares(mode="path")
     assert not shares(mode="fisher", shared_forward=False)
-    assert not shares(step=4, mode="fisher", fidelity_every=2) and shares(step=3, mode="fisher", fidelity_every=2)
+    assert shares(step=4, mode="fisher", fidelity_every=2)  # the worker measures right after the pass
     assert not shares(mode="auto", auto_candidates=["fisher", "conservative"])
 
 
