@@ -58,7 +58,8 @@ from research.long_reasoning import gsm_solution
 
 # name -> OARConfig overrides of each method compared
 METHODS = {
-    "oar_g": {"mode": "gradient"},
+    # OAR-G at the σ it names in every dtype (its bf16 twin keeps it: noise_std_low_precision off)
+    "oar_g": {"mode": "gradient", "noise_std_low_precision": None},
     "fisher_k1": {"mode": "fisher", "fisher_outcomes": 1},
     "fisher_k4": {"mode": "fisher", "fisher_outcomes": 4},
     "oar_p_segment": {"mode": "perturbation", "perturbation": "segment"},
@@ -74,8 +75,8 @@ METHODS = {
     # conservative propagation: gradient × input of the answer's log-probability, relevance conserved (#46 item 1)
     "conservative": {"mode": "conservative"},
     # OAR-G with noise above bf16's resolution in the logits (#46 item 2)
-    "oar_g_s01": {"mode": "gradient", "noise_std": 1e-2},
-    "oar_g_s05": {"mode": "gradient", "noise_std": 5e-2},
+    "oar_g_s01": {"mode": "gradient", "noise_std": 1e-2, "noise_std_low_precision": None},
+    "oar_g_s05": {"mode": "gradient", "noise_std": 5e-2, "noise_std_low_precision": None},
 }
 # rankings derived from another method's scores at no extra cost (#36 item 4): the distance-normalised gradient,
 # each score over the moving mean of the scores within DN_WIDTH reasoning tokens of it, which divides out how a token's

@@ -95,6 +95,12 @@ class OARConfig:
     noise_std: float = _key(1e-3, "OAR-G noise",
                             "OAR-G: std (absolute) of the Gaussian noise on reasoning-token embeddings, > 0. Ignored "
                             "by OAR-P.")
+    noise_std_low_precision: float | None = _key(5e-2, "OAR-G noise",
+                                                 "OAR-G: σ where the embedding output is bf16 or fp16 (an FSDP or "
+                                                 "Megatron actor's compute dtype), > 0; `noise_std`'s σ = 1e-3 moves "
+                                                 "the logits by less than bf16 resolves, so its shift is rounding "
+                                                 "(bf16 vs fp32 Spearman 0.54 on SmolLM2's rows, 0.95 at 5e-2, the "
+                                                 "same credit: docs/method.md §4); null = `noise_std` in every dtype.")
     seed: int = _key(0, "OAR-G noise",
                      "OAR-G: base seed of the noise, >= 0; per-sequence generators derive from (seed, step, a "
                      "fingerprint of the sequence's tokens), so the noise does not depend on batching or data "
@@ -244,6 +250,8 @@ class OARConfig:
             raise OARConfigError(f"{p}.conclude_text must be a string, got {self.conclude_text!r}")
         object.__setattr__(self, "answer_patterns", _patterns(p, self.answer_patterns))
         _number(p, "noise_std", self.noise_std, lo=0.0, lo_open=True)
+        if self.noise_std_low_precision is not None:
+            _number(p, "noise_std_low_precision", self.noise_std_low_precision, lo=0.0, lo_open=True)
         _integer(p, "seed", self.seed, lo=0)
         _integer(p, "noise_samples", self.noise_samples, lo=1)
         _integer(p, "fisher_sketches", self.fisher_sketches, lo=0)

@@ -184,3 +184,25 @@ def test_run_attribution_reads_noise_samples_and_counts_its_rounds(lm64, make_ba
     # OAR-P ignores the key, like noise_std and seed
     p_cfg = OARConfig(mode="perturbation", noise_samples=3, max_token_len_per_gpu=10)
     assert count_passes(batch, p_cfg, limits) == count_passes(batch, OARConfig(mode="perturbation"), limits)
+
+
+def test_a_16_bit_embedding_output_takes_the_low_precision_noise_scale(make_lm, make_batch):
+    """``noise_std_low_precision``: σ on bf16 / fp16 embedding outputs (docs/method.md §4), ``noise_std`` elsewhere;
+    the same draws, only scaled, on every backend (the scale is read from the embedding output's dtype)."""
+    from oar_verl.core.methods.gradient import noise_scale, oar_g
+
+    assert noise_scale(1e-3, 5e-2, torch.float32) == 1e-3 and noise_scale(1e-3, 5e-2, torch.float64) == 1e-3
+    assert noise_scale(1e-3, 5e-2, torch.bfloat16) == 5e-2 and noise_scale(1e-3, 5e-2, torch.float16) == 5e-2
+    assert noise_scale(1e-3, None, torch.bfloat16) == 1e-3
+    rows = make_batch(B=3, P=4, T=10, seed=2)
+    batch = build_attribution_batch(*rows, torch.full((3,), int(AS_MEAN)))
+    seeds = sequence_seeds(0, 3, torch.arange(3))
+    for dtype, low in ((torch.bfloat16, 5e-2), (torch.float32, 5e-2), (torch.bfloat16, None)):
+        model = make_lm(dtype, seed=1)
+        backend = ModuleBackend(model, PassLimits(10**6))
+        got, _ = oar_g(backend, batch, seeds, 1e-3, 1, low)
+        want, _ = oar_g(backend, batch, seeds, low if dtype == torch.bfloat16 and low else 1e-3, 1, None)
+        assert torch.equal(got, want) and bool((got != 0).any()), (dtype, low)
+    assert OARConfig().noise_std_low_precision == 5e-2 and OARConfig(noise_std_low_precision=None)
+    with pytest.raises(ValueError, match="noise_std_low_precision"):
+        OARConfig(noise_std_low_precision=0.0)

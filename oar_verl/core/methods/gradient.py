@@ -146,8 +146,15 @@ def draw_plan(backend: AttributionBackend, batch: AttributionBatch, draws: int) 
     return DrawPlan(draw_rows, packs, students, table)
 
 
+def noise_scale(noise_std: float, low_precision: float | None, dtype: torch.dtype) -> float:
+    """σ of OAR-G's noise on embedding outputs of ``dtype``: ``low_precision`` for a 16-bit float (bf16, fp16) when
+    given, else ``noise_std`` (docs/method.md §4: below ~1e-2 a 16-bit student-teacher shift is mostly rounding)."""
+    low = low_precision is not None and dtype.is_floating_point and torch.finfo(dtype).bits <= 16
+    return float(low_precision) if low else float(noise_std)
+
+
 def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Tensor, noise_std: float,
-          samples: int = 1) -> tuple[torch.Tensor, int]:
+          samples: int = 1, noise_std_low_precision: float | None = None) -> tuple[torch.Tensor, int]:
     """OAR-G importance of every reasoning token, on any backend: the mean over ``samples`` noise draws of the
     single-draw score |⟨∂J/∂e_t, e_t⟩|.
 
@@ -158,6 +165,7 @@ def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Ten
             ``draw_seeds(seeds, samples)[b, k]`` (draw 0: ``seeds[b]`` itself).
         noise_std: σ of the Gaussian embedding noise (absolute).
         samples: K >= 1 noise draws per row (``algorithm.oar.noise_samples``); K = 1 is the single-draw method.
+        noise_std_low_precision: σ where the embedding output is bf16 or fp16 (:func:`noise_scale`); None: σ.
 
     Returns:
         ((B, L) float32 mean over the K draws of |⟨∂J/∂e_t, e_t⟩| at reasoning positions, 0 elsewhere; the student
@@ -170,7 +178,8 @@ def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Ten
 
     def noise(i: int, slot: torch.Tensor, rank: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
         rows = plan.students[i].rows
-        return reasoning_noise_at(slot, rank, student_seeds[i], counts[rows], clean.shape[-1], noise_std)
+        std = noise_scale(noise_std, noise_std_low_precision, clean.dtype)
+        return reasoning_noise_at(slot, rank, student_seeds[i], counts[rows], clean.shape[-1], std)
 
     saliency = backend.run(batch, plan.students, plan.loss(backend, batch), EmbeddingHook(embedding_projection, noise))
     mean = plan.collect(saliency, batch, samples).abs().mean(1)
@@ -179,7 +188,9 @@ def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Ten
 
 @method("gradient", forward_only=False, reads_gradients=True, uses_mask_token=False)
 def run_oar_g(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
-    """``mode=gradient``: :func:`oar_g` with ``noise_std`` and ``noise_samples`` of the configuration."""
+    """``mode=gradient``: :func:`oar_g` with ``noise_std``, ``noise_std_low_precision`` and ``noise_samples`` of the
+    configuration."""
     seeds = require(inputs.seeds, "OAR-G needs per-sequence noise seeds",
                     "see oar_verl.core.methods.gradient.sequence_seeds (prepare_attribution computes them)")
-    return AttributionResult(*oar_g(backend, batch, seeds, cfg.noise_std, cfg.noise_samples))
+    return AttributionResult(*oar_g(backend, batch, seeds, cfg.noise_std, cfg.noise_samples,
+                                    cfg.noise_std_low_precision))
