@@ -13,7 +13,7 @@ from oar_verl.core.methods.attribution import METHODS, module_backend, pass_limi
 from oar_verl.core.backends.base import AttributionBackend
 from oar_verl.core.backends.ulysses import SequenceShards
 from oar_verl.core.config import OARConfig
-from oar_verl.core.backends.memory import PassKind, memory_guard, model_shape, recompute_policy
+from oar_verl.core.backends.memory import PassKind, fixed_recompute, memory_guard, model_shape, recompute_policy
 from oar_verl.core.registry import Registry
 
 
@@ -37,7 +37,7 @@ class EngineBackend:
     eval_numerics: Callable[[object], None]
     startup_error: Callable[[object], str | None] = lambda config: None
     recompute: Callable[..., bool | Callable[[int], float]] = (
-        lambda engine, cfg, tokens, *, checkpointing: fixed_recompute(cfg, checkpointing))
+        lambda engine, cfg, tokens, *, checkpointing: fixed_recompute(cfg.recompute, checkpointing))
 
 
 ENGINE_BACKENDS: Registry[EngineBackend] = Registry("actor strategy OAR can attribute with",
@@ -52,18 +52,13 @@ def _module_device(engine) -> torch.device:
     return torch.device("cpu")
 
 
-def fixed_recompute(cfg: OARConfig, checkpointing: bool) -> bool:
-    """``algorithm.oar.recompute`` as one setting for every pass: ``always`` / ``never``, or the actor's own
-    checkpointing under ``auto`` (where ranks must agree pass by pass: Ulysses recomputes collectives)."""
-    return {"always": True, "never": False}.get(cfg.recompute, checkpointing)
-
-
 def _fsdp_recompute(engine, cfg: OARConfig, tokens: int, *, checkpointing: bool) -> bool | Callable[[int], float]:
     """Per pass from the memory model, bounded by the update's peak at ``tokens`` per micro-batch plus this rank's
     parameter gradients (freed while attribution runs) and the free memory
-    (:func:`~oar_verl.core.backends.memory.recompute_policy`); under Ulysses one setting (:func:`fixed_recompute`)."""
+    (:func:`~oar_verl.core.backends.memory.recompute_policy`); under Ulysses one setting
+    (:func:`~oar_verl.core.backends.memory.fixed_recompute`)."""
     if sequence_shards(engine) is not None:
-        return fixed_recompute(cfg, checkpointing)
+        return fixed_recompute(cfg.recompute, checkpointing)
     grads = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
                 for p in engine.module.parameters() if p.requires_grad)
     kind = PassKind.RULES_GRADIENT if METHODS.get(cfg.mode).propagation_rules else PassKind.INPUT_GRADIENT

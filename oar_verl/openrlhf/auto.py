@@ -19,6 +19,7 @@ import torch
 from oar_verl.core.auto import AutoSelector, AutoSettings, Evidence, bands_of
 from oar_verl.core.auto.measure import measure_candidates
 from oar_verl.core.backends.collectives import max_over_ranks
+from oar_verl.core.backends.memory import fixed_recompute
 from oar_verl.core.config import AUTO_MODE, OARConfig
 from oar_verl.core.fidelity.controls import EntropySource
 from oar_verl.core.fidelity.summary import default_min_gap
@@ -93,7 +94,8 @@ class AutoStep:
         def backend_for(c: OARConfig, prepared):
             longest = max_over_ranks(prepared.longest, device)
             return module_backend(model, c, limits=pass_limits(c, max(max_tokens or 0, longest) or None),
-                                  checkpointing=checkpointing, align=lambda n: max_over_ranks(n, device),
+                                  checkpointing=fixed_recompute(c.recompute, checkpointing),
+                                  align=lambda n: max_over_ranks(n, device),
                                   pad_id=tokenizer.pad_token_id or 0)
 
         cands = list(self.selector.settings.candidates)

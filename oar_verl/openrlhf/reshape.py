@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from oar_verl.core.methods.attribution import module_backend, pass_limits
 from oar_verl.core.backends.collectives import max_over_ranks
+from oar_verl.core.backends.memory import fixed_recompute
 from oar_verl.core.config import OARConfig
 from oar_verl.core.fidelity.controls import EntropySource
 from oar_verl.core.fidelity.step import due as fidelity_due
@@ -211,7 +212,8 @@ def _attribute(items: Sequence, rows: ItemRows, sel: torch.Tensor, has_action: t
     def backend(prepared: PreparedAttribution):
         longest = max_over_ranks(prepared.longest, device)
         return module_backend(model, cfg, limits=pass_limits(cfg, max(max_tokens or 0, longest) or None),
-                              checkpointing=checkpointing, align=align, pad_id=tokenizer.pad_token_id or 0)
+                              checkpointing=fixed_recompute(cfg.recompute, checkpointing), align=align,
+                              pad_id=tokenizer.pad_token_id or 0)
 
     fidelity = None
     was_training = model.training

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["ModelShape", "PassKind", "free_accelerator_bytes", "memory_guard", "model_shape", "pass_bytes",
-           "recompute_choice", "recompute_policy"]
+           "fixed_recompute", "recompute_choice", "recompute_policy"]
 
 # saved-for-backward elements per token per layer, in units of (H, I, q/kv widths); from the layer's graph:
 # input norm in/out (2H), q/k/v (Q + 2KV), attention output (Q) + its softmax statistics, o_proj input (Q),
@@ -180,6 +180,13 @@ def recompute_choice(setting: str, need: Callable[[int, int], int], limit: int |
         return (layers - kept) / layers if base <= limit else 1.0
 
     return share
+
+
+def fixed_recompute(setting: str, checkpointing: bool) -> bool:
+    """``algorithm.oar.recompute`` as one setting for every pass: ``always`` / ``never``, or the actor's own
+    checkpointing under ``auto`` (where ranks must agree pass by pass, as Ulysses' recomputed collectives need, or where
+    the runtime's memory is not known to the adapter: OpenRLHF's DeepSpeed actor)."""
+    return {"always": True, "never": False}.get(setting, checkpointing)
 
 
 def recompute_policy(setting: str, shape: ModelShape | None, kind: str, device: torch.device, train_tokens: int, *,
