@@ -154,9 +154,11 @@ class OARConfig:
                                 "engine allows it (FSDP without Ulysses or fused kernels; elsewhere right after the "
                                 "pass, in the same call); under `mode=auto` and with false, their own passes.")
     recompute: str = _key("auto", "budgets",
-                          "Gradient checkpointing of attribution's backwards: `auto` (keep the activations where the "
-                          "pass without recompute fits under the training step's peak and the free memory, recompute "
-                          "elsewhere; the choice is logged as `oar/recomputed_share`), `always` or `never`.")
+                          "Gradient checkpointing of attribution's backwards: `auto` (keep the activations of as many "
+                          "decoder layers as fit under the training step's peak and the free memory, recompute the "
+                          "rest; one setting for every pass under Ulysses and in OpenRLHF: the actor's own; logged as "
+                          "`oar/recomputed_share`), `always` or `never`. Megatron: its engine's own settings (`auto` "
+                          "only).")
     chunk_size: int | None = _key(None, "budgets",
                                   "Optional cap on OAR-P's masked copies per pass, >= 1; null = the token budget "
                                   "alone.")

@@ -103,6 +103,11 @@ def _megatron_backend(engine, cfg: OARConfig, tokens: int, *, pad_id: int, check
 def _megatron_startup_error(config) -> str | None:
     from oar_verl.integration.megatron.layout_checks import megatron_layout_error, megatron_mode_error
 
+    recompute = config.get("algorithm", {}).get("oar", {}).get("recompute", "auto")
+    if recompute != "auto":  # its engine runs attribution's backwards with the actor's own recompute settings
+        return (f"algorithm.oar.recompute={recompute}: the Megatron engine recomputes as its own settings say "
+                "(actor_rollout_ref.actor.megatron.override_transformer_config.recompute_*); keep auto")
+
     mode_error = megatron_mode_error(config.get("algorithm", {}).get("oar", {}))
     if mode_error:
         return mode_error

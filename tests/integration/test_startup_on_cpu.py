@@ -25,6 +25,11 @@ def test_megatron_runs_every_method_and_refuses_unsupported_layouts():
     with pytest.raises(OARSetupError, match=r"actor_rollout_ref\.actor\.megatron\.context_parallel_size=2: OAR "
                                             r"attribution does not support context parallelism"):
         validate_oar_setup(bad)
+    # attribution's recompute is the engine's own there: forcing it would be a silent no-op
+    with pytest.raises(OARSetupError, match=r"algorithm\.oar\.recompute=never: the Megatron engine recomputes as "
+                                            r"its own settings say .* keep auto"):
+        validate_oar_setup(config("megatron", mode="fisher", recompute="never"))
+    assert validate_oar_setup(config("megatron", mode="fisher", recompute="auto")).recompute == "auto"
 
 
 def test_an_unsafe_mask_token_of_the_model_dir_is_refused(tmp_path):
