@@ -42,6 +42,10 @@ import torch
 
 MODES = ("gradient", "fisher", "segment")  # the three attribution calls of the step, in order
 SHARED_CALL = "fisher-shared"  # the old-log-prob pass with fisher read from it (algorithm.oar.shared_forward)
+# non-tensor flag: the worker takes its fallback for this call (an engine that cannot carry attribution in the pass:
+# attribution right after it, in the same call), as Megatron, Ulysses or fused kernels would make it
+FALLBACK_KEY = "probe_fallback"
+FALLBACK_CALL = "fisher-fallback"
 COUNT_SYNCS_KEY = "probe_count_syncs"  # non-tensor flag: count this attribution call's host syncs (slower: untimed)
 FP32_TOLERANCE = 1e-3  # per row: max |worker - core| / max |core|
 BF16_SPEARMAN = 0.98  # per row, over the reasoning tokens
@@ -237,9 +241,15 @@ def _probed_worker():
 
         @register(dispatch_mode=actor_mesh)
         def compute_log_prob(self, data):
+            from unittest import mock
+
             from verl.utils import tensordict_utils as tu
 
             shared = tu.get(data, SHARED_KEY) is not None  # the pass with fisher read from it
+            if tu.pop(data, FALLBACK_KEY, default=False):
+                with mock.patch("oar_verl.integration.worker.shared_pass_error",
+                                lambda *args: "the fallback, forced by the probe"):
+                    return self._probe(FALLBACK_CALL, super().compute_log_prob, data)
             return self._probe(SHARED_CALL if shared else "compute_log_prob", super().compute_log_prob, data)
 
         @register(dispatch_mode=actor_mesh)
@@ -425,7 +435,13 @@ def run_variant(plan: Plan, param_dtype: str, device: str, work: Path, log=print
             "log_probs_equal": all(torch.equal(a, b) for a, b in zip(log_probs.unbind(), shared["log_probs"].unbind())),
             "recomputed": shared["oar_recomputed"].tolist(), "shared": shared["oar_shared"].tolist()}
         shared_imp = [r.float() for r in shared["token_importance"].unbind()]
-        log("[verl-worker %s] fisher read from the old-log-prob pass done" % param_dtype)
+        fallback_data = shared_data.clone()  # once: the fallback of an engine that cannot carry it
+        tu.assign_non_tensor(fallback_data, **{FALLBACK_KEY: True})
+        fallback = wg.compute_log_prob(fallback_data)
+        point["fallback"] = {"log_probs_equal": all(torch.equal(a, b) for a, b in zip(
+            log_probs.unbind(), fallback["log_probs"].unbind())), "shared": fallback["oar_shared"].tolist()}
+        fallback_imp = [r.float() for r in fallback["token_importance"].unbind()]
+        log("[verl-worker %s] fisher read from the old-log-prob pass (and its fallback) done" % param_dtype)
         after = wg.compute_log_prob(logp_data.clone())["log_probs"]
         point["log_probs_unchanged"] = all(torch.equal(a, b) for a, b in zip(log_probs.unbind(), after.unbind()))
         checks = {mode: estimator_checks(worker_imp[mode], masks[mode], responses) for mode in MODES}
@@ -447,6 +463,7 @@ def run_variant(plan: Plan, param_dtype: str, device: str, work: Path, log=print
     point["core_seconds"] = time.perf_counter() - t2
     point["agreement"] = {m: agreement(worker_imp[m], core[m], masks[m]) for m in MODES}
     point["shared"]["agreement"] = agreement(shared_imp, worker_imp["fisher"], masks["fisher"])
+    point["fallback"]["agreement"] = agreement(fallback_imp, worker_imp["fisher"], masks["fisher"])
     point["distributions"] = loaded_distributions()
     point["checks"] = verdicts(point)
     return point
@@ -527,6 +544,14 @@ def verdicts(point: dict) -> dict:
         peak = point["calls"].get(SHARED_CALL, {}).get("vs_update_peak")
         if peak is not None:
             out["fisher-shared: peak <= update_actor's"] = (peak <= 1.0, peak)
+    fb = point.get("fallback")
+    if fb is not None:  # attribution right after the pass, in the same call: the fisher call's own code path
+        a = fb["agreement"]
+        worst = min(r if r == r else 1.0 for r in a["spearman"]) if bf16 else max(a["max_rel_diff"])
+        ok = worst >= BF16_SPEARMAN if bf16 else worst <= FP32_TOLERANCE
+        bound = f"Spearman >= {BF16_SPEARMAN}" if bf16 else f"max rel diff <= {FP32_TOLERANCE:g}"
+        out[f"fisher-fallback: log-probs bitwise, scores = fisher ({bound})"] = (
+            fb["log_probs_equal"] and set(fb["shared"]) == {0.0} and ok, worst)
     kl = abs(point["update_metrics"][0].get("actor/ppo_kl", float("nan")))
     if not bf16:  # the first update's own log-probs equal the old ones: the handed-over rows are aligned
         out["first update: |PPO KL| <= 1e-6 (old log-probs aligned)"] = (kl <= 1e-6, kl)

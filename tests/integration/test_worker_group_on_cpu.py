@@ -192,8 +192,8 @@ def test_gpu_check_verl_worker_part_on_cpu(tmp_path):
     assert p["param_dtype"] == "fp32" and p["device_name"] == "cpu"
     assert {k for k, c in p["checks"].items() if not c["ok"]} == set(), p["checks"]
     # per mode: agreement and Σw = R; log-probs unchanged; the update's KL; fisher read from the old-log-prob pass: its
-    # log-probs bitwise verl's, its scores the fisher call's (no peaks on CPU)
-    assert len(p["checks"]) == 3 * 2 + 2 + 2
+    # log-probs bitwise verl's, its scores the fisher call's (no peaks on CPU); the fallback's (after the pass)
+    assert len(p["checks"]) == 3 * 2 + 2 + 2 + 1
     shared = p["shared"]
     assert shared["log_probs_equal"] and set(shared["shared"]) == {1.0}, shared
     assert shared["agreement"]["nonzero"] > 50 and max(shared["agreement"]["max_rel_diff"]) <= 1e-3
