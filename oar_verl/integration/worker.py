@@ -86,6 +86,11 @@ def response_entropies(data: TensorDict) -> list[torch.Tensor] | None:
     return None
 
 
+def _first_module(engine) -> torch.nn.Module:
+    """The engine's module (Megatron's: the first of its virtual pipeline chunks)."""
+    return engine.module[0] if isinstance(engine.module, (list, tuple)) else engine.module
+
+
 def pass_entropies(out: TensorDict | None, responses: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """Per-row 1-D policy entropies over each response's tokens from this rank's old-log-prob output (nested over
     prompt + response; the entropy of token j is read at position j - 1, as verl slices its log-probs), or None when
@@ -176,7 +181,7 @@ class TokenImportanceMixin:
         prepared = prepare_attribution(prompts, responses, tokenizer, cfg, step, ground_truths=truths, device=device)
         batch = prepared.batch
         data[ROW_FIELD] = torch.arange(len(responses))
-        fingerprint = params_fingerprint(engine)
+        fingerprint = self._oar_log_prob_fingerprint  # noted by compute_log_prob: the weights of this very pass
         longest = max_over_ranks(prepared.longest, device)
         tokens = actor_token_budget(cfg, self.actor.engine_config, longest)
         recompute = kind.recompute(engine, cfg, tokens, checkpointing=self._oar_checkpointing())
@@ -203,8 +208,7 @@ class TokenImportanceMixin:
             att = dataclasses.replace(att, backend=backend)
             with engine.eval_mode():
                 kind.eval_numerics(engine)
-                module = engine.module[0] if isinstance(engine.module, (list, tuple)) else engine.module
-                fidelity = att.fidelity(cfg, step, min_gap=default_min_gap(module),
+                fidelity = att.fidelity(cfg, step, min_gap=default_min_gap(_first_module(engine)),
                                         entropies=pass_entropies(out, responses))
         if out is None:
             return None
@@ -269,7 +273,7 @@ class TokenImportanceMixin:
             att = attribute(backend, prompts, responses, tokenizer, cfg, step, ground_truths=truths, device=device)
             # the step's fidelity, every rank alike (fillers align the pass counts); NaN when not due
             prepared = att.prepared
-            gap = default_min_gap(engine.module[0] if isinstance(engine.module, (list, tuple)) else engine.module)
+            gap = default_min_gap(_first_module(engine))
             entropies = response_entropies(data) if due(cfg, step) or auto else None
             fidelity = att.fidelity(cfg, step, min_gap=gap, entropies=entropies)
             candidates = list(auto["candidates"]) if auto else []
