@@ -43,13 +43,14 @@ from oar_verl.quickstart import last_digit_reward
 from research import REPO, digit_task, task
 from research.common import bootstrap_ci, finish_figure, nanmean, permutation_p, progress
 
-METHODS = ("grpo", "oar_g", "oar_p", "fisher", "entropy", "position")
+METHODS = ("grpo", "oar_g", "oar_p", "fisher", "conservative", "entropy", "position")
 DEFAULT_METHODS = ("grpo", "oar_g", "oar_p", "entropy")  # the study's protocol; fisher on request (--methods)
-LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P", "fisher": "OAR fisher", "entropy": "entropy weights",
+LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P", "fisher": "OAR fisher", "conservative": "OAR conservative",
+          "entropy": "entropy weights",
           "position": "position weights"}
-COLORS = {"grpo": "tab:gray", "oar_g": "tab:orange", "oar_p": "tab:blue", "fisher": "tab:purple",
+COLORS = {"grpo": "tab:gray", "oar_g": "tab:orange", "oar_p": "tab:blue", "fisher": "tab:purple", "conservative": "tab:red",
           "entropy": "tab:green", "position": "tab:olive"}
-MODES = {"oar_g": "gradient", "oar_p": "perturbation", "fisher": "fisher"}
+MODES = {"oar_g": "gradient", "oar_p": "perturbation", "fisher": "fisher", "conservative": "conservative"}
 # the task the runs use (--task): the product's last-digit module, or a research.digit_task.DigitTask with the
 # decisive token early or in the middle; both offer the same names
 TASK = credit_task
@@ -584,12 +585,16 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     assets = build_assets(out, s, log=log)
-    runs_file = out / f"runs_{args.first_seed}-{args.first_seed + s.seeds - 1}.json"
+    runs_file = out / f"runs_{args.first_seed}-{args.first_seed + s.seeds - 1}_{'-'.join(methods)}.json"
     if args.report_only:
         runs = [r for f in sorted(out.glob("runs_*.json")) for r in json.loads(f.read_text())["runs"]]
     else:
-        runs = []
-        units = [(seed, method) for seed in range(args.first_seed, args.first_seed + s.seeds) for method in methods]
+        # resumable: a run already in this file (same seeds, methods and settings) is kept, not run again
+        saved = json.loads(runs_file.read_text()) if runs_file.exists() else {}
+        runs = saved["runs"] if saved.get("settings") == asdict(s) else []
+        done = {(r["seed"], r["method"]) for r in runs}
+        units = [(seed, method) for seed in range(args.first_seed, args.first_seed + s.seeds) for method in methods
+                 if (seed, method) not in done]
         for seed, method in progress(units, desc="[credit] runs (seed x method)", unit="run"):
             runs.append(run_one(assets, s, method, seed, log=log))
             runs_file.write_text(json.dumps({"settings": asdict(s), "runs": runs}))
