@@ -70,6 +70,15 @@ def paired(a: dict[int, float], b: dict[int, float], resamples: int = 10000, see
             "p": p, "seeds": len(d)}
 
 
+def best_rate(auc_by_lr: dict[float, dict[int, float]]) -> float:
+    """The rate with the best mean AUC over the seeds every rate ran (a rate run on fewer seeds, a grid's bracket
+    point, is compared on those seeds only, so no rate wins by its seeds); the mean over each rate's own seeds where
+    the rates share none."""
+    runs = {lr: auc for lr, auc in auc_by_lr.items() if auc}
+    common = set.intersection(*(set(a) for a in runs.values()))
+    return max(runs, key=lambda lr: float(np.mean([runs[lr][s] for s in (common or runs[lr])])))
+
+
 def summarise(runs_by_lr: dict[float, list[dict]], methods) -> dict:
     """Per method and rate the mean ± sd AUC and final, each method's best rate, and the paired comparisons at the
     best rates: every method against GRPO, and OAR-G against each free alternative."""
@@ -84,7 +93,7 @@ def summarise(runs_by_lr: dict[float, list[dict]], methods) -> dict:
                                 else 0.0, "final": float(f.mean()), "final_sd": float(f.std(ddof=1)) if len(f) > 1
                                 else 0.0}
         if table[m]:
-            best[m] = max(table[m], key=lambda lr: table[m][lr]["auc"])
+            best[m] = best_rate({lr: per_seed(runs, m, "auc") for lr, runs in runs_by_lr.items()})
     at_best = {m: {k: per_seed(runs_by_lr[best[m]], m, k) for k in ("auc", "final")} for m in best}
     pairs = [(m, "grpo") for m in best if m != "grpo" and "grpo" in best]
     pairs += [(m, c) for m in best for c in ("entropy", "position") if m not in ("grpo", "entropy", "position")

@@ -48,3 +48,12 @@ def test_each_seed_at_the_rate_chosen_without_it():
     c = got["held_out"]["comparisons"]["oar_g - grpo"]["auc"]
     assert c["diff"] == pytest.approx(auc([0.3, 0.5, 0.6]) - auc([0.3, 0.4, 0.5])) and c["seeds"] == 4
     assert "Each seed at the rate chosen on the other fold's seeds" in credit_lr.report(got)
+
+
+def test_a_bracket_rate_run_on_fewer_seeds_is_compared_on_those_seeds():
+    # 6e-4 on seeds 0-5, the bracket 3e-4 on seeds 0-1 only: 3e-4 beats 6e-4 on seeds 0-1 (0.8 vs 0.6-0.61) though
+    # its mean (0.8) is below 6e-4's mean over all six seeds (0.6 ... 0.95, mean 0.81): chosen on the shared seeds
+    auc = {6e-4: {0: 0.6, 1: 0.61, 2: 0.9, 3: 0.95, 4: 0.95, 5: 0.85}, 3e-4: {0: 0.8, 1: 0.8}}
+    assert credit_lr.best_rate(auc) == 3e-4
+    assert credit_lr.best_rate({6e-4: auc[6e-4], 3e-4: {0: 0.5, 1: 0.5}}) == 6e-4
+    assert credit_lr.best_rate({6e-4: {0: 0.5}, 3e-4: {1: 0.7}}) == 3e-4  # no shared seed: each rate's own mean
