@@ -23,10 +23,11 @@ __all__ = ["ModelShape", "PassKind", "free_accelerator_bytes", "memory_guard", "
 _SAVED_H, _SAVED_I = 4, 5
 _TRANSIENT_H, _TRANSIENT_I = 4, 3  # one layer's live tensors in a no-grad forward: hidden, norm, residual; gate/up/act
 _BACKWARD = 2  # a layer in its backward: its saved activations plus gradients of the same size
-# under the conservative propagation rules the layer in its backward holds about twice that: the norms' and the
-# activation's fp32 ratios and the half rule's detached copies beside the plain tensors (measured on CPU, cpu-quick
-# shape, 2 x 1,152 tokens, fp32: 452 MiB against 290 for fisher's plain input-gradient pass; docs/method.md §13)
-_RULES_BACKWARD = 2 * _BACKWARD
+# under the conservative propagation rules the norms and the activation run without a graph and keep their input and
+# output (what the plain graph keeps); in the backward each forms its ratio in fp32, at most the MLP's two wide
+# (T, I) temporaries beside the layer's tensors: one more layer's worth bounds it (measured on CPU, cpu-quick shape,
+# 2 x 1,152 tokens, fp32: 282-304 MiB against 281-292 for fisher's plain input-gradient pass; docs/method.md §13)
+_RULES_BACKWARD = _BACKWARD + 1
 
 
 @dataclass(frozen=True)

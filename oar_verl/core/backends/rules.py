@@ -25,23 +25,59 @@ from collections.abc import Iterator
 import torch
 
 
-def detached_ratio(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """out / x elementwise in fp32 or wider (0 where x = 0), detached: the constant of a rule that keeps a map's
-    value and passes its gradient as if it were linear."""
+def ratio_times(grad: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad · (out / x) elementwise, the ratio in fp32 or wider (0 where x = 0), in x's dtype: the gradient of a map
+    taken as linear at its own value. Two wide temporaries at a time, formed in place."""
     wide = torch.promote_types(out.dtype, torch.float32)
-    xf, of = x.detach().to(wide), out.detach().to(wide)
-    return torch.where(xf != 0, of / torch.where(xf != 0, xf, 1.0), 0.0)
+    xf = x.to(wide, copy=True)
+    zero = xf == 0
+    ratio = out.to(wide, copy=True).div_(xf.masked_fill_(zero, 1.0))
+    del xf
+    return ratio.masked_fill_(zero, 0.0).mul_(grad).to(x.dtype)
 
 
-def linear_rule(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``out``'s value with the gradient of x ↦ x · (out / x) at constant ratio (the identity and norm rules)."""
-    return out.detach() + ((x - x.detach()).to(torch.promote_types(out.dtype, torch.float32))
-                           * detached_ratio(out, x)).to(out.dtype)
+class _Linearised(torch.autograd.Function):
+    """``out`` (a value computed without a graph) with ∂out/∂x = out / x elementwise at constant ratio. The ratio is
+    formed in the backward only, so the forward costs nothing beyond the map itself and keeps two tensors of the
+    model's dtype (x, out) where a graph of the map would keep its fp32 intermediates."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, out)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, out = ctx.saved_tensors
+        return ratio_times(grad, out, x), None
+
+
+class _HalfProduct(torch.autograd.Function):
+    """a · u with half the gradient to each factor."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, u)
+        return a * u
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, u = ctx.saved_tensors
+        half = 0.5 * grad
+        return half * u, half * a
+
+
+def linear_rule(map_, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``map_(x, ...)``'s value with the gradient of x ↦ x · (out / x) at constant ratio (the identity and norm
+    rules); the map itself runs without a graph."""
+    with torch.no_grad():
+        out = map_(x, *args, **kwargs)
+    return _Linearised.apply(x, out)
 
 
 def half_rule(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """a · u with half the gradient to each factor (the same value: 0.5 · (a·u + a·u) is exact)."""
-    return 0.5 * (a * u.detach() + a.detach() * u)
+    """a · u with half the gradient to each factor (the value a · u exactly)."""
+    return _HalfProduct.apply(a, u)
 
 
 def _attention_rule(fn):
@@ -54,8 +90,7 @@ def _attention_rule(fn):
 
 def _mlp_forward(mlp):
     def forward(x):
-        gate = mlp.gate_proj(x)
-        return mlp.down_proj(half_rule(linear_rule(mlp.act_fn(gate), gate), mlp.up_proj(x)))
+        return mlp.down_proj(half_rule(linear_rule(mlp.act_fn, mlp.gate_proj(x)), mlp.up_proj(x)))
 
     return forward
 
@@ -103,9 +138,9 @@ def conservative_rules(model: torch.nn.Module) -> Iterator[None]:
                     original = mod.eager_attention_forward
                     mod.eager_attention_forward = _attention_rule(original)
                     undo.append(lambda mod=mod, original=original: setattr(mod, "eager_attention_forward", original))
-        for norm in norms:
-            handle = norm.register_forward_hook(lambda m, args, out: linear_rule(out, args[0]))
-            undo.append(handle.remove)
+        for norm in norms:  # an instance attribute over the class's forward, the norm's own forward without a graph
+            norm.forward = functools.partial(linear_rule, norm.forward)
+            undo.append(lambda norm=norm: delattr(norm, "forward"))
         for mlp in mlps:
             mlp.forward = _mlp_forward(mlp)  # an instance attribute over the class's forward
             undo.append(lambda mlp=mlp: delattr(mlp, "forward"))
