@@ -57,15 +57,16 @@ class OARConfig:
     ``docs/config.md`` (generated, and checked by a test). ``prefix`` is not a key: it is the dotted path errors name.
     """
 
-    mode: str = _key("gradient", "method",
-                     "`gradient` (OAR-G: gradient x input under embedding noise), `perturbation` (OAR-P: one-token "
-                     "masking, the probe's change per masked token), `fisher` (OAR-P's masking KL to second order "
-                     "from clean-point gradients: about OAR-G's cost; docs/method.md §11), `path` (integrated "
+    mode: str = _key("conservative", "method",
+                     "`conservative` (the default, chosen by measurement, docs/method.md §15: gradient x input of "
+                     "the answer's log-probability with relevance conserved through attention, norms and the gated "
+                     "MLP; one clean input-gradient pass; FSDP / Ulysses, not Megatron yet; docs/method.md §13), "
+                     "`gradient` (OAR-G, the paper's: gradient x input under embedding noise), `perturbation` (OAR-P: "
+                     "one-token masking, the probe's change per masked token), `fisher` (OAR-P's masking KL to second "
+                     "order from clean-point gradients: about OAR-G's cost; docs/method.md §11) or `path` (integrated "
                      "gradients of the shift along the mask path, every reasoning token moved together: OAR-G's "
-                     "cost with `path_points` draws; docs/method.md §12) or `conservative` (gradient x input of the "
-                     "answer's log-probability with relevance conserved through attention, norms and the gated MLP: "
-                     "one clean input-gradient pass; FSDP / Ulysses, not Megatron; docs/method.md §13); `auto`: the "
-                     "run chooses among `auto_candidates` on its own rows (docs/auto.md).")
+                     "cost with `path_points` draws; docs/method.md §12); `auto`: the run chooses among "
+                     "`auto_candidates` on its own rows (docs/auto.md).")
     preset: str = _key("paper", "method",
                        "`paper` (tau = 0.4, beta = 2.0, the paper's summaries) or `official_code` (tau = 0.25, "
                        "beta = 1.0, the official OAR-main.py); an explicit `tau` / `beta` wins over the preset.")
@@ -212,12 +213,12 @@ class OARConfig:
     fidelity_rows: int = _key(4, "fidelity",
                               "Rows measured per data-parallel rank on a measured step: the first this-many attributed "
                               "rows with reasoning tokens; >= 1.")
-    auto_candidates: tuple[str, ...] = _key(("fisher", "gradient"), "auto",
+    auto_candidates: tuple[str, ...] = _key(("conservative", "fisher"), "auto",
                                             "`mode=auto`: the registered modes scored on the run's own rows "
                                             "(docs/auto.md); the cheapest one whose gain over the random, position "
                                             "and entropy controls has a lower bound > 0 is chosen. `perturbation` is opt-in: at "
                                             "4k tokens one exact OAR-P row costs hundreds of training rows.")
-    auto_default: str = _key("fisher", "auto",
+    auto_default: str = _key("conservative", "auto",
                              "`mode=auto`: the mode rows attribute with before the first decision; a registered mode.")
     auto_rows: int = _key(32, "auto", "`mode=auto`: rows (all ranks) a check needs per band before it decides; >= 1.")
     auto_prompts: int = _key(8, "auto",
@@ -342,6 +343,8 @@ def _to_plain(values: Any) -> Any:
 
         if isinstance(values, (DictConfig, ListConfig)):
             return OmegaConf.to_container(values, resolve=True)
+        if isinstance(values, Mapping):  # a plain dict holding OmegaConf values ({**cfg.oar, "mode": ...})
+            return {k: _to_plain(v) for k, v in values.items()}
     except ImportError:  # pragma: no cover
         pass
     return values

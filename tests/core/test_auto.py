@@ -209,7 +209,7 @@ def test_two_ranks_gathered_decide_as_one_rank_with_all_rows():
 # -- the configuration ------------------------------------------------------------------------------------------------
 def test_the_auto_keys_are_validated_naming_the_key():
     cfg = check_config(OARConfig(mode="auto"))
-    assert [c.mode for c in concrete_configs(cfg)] == ["fisher", "gradient"]
+    assert [c.mode for c in concrete_configs(cfg)] == ["conservative", "fisher"]
     with pytest.raises(OARConfigError, match=r"algorithm\.oar\.auto_candidates: 'nope' is not allowed; choose"):
         check_config(OARConfig(mode="auto", auto_candidates=("gradient", "nope")))
     with pytest.raises(OARConfigError, match=r"algorithm\.oar\.auto_default: 'auto' is not allowed"):

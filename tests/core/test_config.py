@@ -12,7 +12,7 @@ from oar_verl.core.config import OARConfig, OARConfigError
 
 def test_defaults_and_presets():
     cfg = OARConfig()
-    assert (cfg.mode, cfg.tau, cfg.beta, cfg.floor, cfg.probe) == ("gradient", 0.4, 2.0, 0.1, "auto")
+    assert (cfg.mode, cfg.tau, cfg.beta, cfg.floor, cfg.probe) == ("conservative", 0.4, 2.0, 0.1, "auto")
     off = OARConfig(preset="official_code")
     assert (off.tau, off.beta) == (0.25, 1.0)
     assert OARConfig(preset="official_code", tau=0.5).tau == 0.5  # explicit values win over the preset

@@ -175,7 +175,7 @@ def test_run_attribution_reads_noise_samples_and_counts_its_rounds(lm64, make_ba
     rows = make_batch(B=3, P=4, T=8, seed=9)
     batch = build_attribution_batch(*rows, torch.full((3,), AS_MEAN))
     seeds = sequence_seeds(0, 0, torch.arange(3))
-    cfg = OARConfig(noise_samples=3, max_token_len_per_gpu=10)
+    cfg = OARConfig(mode="gradient", noise_samples=3, max_token_len_per_gpu=10)
     limits = PassLimits(10)
     res = run_attribution(module_backend(lm64, cfg), batch, cfg, mask_token_id=None, seeds=seeds)
     assert res.passes == count_passes(batch, cfg, limits) == count_g(batch, limits, 3) > count_g(batch, limits)

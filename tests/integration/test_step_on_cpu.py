@@ -212,7 +212,7 @@ def test_mode_auto_calibrates_decides_rechecks_and_resumes(setup, tmp_path, caps
 
     tok, model, prompts, responses = setup
     alg = algorithm(mode="auto", probe="as_mean", auto_rows=2, auto_prompts=1, auto_every=2, auto_fallback="best",
-                    fidelity_rows=2)
+                    fidelity_rows=2, auto_candidates=["fisher", "gradient"], auto_default="fisher")
     step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None)
     with pytest.raises(OARConfigError, match="mode=auto is decided by the OAR trainer step"):
         step.worker_options(1)  # nothing sends mode=auto to a worker
@@ -260,7 +260,7 @@ def test_mode_auto_attributes_each_sliding_window_band_with_its_own_mode(setup):
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     window = (max(lengths[:2]) + min(lengths[2:])) // 2  # the first prompt's rows are past it, the second's inside
     assert min(lengths[:2]) > window >= max(lengths[2:])
-    alg = algorithm(mode="auto", probe="as_mean", auto_every=100)
+    alg = algorithm(mode="auto", probe="as_mean", auto_every=100, auto_candidates=["fisher", "gradient"])
     step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None, window=window)
     state = step.selector.state_dict()
     state["bands"]["inside"].update(mode="fisher", decided=True, next_check=10**6)

@@ -20,5 +20,14 @@ def test_conservative_is_refused_at_startup_on_megatron():
 
     assert megatron_mode_error({"mode": "gradient"}) is None
     assert "mode=conservative is not available on the Megatron engine" in megatron_mode_error({"mode": "conservative"})
+    assert "(the key's default)" in megatron_mode_error({"mode": "conservative"})
     assert megatron_mode_error({"mode": "auto", "auto_candidates": ["fisher", "conservative"]}) is not None
-    assert megatron_mode_error({"mode": "auto", "auto_candidates": ["fisher"]}) is None
+    assert megatron_mode_error({"mode": "auto", "auto_candidates": ["fisher"], "auto_default": "fisher"}) is None
+    # the mode auto attributes with before its first decision is checked too
+    assert "auto_default" in megatron_mode_error({"mode": "auto", "auto_candidates": ["fisher"],
+                                                  "auto_default": "conservative"})
+    # the defaults (mode=conservative) are refused naming the key and what to set on Megatron
+    from oar_verl.core.config import OARConfig
+
+    assert "set algorithm.oar.mode to one of" in megatron_mode_error(OARConfig().to_dict())
+    assert "auto_candidates=[fisher,gradient]" in megatron_mode_error({**OARConfig().to_dict(), "mode": "auto"})

@@ -64,7 +64,7 @@ def test_the_actor_side_calibrates_decides_and_measures_the_in_step_fidelity():
     from oar_verl.openrlhf.reshape import reshape_replay_buffer
 
     tok, model = _tiny(TEXTS)
-    cfg = oar_config({"mode": "auto", "auto_candidates": ["gradient", "fisher"], "auto_rows": 2, "auto_prompts": 1,
+    cfg = oar_config({"mode": "auto", "auto_candidates": ["gradient", "fisher"], "auto_default": "fisher", "auto_rows": 2, "auto_prompts": 1,
                       "auto_every": 2, "auto_fallback": "best", "probe": "as_mean", "fidelity_every": 1})
     items = _items(tok, TEXTS, [1.0, -1.0, 0.5, -0.5])
     asked = []

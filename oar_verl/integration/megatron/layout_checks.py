@@ -15,18 +15,29 @@ RULES_UNSUPPORTED = ("conservative propagation rules are written for Hugging Fac
 
 def megatron_mode_error(oar) -> str | None:
     """Why the Megatron engine cannot run the configured method(s), or None: ``oar`` the ``algorithm.oar`` mapping
-    (``mode``, and with ``mode=auto`` its ``auto_candidates``); a registered method that needs the backend's
+    (``mode``, and with ``mode=auto`` its ``auto_candidates`` and ``auto_default``); a registered method that needs the backend's
     propagation rules (``Method.propagation_rules``) is refused."""
     from oar_verl.core.checks.registries import METHODS
+    from oar_verl.core.config import OARConfig
 
     oar = oar or {}
-    modes = [oar.get("mode")] + (list(oar.get("auto_candidates") or ()) if oar.get("mode") == "auto" else [])
+    auto = oar.get("mode") == "auto"
+    modes = [oar.get("mode")] + ([*(oar.get("auto_candidates") or ()), oar.get("auto_default")] if auto else [])
     needs = [m for m in modes if m in METHODS.names() and METHODS.get(m).propagation_rules]
     if not needs:
         return None
-    others = ", ".join(n for n in METHODS.names() if not METHODS.get(n).propagation_rules)
-    return (f"algorithm.oar.mode={needs[0]} is not available on the Megatron engine yet: its {RULES_UNSUPPORTED}; "
-            f"on Megatron use one of {others}")
+    others = [n for n in METHODS.names() if not METHODS.get(n).propagation_rules]
+    if auto:
+        where, fix = " (in algorithm.oar.auto_candidates / auto_default)", (
+            f"on Megatron list only {', '.join(others)} (e.g. algorithm.oar.auto_candidates=[fisher,gradient] "
+            "algorithm.oar.auto_default=fisher)")
+    else:
+        default = needs[0] == OARConfig.__dataclass_fields__["mode"].default
+        where, fix = " (the key's default)" if default else "", (
+            f"on Megatron set algorithm.oar.mode to one of {', '.join(others)} (fisher: the same clean "
+            "input-gradient pass without the rules)")
+    return f"algorithm.oar.mode={needs[0]} is not available on the Megatron engine yet{where}: its " \
+           f"{RULES_UNSUPPORTED}; {fix}"
 
 
 class MegatronLayoutError(NotImplementedError):
