@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-MODES = ("gradient", "fisher", "segment")  # the three attribution calls of the step, in order
+MODES = ("gradient", "fisher", "conservative", "segment")  # the attribution calls of the step, in order
 SHARED_CALL = "fisher-shared"  # the old-log-prob pass with fisher read from it (algorithm.oar.shared_forward)
 # non-tensor flag: the worker takes its fallback for this call (an engine that cannot carry attribution in the pass:
 # attribution right after it, in the same call), as Megatron, Ulysses or fused kernels would make it

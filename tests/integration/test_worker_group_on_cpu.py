@@ -166,8 +166,8 @@ def test_sequence_parallel_group_attributes_sharded_and_equals_core(tiny_assets,
 @pytest.mark.slow
 def test_gpu_check_verl_worker_part_on_cpu(tmp_path):
     """The verl-worker part of scripts/gpu_check.sh, which the GPU figures come from, as its CPU smoke run: verl's
-    FSDP2 group with OAR's worker through one training step (old log-probs, gradient / fisher / segment attribution,
-    the oar estimator, update_actor), dynamic batch sizes and gradient checkpointing, on the tiny shape in fp32, with
+    FSDP2 group with OAR's worker through one training step (old log-probs, gradient / fisher / conservative / segment
+    attribution, the oar estimator, update_actor), dynamic batch sizes and gradient checkpointing, on the tiny shape in fp32, with
     every distribution the GPU machine would lack hidden in the driver and the Ray worker (the bundle's manifest is
     complete for this path): every check of the part passes, and what it records is there."""
     from devtools.gpu_bundle import CPU_ONLY, allowed, blocker, normalise
@@ -193,11 +193,11 @@ def test_gpu_check_verl_worker_part_on_cpu(tmp_path):
     assert {k for k, c in p["checks"].items() if not c["ok"]} == set(), p["checks"]
     # per mode: agreement and Σw = R; log-probs unchanged; the update's KL; fisher read from the old-log-prob pass: its
     # log-probs bitwise verl's, its scores the fisher call's (no peaks on CPU); the fallback's (after the pass)
-    assert len(p["checks"]) == 3 * 2 + 2 + 2 + 1
+    assert len(p["checks"]) == 4 * 2 + 2 + 2 + 1
     shared = p["shared"]
     assert shared["log_probs_equal"] and set(shared["shared"]) == {1.0}, shared
     assert shared["agreement"]["nonzero"] > 50 and max(shared["agreement"]["max_rel_diff"]) <= 1e-3
-    for mode in ("gradient", "fisher", "segment"):
+    for mode in ("gradient", "fisher", "conservative", "segment"):  # conservative: the default mode
         a = p["agreement"][mode]
         assert a["nonzero"] > 50 and max(a["max_rel_diff"]) <= 1e-3, (mode, a)
         assert p["estimator"][mode]["reshaped_rows"] == 4 and p["estimator"][mode]["finite"]
