@@ -30,16 +30,19 @@ def test_gradient_methods_past_the_window_are_warned_of():
         msg = sliding_window_warning(OARConfig(mode=mode), gemma, 1024)
         assert f"algorithm.oar.mode={mode}" in msg and "window 512" in msg and "up to 1024 tokens" in msg
         assert "algorithm.oar.fidelity_every" in msg and "algorithm.oar.mode=perturbation" in msg
-    assert "unknown length" in sliding_window_warning(OARConfig(), gemma, None)
-    assert sliding_window_warning(OARConfig(), gemma, 512) is None  # rows within the window
+    grad = OARConfig(mode="gradient")
+    assert "unknown length" in sliding_window_warning(grad, gemma, None)
+    assert sliding_window_warning(grad, gemma, 512) is None  # rows within the window
     assert sliding_window_warning(OARConfig(mode="perturbation"), gemma, 4096) is None
-    assert sliding_window_warning(OARConfig(), Qwen2Config().to_dict(), 16384) is None
+    assert sliding_window_warning(grad, Qwen2Config().to_dict(), 16384) is None
+    # conservative propagation (the default) ranks well above random past the window: not warned of
+    assert sliding_window_warning(OARConfig(mode="conservative"), gemma, 4096) is None
 
 
 def test_a_model_directory_is_read_and_the_warning_logged(tmp_path, caplog):
     Gemma3TextConfig(**GEMMA).save_pretrained(str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="oar_verl.core.checks.sliding_window"):
-        msg = check_model_sliding_window(OARConfig(), str(tmp_path), 2048)
+        msg = check_model_sliding_window(OARConfig(mode="fisher"), str(tmp_path), 2048)
     assert msg is not None and msg in caplog.text
     assert check_model_sliding_window(OARConfig(), "google/gemma-3-270m", 2048) is None  # remote: not read
     assert check_model_sliding_window(OARConfig(), None, 2048) is None

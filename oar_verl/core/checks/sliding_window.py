@@ -1,9 +1,10 @@
 """A start-up warning for gradient attribution on models whose attention layers slide.
 
 On Gemma 3 with rows longer than its sliding window, the methods that read gradients (registered with
-``reads_gradients``: OAR-G, fisher) ranked the reasoning tokens about as well as a random ranking by the fidelity
-metric, while OAR-P found what the answer depends on (docs/performance.md, "Which attribution on long rows"). One model
-family measured: a warning naming the check and the alternative, not a refusal. Read from the model directory's
+``reads_gradients``: OAR-G, fisher, path) ranked the reasoning tokens about as well as a random ranking by the fidelity
+metric, while OAR-P found what the answer depends on (docs/performance.md, "Which attribution on long rows");
+conservative propagation ranks well above random there (``ranks_past_window``; research/docs/faithfulness.md §17) and
+is not warned of. One model family measured: a warning naming the check and the alternative, not a refusal. Read from the model directory's
 ``config.json`` alone (no model or transformers import).
 """
 
@@ -45,7 +46,8 @@ def sliding_window_warning(cfg, model_config: Mapping, max_tokens: int | None, c
     (:attr:`~oar_verl.core.methods.contract.Method.reads_gradients`) on a model with a sliding window and rows that may
     be longer than the window (``max_tokens``, prompt + response; None: unknown, warned). ``check``: how a user of
     this trainer measures the fidelity (default: verl's ``fidelity_every``)."""
-    if not method_of(cfg).reads_gradients:
+    method = method_of(cfg)
+    if not method.reads_gradients or method.ranks_past_window:
         return None
     width = sliding_window(model_config)
     if width is None or (max_tokens is not None and max_tokens <= width):

@@ -64,7 +64,7 @@ def conservative_target(backend: AttributionBackend, batch: AttributionBatch, cf
 
 
 @method("conservative", forward_only=False, reads_gradients=True, uses_mask_token=False, propagation_rules=True,
-        shared=conservative_target)
+        shared=conservative_target, ranks_past_window=True)
 def run_conservative(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs
                      ) -> AttributionResult:
     """``mode=conservative``: :func:`conservative` (no method keys)."""
