@@ -71,12 +71,19 @@ def paired(a: dict[int, float], b: dict[int, float], resamples: int = 10000, see
 
 
 def best_rate(auc_by_lr: dict[float, dict[int, float]]) -> float:
-    """The rate with the best mean AUC over the seeds every rate ran (a rate run on fewer seeds, a grid's bracket
-    point, is compared on those seeds only, so no rate wins by its seeds); the mean over each rate's own seeds where
-    the rates share none."""
+    """The rate with the best AUC, each rate judged against the rate run on the most seeds (ties: the higher mean) on
+    the seeds both ran: a bracket point run on a few seeds, or still running, is compared on those seeds only, so no
+    rate wins or loses by its seeds. Rates that share no seed with it are judged by their own means."""
     runs = {lr: auc for lr, auc in auc_by_lr.items() if auc}
-    common = set.intersection(*(set(a) for a in runs.values()))
-    return max(runs, key=lambda lr: float(np.mean([runs[lr][s] for s in (common or runs[lr])])))
+    ref = max(runs, key=lambda lr: (len(runs[lr]), float(np.mean(list(runs[lr].values())))))
+
+    def edge(lr: float) -> float:
+        shared = set(runs[lr]) & set(runs[ref])
+        if not shared:
+            return float(np.mean(list(runs[lr].values()))) - float(np.mean(list(runs[ref].values())))
+        return float(np.mean([runs[lr][s] - runs[ref][s] for s in shared]))
+
+    return max(runs, key=lambda lr: (edge(lr), lr == ref))
 
 
 def summarise(runs_by_lr: dict[float, list[dict]], methods) -> dict:

@@ -57,3 +57,6 @@ def test_a_bracket_rate_run_on_fewer_seeds_is_compared_on_those_seeds():
     assert credit_lr.best_rate(auc) == 3e-4
     assert credit_lr.best_rate({6e-4: auc[6e-4], 3e-4: {0: 0.5, 1: 0.5}}) == 6e-4
     assert credit_lr.best_rate({6e-4: {0: 0.5}, 3e-4: {1: 0.7}}) == 3e-4  # no shared seed: each rate's own mean
+    # a third rate still running (one seed, a collapse) does not shrink the comparison of the other two to that seed
+    runs = {6e-4: {s: 0.7 for s in range(10)}, 1.2e-3: {**{s: 0.6 for s in range(10)}, 0: 0.9}, 2.4e-3: {0: 0.02}}
+    assert credit_lr.best_rate(runs) == 6e-4
