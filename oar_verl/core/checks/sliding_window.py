@@ -4,8 +4,8 @@ On Gemma 3 with rows longer than its sliding window, the methods that read gradi
 ``reads_gradients``: OAR-G, fisher, path) ranked the reasoning tokens about as well as a random ranking by the fidelity
 metric, while OAR-P found what the answer depends on (docs/performance.md, "Which attribution on long rows");
 conservative propagation ranks well above random there (``ranks_past_window``; research/docs/faithfulness.md §17) and
-is not warned of. One model family measured: a warning naming the check and the alternative, not a refusal. Read from the model directory's
-``config.json`` alone (no model or transformers import).
+is not warned of. One model family measured: a warning naming the check and the alternative, not a refusal. Read
+from the model directory's ``config.json`` alone (no model or transformers import).
 """
 
 from __future__ import annotations
