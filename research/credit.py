@@ -45,11 +45,10 @@ from research.common import bootstrap_ci, finish_figure, nanmean, permutation_p,
 
 METHODS = ("grpo", "oar_g", "oar_p", "fisher", "conservative", "entropy", "position")
 DEFAULT_METHODS = ("grpo", "oar_g", "oar_p", "entropy")  # the study's protocol; fisher on request (--methods)
-LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P", "fisher": "OAR fisher", "conservative": "OAR conservative",
-          "entropy": "entropy weights",
-          "position": "position weights"}
-COLORS = {"grpo": "tab:gray", "oar_g": "tab:orange", "oar_p": "tab:blue", "fisher": "tab:purple", "conservative": "tab:red",
-          "entropy": "tab:green", "position": "tab:olive"}
+LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P", "fisher": "OAR fisher",
+          "conservative": "OAR conservative", "entropy": "entropy weights", "position": "position weights"}
+COLORS = {"grpo": "tab:gray", "oar_g": "tab:orange", "oar_p": "tab:blue", "fisher": "tab:purple",
+          "conservative": "tab:red", "entropy": "tab:green", "position": "tab:olive"}
 MODES = {"oar_g": "gradient", "oar_p": "perturbation", "fisher": "fisher", "conservative": "conservative"}
 # the task the runs use (--task): the product's last-digit module, or a research.digit_task.DigitTask with the
 # decisive token early or in the middle; both offer the same names

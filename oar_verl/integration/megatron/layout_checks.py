@@ -15,8 +15,8 @@ RULES_UNSUPPORTED = ("conservative propagation rules are written for Hugging Fac
 
 def megatron_mode_error(oar) -> str | None:
     """Why the Megatron engine cannot run the configured method(s), or None: ``oar`` the ``algorithm.oar`` mapping
-    (``mode``, and with ``mode=auto`` its ``auto_candidates`` and ``auto_default``); a registered method that needs the backend's
-    propagation rules (``Method.propagation_rules``) is refused."""
+    (``mode``, and with ``mode=auto`` its ``auto_candidates`` and ``auto_default``); a registered method that needs the
+    backend's propagation rules (``Method.propagation_rules``) is refused."""
     from oar_verl.core.checks.registries import METHODS
     from oar_verl.core.config import OARConfig
 
