@@ -140,11 +140,26 @@ class OARStep:
             return batch.eligible.clone()
         return attribution_rows(base[0], batch.response_mask, self.cfg, batch.eligible)
 
-    def shares_forward(self, global_step: int) -> bool:
-        """Whether this step's scores are read from verl's old-log-prob forward (``algorithm.oar.shared_forward``;
-        docs/method.md §14): a method that can, not under ``mode=auto`` (its calibration steps score every candidate
-        and its bands may run other modes). A fidelity step measures right after the pass, in the same call."""
-        return self.cfg.shared_forward and self.selector is None and self.cfg.mode in shared_modes()
+    def shared_mode(self, global_step: int) -> str | None:
+        """The mode whose scores this step reads from verl's old-log-prob forward (``algorithm.oar.shared_forward``;
+        docs/method.md §14), or None: a method that can share; under ``mode=auto`` only on a step that does not
+        calibrate (a calibration step scores every candidate) and where every band runs the same such mode (one pass
+        holds every row). A fidelity step measures right after the pass, in the same call."""
+        if not self.cfg.shared_forward:
+            return None
+        if self.selector is None:
+            return self.cfg.mode if self.cfg.mode in shared_modes() else None
+        if self.selector.calibrating(global_step):
+            return None
+        modes = set(self.selector.modes().values())
+        mode = modes.pop() if len(modes) == 1 else None
+        return mode if mode in shared_modes() else None
+
+    def shared_options(self, global_step: int) -> dict[str, Any] | None:
+        """The options that ask verl's ``compute_log_prob`` call for the step's scores (:meth:`shared_mode`; the
+        trainers add them to the call under :data:`~oar_verl.integration.fields.SHARED_KEY`), or None."""
+        mode = self.shared_mode(global_step)
+        return None if mode is None else self.worker_options(global_step, mode)
 
     def worker_options(self, global_step: int, mode: str | None = None,
                        auto: dict[str, Any] | None = None) -> dict[str, Any]:

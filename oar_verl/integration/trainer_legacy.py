@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,17 +28,20 @@ from oar_verl.integration.guard import uses_oar
 from oar_verl.integration.rows import BatchRows
 from oar_verl.integration.startup import validate_mask_token, validate_oar_setup
 from oar_verl.integration.step import UPDATE_TIMER, OARStep, checkpoint_folder, model_window
-from oar_verl.integration.fields import OUTPUT_FIELDS
+from oar_verl.integration.fields import OUTPUT_FIELDS, SHARED_KEY
 from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
 
 
 class LegacyIO:
-    """The step's view of one legacy batch (``DataProto``) and the trainer's actor worker group."""
+    """The step's view of one legacy batch (``DataProto``) and the trainer's actor worker group; with ``shared``, the
+    importance fields every row already got from the old-log-prob pass (no RPC)."""
 
-    def __init__(self, trainer: RayPPOTrainer, batch, entropys: torch.Tensor | None = None):
+    def __init__(self, trainer: RayPPOTrainer, batch, entropys: torch.Tensor | None = None,
+                 shared: dict[str, torch.Tensor] | None = None):
         self.trainer = trainer
         self.batch = batch
         self.entropys = entropys  # (B, T) the old-log-prob pass's entropies (verl drops them from the batch)
+        self.shared = shared
 
     def rows(self, with_responses: bool) -> BatchRows:
         tensors = self.batch.batch
@@ -52,12 +56,49 @@ class LegacyIO:
         return actor_dp_size(self.trainer.actor_rollout_wg)
 
     def compute_importance(self, rows: torch.Tensor, options: dict[str, Any]) -> dict[str, torch.Tensor]:
+        if self.shared is not None:
+            return {k: v[rows] for k, v in self.shared.items()}
         td = left_right_2_no_padding(self.batch.select_idxs(rows.numpy()).to_tensordict())
         if self.entropys is not None:  # the entropy control of the fidelity metric and of mode=auto
             td["entropys"] = self.entropys[rows]
         tu.assign_non_tensor(td, **options)
         out = self.trainer.actor_rollout_wg.compute_token_importance(td)
-        return {k: (out[k].to_padded_tensor(0.0) if out[k].is_nested else out[k]) for k in OUTPUT_FIELDS}
+        return padded_fields(out)
+
+
+def padded_fields(out) -> dict[str, torch.Tensor]:
+    """The importance fields of a worker call's output, padded to (N, T') / (N,)."""
+    return {k: (out[k].to_padded_tensor(0.0) if out[k].is_nested else out[k]) for k in OUTPUT_FIELDS}
+
+
+@contextlib.contextmanager
+def log_prob_outputs(trainer: RayPPOTrainer, options: dict[str, Any] | None) -> Iterator[list]:
+    """For the duration, verl's ``compute_log_prob`` calls on the actor worker group carry ``options`` (the step's
+    :meth:`~oar_verl.integration.step.OARStep.shared_options`, in the batch's ``meta_info``, which verl turns into the
+    call's non-tensor fields) and their outputs are kept in the yielded list: verl's legacy
+    ``_compute_old_log_prob`` reads only its own fields from the output. With ``options`` None, nothing changes."""
+    outputs: list = []
+    if options is None:
+        yield outputs
+        return
+    group = trainer.actor_rollout_wg
+    owned = "compute_log_prob" in vars(group)  # verl binds the worker methods on the instance
+    original = group.compute_log_prob
+
+    def compute_log_prob(data, *args, **kwargs):
+        tu.assign_non_tensor(data, **{SHARED_KEY: options})
+        out = original(data, *args, **kwargs)
+        outputs.append(out)
+        return out
+
+    group.compute_log_prob = compute_log_prob
+    try:
+        yield outputs
+    finally:
+        if owned:
+            group.compute_log_prob = original
+        else:
+            del group.compute_log_prob
 
 
 class OARRayPPOTrainer(RayPPOTrainer):
@@ -78,13 +119,20 @@ class OARRayPPOTrainer(RayPPOTrainer):
         self._oar_timing: dict = {}
 
     def _compute_old_log_prob(self, batch):
-        result = super()._compute_old_log_prob(batch)
+        # docs/method.md §14: where the method can, the workers read its scores from this very forward
+        options = None if self.oar_step is None else self.oar_step.shared_options(self.global_steps)
+        with log_prob_outputs(self, options) as outputs:
+            result = super()._compute_old_log_prob(batch)
+        if options is not None and len(outputs) != 1:
+            raise RuntimeError(f"oar: verl's old-log-prob step made {len(outputs)} compute_log_prob calls, not one")
+        shared = padded_fields(outputs[0]) if options is not None else None
         if self.oar_step is not None:
             self._close_oar_step()  # a step left open (no actor update during critic warm-up) reports nothing
             self._oar_metrics, self._oar_timing = {}, {}
             old = result[0] if isinstance(result, tuple) else result  # verl 0.9.1: (old log-probs, mfu)
             entropys = old.batch["entropys"] if "entropys" in old.batch.keys() else None
-            att = self.oar_step.attribute(LegacyIO(self, batch, entropys), self.global_steps, self._oar_timing)
+            att = self.oar_step.attribute(LegacyIO(self, batch, entropys, shared), self.global_steps,
+                                         self._oar_timing)
             opened = contextlib.ExitStack()
             opened.enter_context(self.oar_step.advantage(att, self.global_steps, self._oar_metrics))
             self._oar_open = opened

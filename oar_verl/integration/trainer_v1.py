@@ -81,9 +81,10 @@ class OARStepLayer(PPOTrainer):
 
     def _compute_old_log_prob(self, batch, metrics: dict):
         # docs/method.md §14: where the method can, the workers read its scores from this very forward
-        shared = self.oar_step is not None and self.oar_step.shares_forward(self.global_steps) and not _bypass(self)
+        options = None if self.oar_step is None or _bypass(self) else self.oar_step.shared_options(self.global_steps)
+        shared = options is not None
         if shared:
-            batch.extra_info[SHARED_KEY] = self.oar_step.worker_options(self.global_steps)
+            batch.extra_info[SHARED_KEY] = options
         try:
             out = super()._compute_old_log_prob(batch, metrics)
         finally:

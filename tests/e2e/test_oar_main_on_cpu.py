@@ -2,7 +2,8 @@
 
 ``python -m oar_verl.main`` runs, for 3 steps each, OAR-P (auto policy: hierarchical on long rows, exact on short
 ones) on the V1 sync trainer in rollout-correction bypass mode (old log-probs from the rollout), fisher on verl's
-``colocate_async`` trainer (read from the old-log-prob forward) and ``mode=auto`` (OAR-G until it decides) on the legacy ``RayPPOTrainer``; and OAR-G on
+``colocate_async`` trainer (read from the old-log-prob forward) and ``mode=auto`` with its default candidates on the
+legacy ``RayPPOTrainer`` (read from that forward once decided); and OAR-G on
 the V1 trainer at scale settings --
 2 data-parallel ranks, dynamic batch sizes, a bf16 actor with gradient checkpointing and a token budget that needs
 several attribution passes per rank -- saved at step 2 and resumed to step 4. From verl's file-logger JSONL, every
@@ -94,12 +95,12 @@ def _check_oar_run(name, run, steps, dump_dir=None):
     # fidelity of its attribution measured on step 2 right after that pass (docs/fidelity.md, "Logged while training")
     ("fisher_colocate_async", ["algorithm.oar.mode=fisher", "trainer.v1.trainer_mode=colocate_async",
                                "algorithm.oar.fidelity_every=2"]),
-    # mode=auto (docs/auto.md) on the legacy trainer: OAR-G (auto_default) until the first decision at step 1, the
-    # decision's mode after, a re-check at step 3, the selector's state saved beside the step-3 checkpoint
-    ("oar_g_legacy", ["algorithm.oar.mode=auto", "trainer.use_v1=false", "algorithm.oar.auto_default=gradient",
-                      "algorithm.oar.auto_candidates=[gradient,fisher]", "algorithm.oar.auto_rows=2",
-                      "algorithm.oar.auto_prompts=1", "algorithm.oar.auto_every=2", "algorithm.oar.auto_fallback=best",
-                      "trainer.save_freq=3"]),
+    # mode=auto (docs/auto.md) with its default candidates on the legacy trainer: conservative (auto_default) until
+    # the first decision at step 1, the decision's mode after (step 2 read from the old-log-prob forward: both
+    # candidates can), a re-check at step 3, the selector's state saved beside the step-3 checkpoint
+    ("auto_legacy", ["algorithm.oar.mode=auto", "trainer.use_v1=false", "algorithm.oar.auto_rows=2",
+                     "algorithm.oar.auto_prompts=1", "algorithm.oar.auto_every=2", "algorithm.oar.auto_fallback=best",
+                     "trainer.save_freq=3"]),
 ])
 def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
     dump_dir = tmp_path / "dumps"
@@ -132,6 +133,8 @@ def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
     if "algorithm.oar.mode=fisher" in extra:  # read from the old-log-prob forward, the fidelity step included
         assert set(shared.values()) == {1.0}, shared
         assert all(0.0 <= m["oar/recomputed_share"] <= 1.0 for m in attributed)  # the choice is logged
+    elif "algorithm.oar.mode=auto" in extra:  # only the step that does not calibrate: its one mode can share
+        assert shared == {1: 0.0, 2: 1.0, 3: 0.0}, shared
     else:
         assert set(shared.values()) <= {0.0}, shared
     if "algorithm.oar.mode=auto" in extra:  # the run chose its attribution, logged it and checkpointed it
@@ -140,12 +143,12 @@ def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
             assert "oar/auto/calibrating" in m and "oar/auto/all/mode_index" in m
         assert run.metrics[-1]["oar/auto/all/decided"] == 1 and run.metrics[-1]["oar/auto/all/rows"] >= 2
         # every control, the policy's entropy (the legacy trainer hands verl's old-log-prob entropies over) included
-        assert all(f"oar/auto/all/gain/gradient/{k}" in run.metrics[-1] for k in ("random", "position", "entropy"))
+        assert all(f"oar/auto/all/gain/conservative/{k}" in run.metrics[-1] for k in ("random", "position", "entropy"))
         assert sum(m["oar/auto/calibrating"] for m in run.metrics) >= 2  # calibration, then a re-check
         assert run.metrics[-1]["oar/auto/all/mode_index"] in (0.0, 1.0)  # fallback best: a candidate always runs
         state = json.loads((tmp_path / "checkpoints" / "global_step_3" / "oar_auto.json").read_text())
-        assert state["bands"]["all"]["decided"] and state["candidates"] == ["gradient", "fisher"]
-    if "auto" in name:  # long rows were refined only in part: fewer copies than reasoning tokens
+        assert state["bands"]["all"]["decided"] and state["candidates"] == ["conservative", "fisher"]
+    if "auto" in name and "oar_p" in name:  # long rows were refined only in part: fewer copies than reasoning tokens
         assert any(0 < m["oar/refined_share"] < 1 for m in perturbed), [m.get("oar/refined_share") for m in perturbed]
         print({m["step"]: (m["oar/perturbation_copies"], m["oar/refined_share"]) for m in perturbed})
 

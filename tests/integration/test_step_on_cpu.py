@@ -229,7 +229,11 @@ def test_mode_auto_calibrates_decides_rechecks_and_resumes(setup, tmp_path, caps
     chosen = step.selector.mode("all")
     assert chosen in ("fisher", "gradient") and metrics[f"oar/auto/all/mode/{chosen}"] == 1
     assert metrics["oar/attributed_seq_frac"] == 0.5 and metrics["oar/adv_mass_rel_err"] < 1e-6
-    # the next step attributes with the decision and measures nothing; the re-check comes auto_every steps later
+    # the next step attributes with the decision and measures nothing; the re-check comes auto_every steps later.
+    # Only that step reads its scores from the old-log-prob pass, when the decision can (docs/method.md §14)
+    assert step.shared_mode(3) is None  # the re-check scores every candidate
+    assert step.shared_mode(2) == (chosen if chosen == "fisher" else None)
+    assert (step.shared_options(2) or {CONFIG_KEY: {"mode": chosen}})[CONFIG_KEY]["mode"] == chosen
     _, _, _, metrics = run_step(step, io, global_step=2)
     assert io.calls[1][1][CONFIG_KEY]["mode"] == chosen and KEY not in io.calls[1][1]
     assert metrics["oar/auto/calibrating"] == 0
@@ -283,18 +287,40 @@ def test_mode_auto_attributes_each_sliding_window_band_with_its_own_mode(setup):
 
 
 def test_which_steps_read_attribution_from_the_old_log_prob_pass(setup):
-    """docs/method.md §14: a method that can, fidelity steps included, not under mode=auto, unless switched off."""
+    """docs/method.md §14: a method that can, fidelity steps included, unless switched off; under mode=auto a step
+    that does not calibrate and whose bands all run one such method."""
+    from oar_verl.core.auto import UNIFORM
+
     tok = setup[0]
 
-    def shares(step=3, **oar):
+    def step_of(window=None, **oar):
         alg = algorithm(**oar)
-        return OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None).shares_forward(step)
+        return OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None, window=window)
 
-    assert shares(mode="fisher") and shares(mode="conservative")
-    assert not shares(mode="gradient") and not shares(mode="perturbation") and not shares(mode="path")
-    assert not shares(mode="fisher", shared_forward=False)
-    assert shares(step=4, mode="fisher", fidelity_every=2)  # the worker measures right after the pass
-    assert not shares(mode="auto", auto_candidates=["fisher", "conservative"])
+    def shares(step=3, **oar):
+        return step_of(**oar).shared_mode(step)
+
+    assert shares(mode="fisher") == "fisher" and shares(mode="conservative") == "conservative"
+    assert shares(mode="gradient") is shares(mode="perturbation") is shares(mode="path") is None
+    assert shares(mode="fisher", shared_forward=False) is None
+    assert shares(step=4, mode="fisher", fidelity_every=2) == "fisher"  # the worker measures right after the pass
+    options = step_of(mode="fisher").shared_options(3)
+    assert options[CONFIG_KEY]["mode"] == "fisher" and options[STEP_KEY] == 3
+    auto = step_of(mode="auto", auto_candidates=["fisher", "conservative"], auto_every=100)
+    assert auto.shared_mode(1) is None and auto.shared_options(1) is None  # undecided: every step calibrates
+    for band in auto.selector._bands.values():  # as after a decision at step 1, the next check at step 101
+        band.update(decided=True, collecting=False, next_check=101, mode="conservative")
+    assert auto.shared_mode(2) == "conservative" and auto.shared_options(2)[CONFIG_KEY]["mode"] == "conservative"
+    assert auto.shared_mode(101) is None  # the check's step scores every candidate
+    windowed = step_of(mode="auto", auto_candidates=["fisher", "gradient"], auto_every=100, window=16)
+    for band, mode in zip(windowed.selector._bands.values(), ("fisher", "gradient")):
+        band.update(decided=True, collecting=False, next_check=101, mode=mode)
+    assert windowed.shared_mode(2) is None  # the bands run different methods: one pass cannot hold both
+    for band in windowed.selector._bands.values():
+        band.update(mode="fisher")
+    assert windowed.shared_mode(2) == "fisher"
+    next(iter(windowed.selector._bands.values())).update(mode=UNIFORM)  # a band on the plain-GRPO fallback
+    assert windowed.shared_mode(2) is None
 
 
 def test_an_engine_that_cannot_carry_attribution_in_its_pass_says_why():
