@@ -152,8 +152,9 @@ class OARConfig:
     shared_forward: bool = _key(True, "budgets",
                                 "`fisher` and `conservative` read their scores from verl's old-log-prob forward "
                                 "(one forward for both, backwards only from the probe; docs/method.md §14) where the "
-                                "engine allows it (FSDP without Ulysses or fused kernels; elsewhere right after the "
-                                "pass, in the same call), in the V1 and legacy trainers; under `mode=auto` on the "
+                                "engine allows it (FSDP, with or without Ulysses, without fused kernels; elsewhere "
+                                "right after the pass, in the same call), in the V1 and legacy trainers; under "
+                                "`mode=auto` on the "
                                 "steps that do not calibrate, when every band runs one such method; with false, "
                                 "their own passes.")
     recompute: str = _key("auto", "budgets",

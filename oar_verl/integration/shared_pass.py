@@ -1,7 +1,8 @@
 """verl's old-log-prob pass with attribution read from it (``algorithm.oar.shared_forward``; docs/method.md §14).
 
 verl's FSDP engine runs the old-log-prob pass micro-batch by micro-batch through ``engine.forward_step`` (rows packed
-end to end with remove-padding, else right-padded to the micro-batch's longest). For the duration of one
+end to end with remove-padding, else right-padded to the micro-batch's longest; under Ulysses each rank's forward holds
+one shard of the packed rows, which the shared attribution reads as such). For the duration of one
 ``compute_log_prob`` call the worker runs each micro-batch's forward inside
 :meth:`~oar_verl.core.backends.shared.SharedAttribution.forward`, with the :class:`~oar_verl.core.backends.shared.
 ForwardLayout` of its rows (each micro-batch carries its rows' indices in :data:`~oar_verl.integration.fields.
@@ -21,13 +22,14 @@ from oar_verl.integration.backends import sequence_shards
 from oar_verl.integration.fields import ROW_FIELD
 
 
-def shared_pass_error(strategy: str, engine, fused_kernels: bool) -> str | None:
+def shared_pass_error(strategy: str, engine, fused_kernels: bool, packed: bool = True) -> str | None:
     """Why verl's old-log-prob pass on this engine cannot carry attribution (the worker then attributes after it, in
-    the same call), or None."""
+    the same call), or None. Under Ulysses the pass is sharded like verl's (remove-padding, which verl requires
+    there)."""
     if strategy not in ("fsdp", "fsdp2"):
         return f"actor strategy {strategy} (its engine runs its own forward schedule)"
-    if sequence_shards(engine) is not None:
-        return "Ulysses sequence parallelism (each rank holds a slice of a row)"
+    if sequence_shards(engine) is not None and not packed:
+        return "Ulysses sequence parallelism without use_remove_padding"
     if fused_kernels:
         return "use_fused_kernels=true (the fused head computes no logits)"
     return None

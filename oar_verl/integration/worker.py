@@ -34,7 +34,7 @@ from oar_verl.core.methods.contract import AttributionResult
 from oar_verl.core.pipeline import attribute, row_attribution
 from oar_verl.core.preprocess import PreparedAttribution, prepare_attribution
 from oar_verl.integration.actor_budget import actor_token_budget
-from oar_verl.integration.backends import ENGINE_BACKENDS
+from oar_verl.integration.backends import ENGINE_BACKENDS, sequence_shards
 from oar_verl.core.backends.collectives import max_over_ranks
 from oar_verl.integration.fields import (AUTO_CONTROLS, AUTO_FIELDS, AUTO_KEY, AUTO_SLOTS, CONFIG_KEY, FIDELITY_FIELDS,
                                          GROUND_TRUTH_KEY, ROW_FIELD, SHARED_KEY, STEP_KEY)
@@ -162,7 +162,8 @@ class TokenImportanceMixin:
         step = int(options[STEP_KEY])
         strategy = self.actor.engine_config.strategy
         fused = tu.get(data, "use_fused_kernels", default=self.actor.engine_config.use_fused_kernels)
-        reason = shared_pass_error(strategy, self.actor.engine, bool(fused))
+        packed = tu.get(data, "use_remove_padding", default=self.actor.model_config.get("use_remove_padding", False))
+        reason = shared_pass_error(strategy, self.actor.engine, bool(fused), bool(packed))
         if reason is not None:
             _log_once(f"oar: attribution runs after the old-log-prob pass, not inside it: {reason}")
             out = super().compute_log_prob(data)
@@ -189,7 +190,7 @@ class TokenImportanceMixin:
         def make():
             kind.eval_numerics(engine)
             return shared_attribution(engine.module, batch, cfg, recompute, mask_token_id=prepared.mask_token_id,
-                                      seeds=prepared.seeds)
+                                      seeds=prepared.seeds, shards=sequence_shards(engine))
 
         packed = tu.get(data, "use_remove_padding", default=self.actor.model_config.get("use_remove_padding", False))
         with attributed_log_prob(engine, make, row_spans(batch.attention_mask)[0], batch.input_ids,

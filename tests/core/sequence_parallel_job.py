@@ -2,7 +2,8 @@
 
 usage: python -m torch.distributed.run --nproc_per_node 2 sequence_parallel_job.py OUT_DIR
 Each rank writes OUT_DIR/rank{R}.pt with its OAR-G (one and three noise draws), OAR-P, fisher and path scores and the
-in-step fidelity metric (every rank holds the whole result).
+in-step fidelity metric (every rank holds the whole result); and fisher's and conservative's scores read from sharded
+forwards the caller runs (verl's old-log-prob pass under Ulysses), with whether those forwards' logits are unchanged.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from oar_verl.core.backends.budget import PassLimits
+from oar_verl.core.backends.budget import PassLimits, row_spans
+from oar_verl.core.backends.shared import ForwardLayout
 from oar_verl.core.methods.gradient import sequence_seeds
 from oar_verl.core.batch.layout import build_attribution_batch
 from oar_verl.core.batch.probes import ProbeKind
 from oar_verl.core.backends.ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.config import OARConfig
+from oar_verl.core.methods.attribution import shared_attribution
 from oar_verl.core.methods.conservative import conservative
 from oar_verl.core.methods.fisher import fisher
 from oar_verl.core.methods.gradient import oar_g
@@ -54,6 +57,37 @@ def batch(kind: int):
     answer = (cols_r >= (r_len - 2)[:, None]) & response_mask.bool()
     return build_attribution_batch(prompts, prompt_mask, responses, response_mask, reasoning, answer,
                                    torch.full((B,), kind))
+
+
+# the methods that read their scores from the caller's forward (docs/method.md §14), as the test names them
+SHARED = {"shared_f": OARConfig(mode="fisher", mask="token", mask_token_id=5, fisher_outcomes=2),
+          "shared_cons": OARConfig(mode="conservative")}
+MICRO_BATCHES = ([3, 0], [2, 1])  # verl's micro-batches of the pass, rows packed end to end in each
+
+
+def shared_forwards(lm, b, cfg: OARConfig, shards: SequenceShards) -> tuple[torch.Tensor, bool]:
+    """verl's sharded old-log-prob forwards (each micro-batch's rows packed, padded to a multiple of the group with
+    positions 0, 1, ..., sliced) run inside the method's shared attribution (the second micro-batch recomputed);
+    returns its scores and whether every forward's logits equal the same forward outside it, bitwise."""
+    start, end = row_spans(b.attention_mask)
+    shared = shared_attribution(lm, b, cfg, True, mask_token_id=cfg.mask_token_id, shards=shards)
+    same = True
+    for i, rows in enumerate(MICRO_BATCHES):
+        order = torch.tensor(rows)
+        ids = torch.cat([b.input_ids[r, start[r]:end[r]] for r in rows])
+        pos = torch.cat([torch.arange(int(end[r] - start[r])) for r in rows])
+        pad = -ids.shape[0] % shards.size
+        ids, pos = torch.cat([ids, ids.new_zeros(pad)]), torch.cat([pos, torch.arange(pad)])
+        n = ids.shape[0] // shards.size
+        local = {"input_ids": ids[None, shards.rank * n:(shards.rank + 1) * n],
+                 "position_ids": pos[None, shards.rank * n:(shards.rank + 1) * n], "use_cache": False}
+        shared.recompute = lambda tokens, i=i: float(i == 1)
+        with torch.no_grad():
+            plain = lm(**local).logits
+            with shared.forward(ForwardLayout.sequences(order, (end - start)[order], start[order])):
+                logits = lm(**local).logits
+        same = same and torch.equal(plain, logits)
+    return shared.result(), same
 
 
 def main(out_dir: str) -> None:
@@ -95,6 +129,11 @@ def main(out_dir: str) -> None:
             results[(int(kind), tokens, "fs")] = fisher(backend, b, 0, 1, 2, seed=4)[0]
             # conservative propagation: the rules wrap the sequence-parallel attention itself
             results[(int(kind), tokens, "cons")] = conservative(backend, b)[0]
+        # read from a forward the caller runs anyway, sharded as verl's old-log-prob pass is under Ulysses
+        for method, cfg in SHARED.items():
+            scores, same = shared_forwards(lm, b, cfg, shards)
+            results[(int(kind), 0, method)] = scores
+            results[(int(kind), 0, f"{method}_logits")] = same
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

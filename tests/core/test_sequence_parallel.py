@@ -4,7 +4,8 @@ verl's Ulysses path wraps the CUDA flash-attention kernel, which cannot run on C
 ``devtools.ulysses_attention`` (the same all-to-alls, through verl's own Ulysses utilities, around sdpa), so this
 checks the sharding itself: packing, shards, probe positions on either rank, the probe sums over the group, OAR-G's
 noise and gradient through the all-to-all (and path's move of each shard's own clean rows), and the gathered scores;
-and the in-step fidelity metric (its removal sets run as masked copies) on the sharded backend.
+the in-step fidelity metric (its removal sets run as masked copies) on the sharded backend; and fisher and
+conservative read from the caller's sharded forwards (verl's old-log-prob pass under Ulysses, docs/method.md §14).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from oar_verl.core import module_backend, run_attribution
 from oar_verl.core.backends.hf import ModuleBackend
 from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.methods.conservative import conservative
@@ -56,6 +58,9 @@ def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
             continue
         kind, tokens, method = key
         b = job.batch(kind)
+        if method.endswith("_logits"):  # the caller's forwards computed their own logits, bitwise
+            assert got is True and ranks[1][key] is True, key
+            continue
         if method in ("g", "g3"):
             ref = run_g(lm, b, 1e-3, sequence_seeds(3, 7, torch.arange(4)), PassLimits(10**6),
                                    samples=3 if method == "g3" else 1)
@@ -75,6 +80,9 @@ def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
             ref = fisher(ModuleBackend(lm, PassLimits(10**6)), b, 0, 1, 2, seed=4)[0]
         elif method == "cons":
             ref = conservative(ModuleBackend(lm, PassLimits(10**6)), b)[0]
+        elif method in job.SHARED:  # the method's own passes on the unsharded model
+            cfg = job.SHARED[method]
+            ref = run_attribution(module_backend(lm, cfg), b, cfg, mask_token_id=cfg.mask_token_id).importance
         else:
             ref = run_p(lm, b, 0, PassLimits(10**6), prefix_cache=False)
         # the fidelity ratios are NaN where AS-Joint's signed random shift is not positive

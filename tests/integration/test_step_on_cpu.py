@@ -332,3 +332,10 @@ def test_an_engine_that_cannot_carry_attribution_in_its_pass_says_why():
     assert shared_pass_error("fsdp2", Engine(), fused_kernels=False) is None
     assert "megatron" in shared_pass_error("megatron", Engine(), fused_kernels=False)
     assert "use_fused_kernels=true" in shared_pass_error("fsdp", Engine(), fused_kernels=True)
+
+    class Sharded:  # under Ulysses (verl requires remove-padding there): sharded like verl's own pass
+        ulysses_sequence_parallel_size, ulysses_parallel_group = 2, None
+        ulysses_device_mesh = {"sp": type("Mesh", (), {"get_local_rank": lambda self: 1})()}
+
+    assert shared_pass_error("fsdp2", Sharded(), fused_kernels=False) is None
+    assert "without use_remove_padding" in shared_pass_error("fsdp2", Sharded(), fused_kernels=False, packed=False)

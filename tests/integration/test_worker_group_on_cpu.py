@@ -137,7 +137,8 @@ def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
 @pytest.mark.parametrize("mode", ["gradient", "perturbation", "hierarchical"])
 def test_sequence_parallel_group_attributes_sharded_and_equals_core(tiny_assets, tmp_path, mode):
     """Ulysses SP=2 through verl's own FSDP engine and sequence-parallel machinery (the ranks hold 1/2 of every pass;
-    the CPU stand-in attention replaces flash-attn, which needs CUDA): the same numbers as the unsharded core."""
+    the CPU stand-in attention replaces flash-attn, which needs CUDA): the same numbers as the unsharded core; and
+    fisher read from verl's sharded old-log-prob pass gives verl's log-probs and the fisher call's scores."""
     two = run_job(tiny_assets.model_dir, tmp_path, 2, mode, sp=2)
     ref, spans, _, result = core_reference(tiny_assets.model_dir, two)
     got = padded(two["token_importance"])
@@ -148,6 +149,14 @@ def test_sequence_parallel_group_attributes_sharded_and_equals_core(tiny_assets,
     torch.testing.assert_close(got, ref, rtol=2e-3, atol=5e-5 * float(ref.abs().max()))
     for a, b in zip(two["log_probs_before"], two["log_probs_after"]):
         assert torch.equal(a, b)
+    if mode == "gradient":  # fisher read from the sharded old-log-prob pass: verl's log-probs, the fisher call's scores
+        assert two["shared"].tolist() == [1.0] * 4
+        for a, b in zip(two["log_probs_before"], two["shared_log_probs"]):
+            assert torch.equal(a, b)
+        own = padded(two["fisher_importance"])
+        assert int((own != 0).sum()) > 10
+        torch.testing.assert_close(padded(two["shared_importance"]), own, rtol=1e-4,
+                                   atol=1e-5 * float(own.abs().max()))
     # the ranks ran the sharded passes (each holding half of every pass), not whole sequences each
     from transformers import AutoTokenizer
 

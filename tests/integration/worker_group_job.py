@@ -10,7 +10,8 @@ usage: python worker_group_job.py MODEL_DIR OUT_FILE N_RANKS MODE RAY_TMP [TARGE
 MODE: gradient, perturbation (exact OAR-P) or hierarchical (OAR-P's hierarchical policy).
 
 SP > 1: Ulysses sequence parallelism of that size (remove-padding layout, the CPU stand-in attention
-``ulysses_sdpa``), so the ranks form sequence-parallel groups instead of data-parallel ranks.
+``ulysses_sdpa``), so the ranks form sequence-parallel groups instead of data-parallel ranks; with MODE gradient, also
+fisher read from verl's sharded old-log-prob pass (docs/method.md §14) and fisher's own call.
 
 The actor runs with gradient checkpointing, and attribution with a token budget of 100 tokens per pass, so that the
 two ranks need different numbers of passes (short rows share passes on rank 0, long rows run alone on rank 1).
@@ -25,7 +26,7 @@ import torch
 from verl.utils import tensordict_utils as tu
 
 from oar_verl.core.config import OARConfig
-from oar_verl.integration.fields import CONFIG_KEY, FIDELITY_FIELDS, STEP_KEY
+from oar_verl.integration.fields import CONFIG_KEY, FIDELITY_FIELDS, SHARED_KEY, STEP_KEY
 from oar_verl.integration.worker import OARActorRolloutRefWorker
 from devtools.verl_group import rows_tensordict
 from job_support import actor_group, saved, tokenized, trainer_config
@@ -65,7 +66,18 @@ def main() -> None:
         tu.assign_non_tensor(data, **{CONFIG_KEY: oar.to_dict(), STEP_KEY: 3})
         out = wg.compute_token_importance(data)
         after = wg.compute_log_prob(logp_data.clone())["log_probs"]
-        torch.save({"prompts": prompts, "responses": responses, "config": oar.to_dict(), "truths": GROUND_TRUTHS,
+        extra = {}
+        if sp > 1 and mode == "gradient":  # fisher read from verl's sharded old-log-prob pass, and its own call
+            fisher = OARConfig(mode="fisher", probe="as_mean", max_token_len_per_gpu=BUDGET, target=target)
+            shared_data = logp_data.clone()
+            tu.assign_non_tensor(shared_data, **{SHARED_KEY: {CONFIG_KEY: fisher.to_dict(), STEP_KEY: 3}})
+            shared = wg.compute_log_prob(shared_data)
+            own = data.clone()
+            tu.assign_non_tensor(own, **{CONFIG_KEY: fisher.to_dict(), STEP_KEY: 3})
+            extra = {"shared_log_probs": saved(shared["log_probs"]), "shared": shared["oar_shared"].clone(),
+                     "shared_importance": saved(shared["token_importance"]),
+                     "fisher_importance": saved(wg.compute_token_importance(own)["token_importance"])}
+        torch.save({**extra, "prompts": prompts, "responses": responses, "config": oar.to_dict(), "truths": GROUND_TRUTHS,
                     "token_importance": saved(out["token_importance"]), "reasoning": saved(out["oar_reasoning_mask"]),
                     "answer": saved(out["oar_answer_mask"]),
                     "span_found": out["oar_span_found"].clone(),

@@ -1,5 +1,6 @@
-"""Keeping data-parallel ranks in step: every rank must issue the same number of collective passes, or they hang.
-verl-free, so that both integrations (verl's workers, OpenRLHF's DeepSpeed actors) share it."""
+"""Keeping data-parallel ranks in step: every rank must issue the same number of collective passes, or they hang;
+and a differentiable sum over a sequence-parallel group. verl-free, so that both integrations (verl's workers,
+OpenRLHF's DeepSpeed actors) share it."""
 
 from __future__ import annotations
 
@@ -24,3 +25,23 @@ def max_over_ranks(value: int, device: torch.device | str | int | None = None) -
     t = torch.tensor([value], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over the group; backward is the identity (each rank's gradient is its own share)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def sum_over_group(x: torch.Tensor, group) -> torch.Tensor:
+    """Σ of ``x`` over the ranks of ``group``, differentiable: when every rank back-propagates the same loss of the
+    sum, each rank's part receives the loss's gradient once (a sequence shard's partial sums of a probe)."""
+    return _SumOverGroup.apply(x, group)

@@ -15,20 +15,28 @@ weights. Inside :meth:`SharedAttribution.forward` a forward of the model compute
 
 The forward may be laid out as the caller likes (verl's packed rows, padded rows in a column window): a
 :class:`ForwardLayout` says where each flat token of it sits in the :class:`~oar_verl.core.batch.layout.
-AttributionBatch`. ``recompute`` chooses per forward which share of the decoder layers keep only their inputs (their
+AttributionBatch`. Under Ulysses sequence parallelism (``shards``) the model sees one contiguous shard of the packed
+forward per rank (verl pads the packed tokens to a multiple of the group and slices them): each rank reads the probe's
+partial sums at its own positions, the group sums them (differentiably: every rank back-propagates the same losses
+through the attention's all-to-alls) and each rank stores the projections of its own positions; ``result`` sums the
+ranks' parts. ``recompute`` chooses per forward which share of the decoder layers keep only their inputs (their
 backward recomputes them: about two forwards) while the others keep their activations (about one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from oar_verl.core.backends.base import frozen_parameters
+from oar_verl.core.backends.collectives import sum_over_group
 from oar_verl.core.backends.hf import layer_checkpointing
+from oar_verl.core.backends.ulysses import SequenceShards
 from oar_verl.core.batch.layout import AttributionBatch
 from oar_verl.core.batch.probes import ProbeOutput, probe_from_logits
 
@@ -123,11 +131,18 @@ class SharedAttribution:
         target: the method's :class:`SharedTarget`.
         recompute: (tokens of a forward) -> the share of the decoder layers its backward recomputes (gradient
             checkpointing; the others keep their activations)
-            (:func:`~oar_verl.core.backends.memory.recompute_policy`).
+            (:func:`~oar_verl.core.backends.memory.recompute_policy`), or one setting for every forward (a bool:
+            under Ulysses the ranks must agree where the recompute runs collectives).
+        shards: the Ulysses sequence-parallel group the forwards are sharded over (every rank of it runs the same
+            forwards), or None.
     """
 
-    def __init__(self, model: torch.nn.Module, target: SharedTarget, recompute: Callable[[int], float]):
+    def __init__(self, model: torch.nn.Module, target: SharedTarget, recompute: Callable[[int], float] | bool,
+                 shards: SequenceShards | None = None):
+        if isinstance(recompute, bool):
+            recompute = functools.partial(_always, float(recompute))
         self.model, self.target, self.recompute = model, target, recompute
+        self.shards = shards if shards is not None and shards.size > 1 else None
         B, L = target.batch.input_ids.shape
         device = target.batch.input_ids.device
         self.projections = torch.zeros(B, target.columns, L, dtype=torch.float32, device=device)
@@ -158,12 +173,18 @@ class SharedAttribution:
             clean = out.detach()
             leaf = clean.clone().requires_grad_(True)
             captured["clean"], captured["leaf"] = clean, leaf
+            captured["lo"] = self._shard_start(out, tokens)
             return leaf
 
         def at_head(module, args, out):
             # the probe positions' logits (n, K, V), read from the head's own output so that a sharding wrapper's
-            # backward hooks (FSDP regathering the head's weight) run as in any backward; the output is unchanged
-            captured["logits"] = out.reshape(-1, out.shape[-1])[index]
+            # backward hooks (FSDP regathering the head's weight) run as in any backward; the output is unchanged.
+            # A shard reads its own positions (the others: index 0, weight 0 here)
+            flat = out.reshape(-1, out.shape[-1])
+            lo = captured["lo"]
+            here = (index >= lo) & (index < lo + flat.shape[0])
+            captured["here"] = here
+            captured["logits"] = flat[torch.where(here, index - lo, 0)]
 
         handles = [self.model.register_forward_pre_hook(enter), self.model.register_forward_hook(leave,
                                                                                                   always_call=True),
@@ -190,21 +211,42 @@ class SharedAttribution:
         spec = t.batch.probe
         rows = layout.rows
         targets = spec.target_ids[rows[:, None], _columns(layout, index)]
-        probe = probe_from_logits(captured["logits"], w, targets, spec.joint[rows])
+        group = None if self.shards is None else self.shards.group
+        combine = None if group is None else functools.partial(sum_over_group, group=group)
+        probe = probe_from_logits(captured["logits"], w * captured["here"], targets, spec.joint[rows], combine)
         losses, weights = t.losses(probe, rows)
         losses = losses.reshape(rows.shape[0], t.columns)
-        leaf, clean = captured["leaf"], captured["clean"]
+        leaf, clean, lo = captured["leaf"], captured["clean"], captured["lo"]
+        mine = (layout.flat >= lo) & (layout.flat < lo + clean.shape[0] * clean.shape[1])  # this shard's tokens
+        at, row, col = layout.flat[mine] - lo, layout.row[mine], layout.col[mine]
         for c in range(t.columns):  # C backwards from one forward, never one per token
             losses[:, c].sum().backward(retain_graph=c + 1 < t.columns)
             flat = t.project(leaf.grad, clean).reshape(-1)
-            self.projections[layout.row, c, layout.col] = flat[layout.flat].to(self.projections.device)
+            self.projections[row, c, col] = flat[at].to(self.projections.device)
             leaf.grad = None
         self.weights[rows] = weights.to(self.weights.device)
         self.covered[rows] = True
 
+    def _shard_start(self, embedded: torch.Tensor, tokens: int) -> int:
+        """The first flat position of the forward this rank's embedding output (b, s, H) holds: 0, or under Ulysses
+        its shard's (rank × s of a (1, s) shard; verl pads the packed tokens to a multiple of the group)."""
+        if self.shards is None:
+            return 0
+        n = embedded.shape[0] * embedded.shape[1]
+        if embedded.shape[0] != 1 or n * self.shards.size < tokens or n > tokens:
+            raise RuntimeError(f"oar: a sequence-parallel forward of {tokens} packed tokens reached the embedding as "
+                               f"{tuple(embedded.shape[:2])} on one of {self.shards.size} ranks (expected one shard of "
+                               "the packed row)")
+        return self.shards.rank * n
+
     def result(self) -> torch.Tensor:
-        """(B, L) float32 scores at reasoning positions of the rows attributed so far, 0 elsewhere."""
-        scores = self.target.finish(self.projections, self.weights)
+        """(B, L) float32 scores at reasoning positions of the rows attributed so far, 0 elsewhere (under Ulysses
+        the same on every rank of the group: call it on all of them)."""
+        projections = self.projections
+        if self.shards is not None:  # each rank stored its own positions' projections
+            projections = projections.clone()
+            dist.all_reduce(projections, group=self.shards.group)
+        scores = self.target.finish(projections, self.weights)
         keep = self.target.batch.reasoning_mask & self.covered[:, None]
         return torch.where(keep, scores, 0.0)
 
@@ -215,6 +257,10 @@ def _columns(layout: ForwardLayout, index: torch.Tensor) -> torch.Tensor:
                          device=layout.flat.device)
     col_of[layout.flat] = layout.col
     return col_of[index]
+
+
+def _always(share: float, tokens: int) -> float:
+    return share
 
 
 def _rules(model: torch.nn.Module) -> contextlib.AbstractContextManager:

@@ -21,6 +21,7 @@ from oar_verl.core.backends.base import DenseProbes, EmbeddingHook, OnProbe, Pas
 from oar_verl.core.backends.hf import (embedding_mean, embedding_replaced, embedding_row, embedding_scores,
                                      layer_checkpointing)
 from oar_verl.core.backends.budget import AttributionMemoryError, PassLimits, pack_lengths
+from oar_verl.core.backends.collectives import sum_over_group
 from oar_verl.core.batch.layout import AttributionBatch
 from oar_verl.core.batch.probes import ProbeOutput
 
@@ -40,20 +41,6 @@ class SequenceShards:
     group: object
     rank: int
     size: int
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) over the group; backward is the identity (each rank's gradient is its own share)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
 
 
 @dataclass(frozen=True)
@@ -127,8 +114,8 @@ def _probe(model: torch.nn.Module, batch: AttributionBatch, packed: _Packed, n_s
         target = batch.probe.target_ids[row[keep], col[keep]]
         tok_logp = torch.log_softmax(z, -1).gather(-1, target[:, None]).squeeze(-1)
         phi = phi.index_add(0, s, w * tok_logp)
-    zbar = _SumOverGroup.apply(zbar, shards.group)
-    phi = torch.where(joint, _SumOverGroup.apply(phi, shards.group), 0.0)
+    zbar = sum_over_group(zbar, shards.group)
+    phi = torch.where(joint, sum_over_group(phi, shards.group), 0.0)
     return ProbeOutput(torch.log_softmax(zbar, -1), phi)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -177,7 +178,8 @@ def probe_keep_positions(spec: ProbeSpec) -> torch.Tensor:
 
 
 def probe_from_logits(logits: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor,
-                      joint: torch.Tensor) -> ProbeOutput:
+                      joint: torch.Tensor, combine: Callable[[torch.Tensor], torch.Tensor] | None = None
+                      ) -> ProbeOutput:
     """Read the outcome from logits at the kept positions.
 
     Args:
@@ -185,19 +187,23 @@ def probe_from_logits(logits: torch.Tensor, weight: torch.Tensor, target_ids: to
         weight: (b, K) per-row weights over the kept positions (sum to 1).
         target_ids: (b, K) token predicted at each kept position.
         joint: (b,) bool, rows scored by AS-Joint.
+        combine: with the kept positions one shard's of a sequence (the other shards' weighted 0 here), completes
+            the two weighted sums over the shards' ranks (a differentiable sum, the same on every rank); None: the
+            positions are all there.
 
     Returns:
         ProbeOutput: logp = log_softmax(Σ_k w_k z_k) (b, V); phi = Σ_k w_k log p(target_k) (b,).
     """
+    combine = combine or (lambda x: x)
     # fp32 at least (bf16 logits are upcast); a float64 model keeps float64 for exact reference comparisons
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
     w = weight.to(z.dtype)
-    logp = torch.log_softmax(torch.einsum("bk,bkv->bv", w, z), dim=-1)
+    logp = torch.log_softmax(combine(torch.einsum("bk,bkv->bv", w, z)), dim=-1)
     # AS-Joint needs per-position log-softmax; only pay for it when a row uses it (a data-dependent branch on a
     # (b,) flag, once per forward)
     if bool(joint.any()):
         tok_lp = torch.log_softmax(z, dim=-1).gather(-1, target_ids[..., None]).squeeze(-1)
-        phi = torch.where(joint, (w * torch.where(w != 0, tok_lp, 0.0)).sum(-1), 0.0)
+        phi = torch.where(joint, combine((w * torch.where(w != 0, tok_lp, 0.0)).sum(-1)), 0.0)
     else:
         phi = torch.zeros(z.shape[0], device=z.device, dtype=z.dtype)
     return ProbeOutput(logp, phi)

@@ -116,10 +116,11 @@ def shared_modes() -> tuple[str, ...]:
 
 
 def shared_attribution(model: torch.nn.Module, batch: AttributionBatch, cfg: OARConfig,
-                       recompute: Callable[[int], float], *, mask_token_id: int | None = None,
-                       seeds: torch.Tensor | None = None) -> SharedAttribution:
+                       recompute: Callable[[int], float] | bool, *, mask_token_id: int | None = None,
+                       seeds: torch.Tensor | None = None, shards: SequenceShards | None = None) -> SharedAttribution:
     """The configured method's :class:`~oar_verl.core.backends.shared.SharedAttribution` on ``model`` (a Hugging
-    Face causal LM, plain or FSDP-wrapped): run the caller's forwards of ``batch``'s rows inside its ``forward``.
+    Face causal LM, plain or FSDP-wrapped): run the caller's forwards of ``batch``'s rows inside its ``forward``
+    (under Ulysses, ``shards``: each rank's forward one shard of the packed rows).
 
     Raises:
         ValueError: ``cfg.mode`` runs its own passes (naming the modes that share).
@@ -129,7 +130,7 @@ def shared_attribution(model: torch.nn.Module, batch: AttributionBatch, cfg: OAR
         raise ValueError(f"{cfg.prefix}.mode={cfg.mode} cannot read its scores from the old-log-prob forward (it "
                          f"runs its own passes); the modes that can: {', '.join(shared_modes())}")
     target = entry.shared(module_backend(model, cfg), batch, cfg, MethodInputs(mask_token_id, seeds))
-    return SharedAttribution(model, target, recompute)
+    return SharedAttribution(model, target, recompute, shards)
 
 
 def response_importance(model: torch.nn.Module, prompts: torch.Tensor, prompt_mask: torch.Tensor,
