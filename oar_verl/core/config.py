@@ -153,10 +153,9 @@ class OARConfig:
                                 "`fisher` and `conservative` read their scores from verl's old-log-prob forward "
                                 "(one forward for both, backwards only from the probe; docs/method.md §14) where the "
                                 "engine allows it (FSDP, with or without Ulysses, without fused kernels; elsewhere "
-                                "right after the pass, in the same call), in the V1 and legacy trainers; under "
-                                "`mode=auto` on the "
-                                "steps that do not calibrate, when every band runs one such method; with false, "
-                                "their own passes.")
+                                "right after the pass, in the same call), in the V1 and legacy trainers and OpenRLHF's "
+                                "experience maker; under `mode=auto` on the steps that do not calibrate, when every "
+                                "band runs one such method; with false, their own passes.")
     recompute: str = _key("auto", "budgets",
                           "Gradient checkpointing of attribution's backwards: `auto` (keep the activations of as many "
                           "decoder layers as fit under the training step's peak and the free memory, recompute the "

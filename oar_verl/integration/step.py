@@ -29,7 +29,7 @@ from oar_verl.core.checks.startup import require_resolved
 from oar_verl.core.config import AUTO_MODE, OARConfig
 from oar_verl.core.fidelity.step import due as fidelity_due
 from oar_verl.core.fidelity.step import step_metrics
-from oar_verl.core.methods.attribution import shared_modes
+from oar_verl.core.methods.attribution import shared_mode
 from oar_verl.core.reshaping.reshape import attribution_rows
 from oar_verl.integration import dumps, handoff
 from oar_verl.integration.estimator import base_advantage
@@ -145,15 +145,8 @@ class OARStep:
         docs/method.md §14), or None: a method that can share; under ``mode=auto`` only on a step that does not
         calibrate (a calibration step scores every candidate) and where every band runs the same such mode (one pass
         holds every row). A fidelity step measures right after the pass, in the same call."""
-        if not self.cfg.shared_forward:
-            return None
-        if self.selector is None:
-            return self.cfg.mode if self.cfg.mode in shared_modes() else None
-        if self.selector.calibrating(global_step):
-            return None
-        modes = set(self.selector.modes().values())
-        mode = modes.pop() if len(modes) == 1 else None
-        return mode if mode in shared_modes() else None
+        steady = None if self.selector is None else self.selector.steady_mode(global_step)
+        return shared_mode(self.cfg, steady)
 
     def shared_options(self, global_step: int) -> dict[str, Any] | None:
         """The options that ask verl's ``compute_log_prob`` call for the step's scores (:meth:`shared_mode`; the

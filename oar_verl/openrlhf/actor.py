@@ -3,11 +3,14 @@
 OpenRLHF's trainer calls ``fit`` on every actor rank together, right before ``ppo_train``; the replay buffer then
 holds this rank's unpadded per-sample items with their outcome advantages. The OAR actor attributes them on its own
 DeepSpeed-wrapped module (:func:`oar_verl.openrlhf.reshape.reshape_replay_buffer`), then runs OpenRLHF's ``fit``
-unchanged and adds the ``oar/*`` metrics to the status it returns (OpenRLHF logs that status as is).
+unchanged and adds the ``oar/*`` metrics to the status it returns (OpenRLHF logs that status as is). ``fisher`` and
+``conservative`` read their scores from the experience maker's forward of the same weights instead
+(``forward``, :mod:`oar_verl.openrlhf.shared`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import ray
@@ -17,9 +20,11 @@ from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 from oar_verl.core.checks.sliding_window import sliding_window
 from oar_verl.core.config import OARConfig
 from oar_verl.core.fidelity.step import due as fidelity_due
+from oar_verl.core.methods.attribution import shared_mode
 from oar_verl.openrlhf.auto import STATE_KEY, AutoStep
 from oar_verl.openrlhf.entropy import policy_entropies
 from oar_verl.openrlhf.reshape import reshape_replay_buffer
+from oar_verl.openrlhf.shared import SharedRows, attributed_forward, batch_items
 
 FLAG_PREFIX = "--oar"  # OAR options on the command line: --oar.<key>=<value>
 ARGS_KEY = "oar"  # the validated OAR settings ride on OpenRLHF's args namespace (pickled to every actor)
@@ -50,16 +55,71 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
 
     _oar_step = 0
     _oar_auto: AutoStep | None = None  # --oar.mode auto: this rank's copy of the one decision (oar_verl.openrlhf.auto)
+    _oar_shared: SharedRows | None = None  # the scores read from the experience maker's forwards for the next fit
+
+    def _oar_config(self) -> OARConfig:
+        return OARConfig.from_mapping(getattr(self.strategy.args, ARGS_KEY), prefix=FLAG_PREFIX)
+
+    def _oar_model(self):
+        """The policy's causal LM (the DeepSpeed engine's module)."""
+        return self.actor.model.module if hasattr(self.actor.model, "module") else self.actor.model
+
+    def _oar_next_step(self) -> int:
+        """The step the next ``fit`` attributes at (resumed: the checkpoint's step + 1)."""
+        return (self._oar_step or resumed_step(getattr(self, "checkpoint_states", None))) + 1
+
+    def _oar_shared_mode(self, cfg: OARConfig, step: int) -> str | None:
+        """The mode whose scores ``step`` reads from the experience maker's forward (docs/method.md §14), or None: not
+        on a step that measures fidelity or calibrates ``mode=auto`` (their passes run in ``fit``), nor with
+        ``target=reference`` (the forward carries no ground truths). The same on every rank."""
+        if cfg.target == "reference" or fidelity_due(cfg, step):
+            return None
+        steady = self._auto(cfg, self._oar_model()).selector.steady_mode(step) if AutoStep.wanted(cfg) else None
+        return shared_mode(cfg, steady)
+
+    def forward(self, sequences, action_mask=None, attention_mask=None, packed_seq_lens=None,
+                mm_train_inputs_list=None):
+        """OpenRLHF's action log-probs for the experience maker; where the next step's method can, its scores are
+        read from the same forward (:mod:`oar_verl.openrlhf.shared`) and kept for ``fit``."""
+        kwargs = dict(action_mask=action_mask, attention_mask=attention_mask, packed_seq_lens=packed_seq_lens,
+                      mm_train_inputs_list=mm_train_inputs_list)
+        cfg, step = self._oar_config(), self._oar_next_step()
+        mode = None if action_mask is None or attention_mask is None else self._oar_shared_mode(cfg, step)
+        if mode is None:
+            return super().forward(sequences, **kwargs)
+        model = self._oar_model()
+        if self._oar_shared is None or (self._oar_shared.step, self._oar_shared.mode) != (step, mode):
+            self._oar_shared = SharedRows(step, mode)
+        items = batch_items(sequences, action_mask, attention_mask)
+        with attributed_forward(model, self.tokenizer, dataclasses.replace(cfg, mode=mode), step, items,
+                                attention_mask, packed=bool(getattr(self.actor, "packing_samples", False)),
+                                checkpointing=bool(self.strategy.args.actor.gradient_checkpointing_enable),
+                                device=next(model.parameters()).device) as rows:
+            out = super().forward(sequences, **kwargs)
+        self._oar_shared.rows.update(rows.rows)
+        return out
+
+    def _oar_take_shared(self, cfg: OARConfig) -> SharedRows | None:
+        """Every rank's scores read for this step's ``fit`` (every rank calls it together), or None when the step
+        runs its own passes."""
+        mode = self._oar_shared_mode(cfg, self._oar_step)
+        mine, self._oar_shared = self._oar_shared, None
+        if mode is None:
+            return None
+        if mine is None or (mine.step, mine.mode) != (self._oar_step, mode):
+            mine = SharedRows(self._oar_step, mode)  # none read for this step here: the others' may be
+        return mine.gathered()
 
     def fit(self, kl_ctl: float = 0):
         args = self.strategy.args
-        cfg = OARConfig.from_mapping(getattr(args, ARGS_KEY), prefix=FLAG_PREFIX)
+        cfg = self._oar_config()
         if self._oar_step == 0:  # resumed: continue from the checkpoint's step (probe schedule, OAR-G noise seeds)
             self._oar_step = resumed_step(getattr(self, "checkpoint_states", None))
         self._oar_step += 1
         t0 = time.time()
         items = self.trainer.replay_buffer.items
-        model = self.actor.model.module if hasattr(self.actor.model, "module") else self.actor.model
+        model = self._oar_model()
+        shared = self._oar_take_shared(cfg)
         longest = max((int(it.sequences.numel()) for it in items), default=0)
         budget = token_budget(args) or micro_batch_rows(args) * max(longest, 1)
         checkpointing = bool(args.actor.gradient_checkpointing_enable)
@@ -77,7 +137,7 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
                     print(line, flush=True)
         metrics = reshape_replay_buffer(items, model, self.tokenizer, cfg, self._oar_step, max_tokens=budget,
                                         checkpointing=checkpointing, device=device, plan=plan,
-                                        entropies=entropies).metrics
+                                        entropies=entropies, shared=shared).metrics
         oar_time = time.time() - t0
         tokens = sum(int(it.sequences.numel()) for it in items)  # before fit: it clears the replay buffer
         t1 = time.time()

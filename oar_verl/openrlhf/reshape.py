@@ -12,6 +12,7 @@ on the very rows the actor reshapes. The Ray actor (:mod:`oar_verl.openrlhf.acto
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -99,7 +100,7 @@ def _pad_float(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
 
 _SUMS = ("adv_mass_before", "adv_mass_after", "reshaped_tokens")
 _PER_ITEM = ("reshaped_seq_frac", "attributed_seq_frac", "fallback_seq_frac")
-_PER_ATTRIBUTED = ("span_found_frac", "answer_probe_frac")
+_PER_ATTRIBUTED = ("span_found_frac", "answer_probe_frac", "shared_forward")
 _EXTREMES = {"weight_min": dist.ReduceOp.MIN, "weight_max": dist.ReduceOp.MAX}
 
 
@@ -236,7 +237,7 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
                           device: torch.device | str | None = None,
                           align: Callable[[int], int] | None = None,
                           plan: Sequence[tuple[OARConfig, torch.Tensor]] | None = None,
-                          entropies: EntropySource | None = None) -> ReshapeResult:
+                          entropies: EntropySource | None = None, shared=None) -> ReshapeResult:
     """Attribute this rank's replay-buffer items and set each generated token's advantage to ``w_t * A_seq``.
 
     Every data-parallel rank must call it together (ZeRO-3 gathers parameters inside every forward): the ranks agree
@@ -261,6 +262,9 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
             with ``cfg``.
         entropies: the policy's entropies of items by index (:func:`oar_verl.openrlhf.entropy.policy_entropies`):
             the in-step metric's entropy control; None: skipped.
+        shared: scores read from the experience maker's forward (:class:`oar_verl.openrlhf.shared.SharedRows`, every
+            rank's, of the one mode every entry of ``plan`` runs): the items found there take them, the others run
+            their own passes; None: every item its own passes.
 
     Returns:
         ReshapeResult.
@@ -278,10 +282,18 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
     wanted = attribution_rows(base, action, cfg, has_action)
     response_mask = torch.arange(width)[None, :] < torch.tensor([len(a) for a in rows.actions])[:, None]  # (N, T)
     att = RowAttribution.unattributed(response_mask)
+    found = torch.zeros(len(items), dtype=torch.bool)
+    if shared is not None:  # the wanted items the experience maker's forward already scored
+        read = shared.attribution(items, response_mask)
+        found = read.attributed & wanted
+        att = dataclasses.replace(read, importance=torch.where(found[:, None], read.importance, 0.0),
+                                  reasoning_mask=read.reasoning_mask & found[:, None],
+                                  answer_mask=read.answer_mask & found[:, None], attributed=found,
+                                  span_found=read.span_found & found, answer_probe=read.answer_probe & found)
     plan = [(cfg, torch.ones(len(items), dtype=torch.bool))] if plan is None else plan
     measured = []  # each plan entry's in-step fidelity rows
     for run_cfg, rows_c in plan:  # every rank runs the same entries in the same order
-        sel = (wanted & rows_c.bool()).nonzero().flatten()
+        sel = (wanted & rows_c.bool() & ~found).nonzero().flatten()
         if max_over_ranks(len(sel), device) == 0:  # every rank takes part as soon as one has a row to attribute
             continue
         ran, fidelity = _attribute(items, rows, sel, has_action, model, tokenizer, run_cfg, global_step,
@@ -300,6 +312,7 @@ def reshape_replay_buffer(items: Sequence, model: torch.nn.Module, tokenizer, cf
     assign_reshaped(items, rows, res.advantages, res.returns)
     metrics = res.metrics()
     metrics["oar/attributed_seq_frac"] = float(attributed.float().mean()) if len(items) else 0.0
+    metrics["oar/shared_forward"] = float(found.sum()) / max(int(attributed.sum()), 1)
     metrics["oar/global_step"] = float(global_step)
     counts = {"items": float(len(items)), "attributed": float(attributed.sum()),
               "reshaped": float(res.token_weights.reshaped.any(-1).sum())}

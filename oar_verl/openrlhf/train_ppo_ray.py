@@ -32,11 +32,9 @@ OUTCOME_ESTIMATORS = ("group_norm", "rloo", "reinforce_baseline", "dr_grpo", "fl
 # OAR options with no meaning or no implementation in the OpenRLHF adapter
 UNSUPPORTED = {"dump_every": "token dumps are written by the verl trainer only; keep --oar.dump_every=0",
                "dump_dir": "token dumps are written by the verl trainer only",
-               "base_estimator": "the base advantage is OpenRLHF's own --algo.advantage.estimator",
-               "shared_forward": "OpenRLHF's experience maker computes its log-probs without a seam; attribution runs "
-                                 "its own passes in the actor's fit; keep --oar.shared_forward=false"}
+               "base_estimator": "the base advantage is OpenRLHF's own --algo.advantage.estimator"}
 # keys whose "off" value is accepted: an explicit never
-_OFF = {"dump_every": 0, "shared_forward": False}
+_OFF = {"dump_every": 0}
 
 
 def _value(text: str) -> Any:

@@ -25,7 +25,7 @@ def test_flag_without_value_is_refused():
 @pytest.mark.parametrize("values,named", [({"tau": 1.5}, "--oar.tau"), ({"modee": "gradient"}, "--oar.modee"),
                                           ({"dump_every": 3}, "--oar.dump_every"),
                                           ({"base_estimator": "rloo"}, "--oar.base_estimator"),
-                                          ({"shared_forward": True}, "--oar.shared_forward"),
+                                          ({"shared_forward": "yes"}, "--oar.shared_forward"),
                                           ({"recompute": "sometimes"}, "--oar.recompute")])
 def test_bad_oar_values_name_the_flag(values, named):
     with pytest.raises(OpenRLHFArgsError, match=named.replace(".", r"\.")):
@@ -95,11 +95,12 @@ def test_oar_flags_in_help():
     assert vars(parser.parse_args([])) == {}  # help only: nothing lands on OpenRLHF's args
 
 
-def test_shared_forward_off_is_accepted_and_recompute_follows_the_actor():
-    """OpenRLHF has no seam into its experience maker's forward: only the explicit off is accepted; ``recompute``
-    forces or follows the actor's checkpointing (its DeepSpeed memory is not known to the adapter)."""
+def test_shared_forward_either_way_and_recompute_follows_the_actor():
+    """The experience maker's forward carries fisher / conservative by default (oar_verl.openrlhf.shared), or not;
+    ``recompute`` forces or follows the actor's checkpointing (its DeepSpeed memory is not known to the adapter)."""
     from oar_verl.core.backends.memory import fixed_recompute
 
+    assert oar_config({}).shared_forward and not oar_config({"shared_forward": False}).shared_forward
     assert oar_config({"shared_forward": False, "recompute": "never"}).recompute == "never"
     assert [fixed_recompute(s, c) for s in ("auto", "always", "never") for c in (True, False)] == [
         True, False, True, True, False, False]

@@ -178,17 +178,17 @@ def test_entry_point_refuses_at_start_up(tmp_path):
 
 
 # The two runs carry the recipes' settings between them (docs/openrlhf.md, "Recipe settings on CPU"):
-# sync: OAR-G x ZeRO-3 loaded from the path in bf16 (the 7B recipe), gradient checkpointing, colocate_all (2
+# sync: mode=auto x ZeRO-3 loaded from the path in bf16 (the 7B recipe), gradient checkpointing, colocate_all (2
 #       engines, as colocate_all requires; --ds.enable_sleep needs DeepSpeed's CUDA FusedAdam, so GPU only), a
 #       checkpoint saved every step, oar_verl shipped to the workers through the Ray runtime_env (py_modules);
 # async: OAR-P x ZeRO-2 with LoRA.
 # Both with RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1, as OpenRLHF's own ray.init sets it.
 RUNS = {
-    # ... with --oar.mode auto deciding once at step 1 (no re-check within the run or its resume: the decision must
-    # come back from the checkpoint)
+    # ... with --oar.mode auto and its default candidates (conservative, fisher) deciding once at step 1 (no re-check
+    # within the run or its resume: the decision must come back from the checkpoint); the decided steps read their
+    # scores from the experience maker's forward
     "sync": (3, "gradient", ["--actor.gradient_checkpointing_enable", "--train.colocate_all", "--vllm.enable_sleep",
-                             "--vllm.num_engines", "2", "--oar.mode=auto", '--oar.auto_candidates=["gradient",'
-                             '"fisher"]', "--oar.auto_default=gradient", "--oar.auto_rows=2", "--oar.auto_prompts=1",
+                             "--vllm.num_engines", "2", "--oar.mode=auto", "--oar.auto_rows=2", "--oar.auto_prompts=1",
                              "--oar.auto_every=10", "--oar.auto_fallback=best", "--ckpt.save_steps", "1"]),
     # ... with --oar.mode auto (OAR-P until it decides at step 1, a re-check at step 2) and the in-step fidelity
     "async": (2, "perturbation", ["--ds.lora.rank", "4", "--oar.mode=auto", '--oar.auto_candidates=["perturbation",'
@@ -258,6 +258,9 @@ def test_train_ppo_ray_loop_on_cpu(model_dir, tmp_path, sync_run, trainer):
         assert len(re.findall(r"oar auto \[all\] step 1: DECIDED", logs)) == 1, logs[-3000:]
         assert steps["1"]["oar/auto/calibrating"] == 1 and steps["2"]["oar/auto/calibrating"] == 0
         assert steps["2"]["oar/auto/all/decided"] == 1
+        # step 1 calibrates with every candidate's own passes; step 2 reads the decided method's scores from the
+        # experience maker's forward (oar_verl.openrlhf.shared), every attributed row on both ranks
+        assert steps["1"]["oar/shared_forward"] == 0 and steps["2"]["oar/shared_forward"] == 1, steps
     else:
         work = tmp_path / "work"
         steps, logs = _train(model_dir, work, trainer, RUNS[trainer][2])
@@ -298,6 +301,7 @@ def test_train_resumes_from_checkpoint(model_dir, tmp_path, sync_run):
              "2", "--ckpt.save_steps", "-1"]
     steps, logs = _train(model_dir, tmp_path / "work", "sync", extra)
     _check_steps(steps, ["3", "4"])
+    assert all(m["oar/shared_forward"] == 1 for m in steps.values()), steps  # decided: read from the forward
     assert "Loading the checkpoint" in logs, logs[-3000:]
     # mode=auto kept its decision through the checkpoint: no calibration after the resume, the saved run's mode
     assert "oar auto: resumed from the checkpoint: oar auto: [all]" in logs, logs[-3000:]

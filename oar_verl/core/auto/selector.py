@@ -111,6 +111,14 @@ class AutoSelector:
     def modes(self) -> dict[str, str]:
         return {name: b["mode"] for name, b in self._bands.items()}
 
+    def steady_mode(self, step: int) -> str | None:
+        """The one mode every band runs at ``step`` when the step does not calibrate (a candidate; not the plain-GRPO
+        fallback), else None: such a step attributes every row alike, as a run with that mode would."""
+        if self.calibrating(step):
+            return None
+        modes = set(self.modes().values())
+        return modes.pop() if len(modes) == 1 and UNIFORM not in modes else None
+
     def plan(self, bands: Sequence[str], step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Which rows attribute with which mode at ``step``, from each row's band (:func:`~oar_verl.core.auto.rule.
         bands_of`).

@@ -25,7 +25,7 @@ from oar_verl.core.backends.ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.backends.budget import Fits, PassLimits
 from oar_verl.core.backends.shared import SharedAttribution
 from oar_verl.core.checks.startup import check_config, require_resolved
-from oar_verl.core.config import OARConfig
+from oar_verl.core.config import AUTO_MODE, OARConfig
 from oar_verl.core.batch.layout import AttributionBatch, build_attribution_batch, with_segments
 from oar_verl.core.methods.contract import METHODS, AttributionResult, MethodInputs
 from oar_verl.core.batch.probes import ProbeKind
@@ -113,6 +113,17 @@ def run_attribution(backend: AttributionBackend, batch: AttributionBatch, cfg: O
 def shared_modes() -> tuple[str, ...]:
     """The registered methods that can read their scores from a forward the trainer runs anyway."""
     return tuple(name for name in METHODS.names() if METHODS.get(name).shared is not None)
+
+
+def shared_mode(cfg: OARConfig, steady: str | None = None) -> str | None:
+    """The mode whose scores a step reads from a forward the trainer runs anyway (``shared_forward``;
+    docs/method.md §14), or None: ``cfg.mode`` when it can share; under ``mode=auto`` the selector's ``steady`` mode
+    of the step (:meth:`~oar_verl.core.auto.AutoSelector.steady_mode`: no calibration, one mode for every band) when
+    it can."""
+    if not cfg.shared_forward:
+        return None
+    mode = steady if cfg.mode == AUTO_MODE else cfg.mode
+    return mode if mode in shared_modes() else None
 
 
 def shared_attribution(model: torch.nn.Module, batch: AttributionBatch, cfg: OARConfig,
