@@ -85,3 +85,20 @@ def tiny_sliding_window_lm(window: int, layer_types: tuple[str, ...] | None = ("
                            num_key_value_heads=1, head_dim=16, sliding_window=window, max_position_embeddings=128,
                            **config)
     return Gemma3ForCausalLM(cfg).double().eval()
+
+
+def text_lm(texts: list[str], vocab_size: int = 300):
+    """(tokenizer, model): a byte-level BPE trained on ``texts`` and a float64 tiny Qwen2 over its vocabulary (seed 0,
+    sdpa), its embeddings scaled up so that outcome shifts are not all ~0."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from oar_verl.quickstart.tokenizers import train_tiny_bpe
+
+    tok = train_tiny_bpe(texts, vocab_size=vocab_size)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(20.0)
+    return tok, model

@@ -14,18 +14,17 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import verl  # noqa: F401  loads the plugin (estimator registration)
 from verl.protocol import DataProto
 from verl.trainer.ppo.ray_trainer import compute_advantage
 
 from oar_verl.core import OARConfig, module_backend, prepare_attribution, run_attribution
-from oar_verl.quickstart.tokenizers import train_tiny_bpe
 from oar_verl.integration import handoff
 from oar_verl.integration.rows import BatchRows
 from oar_verl.integration.step import OARStep
 from oar_verl.integration.fields import AUTO_KEY, CONFIG_KEY, STEP_KEY
+from oar_helpers import text_lm
 
 PROMPTS = ["What is 3 plus 4?", "What is 3 plus 4?", "What is 5 plus 1?", "What is 5 plus 1?"]
 RESPONSES = ["3 plus 4 is 7. The answer is 7.", "3 plus 4 is 8. The answer is 8.", "5 plus 1 is 6. #### 6",
@@ -79,13 +78,7 @@ class InProcessIO:
 
 @pytest.fixture(scope="module")
 def setup():
-    tok = train_tiny_bpe([*PROMPTS, *RESPONSES] * 40, vocab_size=300)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).double().eval()
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(20.0)
+    tok, model = text_lm([*PROMPTS, *RESPONSES] * 40)
     enc = lambda t: torch.tensor(tok.encode(t, add_special_tokens=False))  # noqa: E731
     prompts = [enc(p) for p in PROMPTS]
     responses = [torch.cat([enc(r), torch.tensor([tok.eos_token_id])]) for r in RESPONSES]

@@ -12,12 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from oar_verl.core.config import OARConfig
 from oar_verl.openrlhf.reshape import reshape_replay_buffer
 from oar_verl.openrlhf.shared import SharedRows, attributed_forward, batch_items
-from oar_verl.quickstart.tokenizers import train_tiny_bpe
+from oar_helpers import text_lm
 
 PROMPTS = ["What is 3 plus 4?", "What is 5 plus 1?", "What is 2 plus 2?", "What is 9 plus 1?"]
 RESPONSES = ["3 plus 4 is 7. The answer is 7.", "5 plus 1 is 6. #### 6", "2 and 2 make 4, so the answer is 4.",
@@ -27,13 +26,7 @@ ADVANTAGES = [1.0, -0.5, 0.0, 2.0]  # the third row has none: left alone either 
 
 @pytest.fixture(scope="module")
 def setup():
-    tok = train_tiny_bpe([*PROMPTS, *RESPONSES] * 40, vocab_size=300)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).double().eval()
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(20.0)
+    tok, model = text_lm([*PROMPTS, *RESPONSES] * 40)
     seqs = [torch.tensor(tok.encode(p + " " + r, add_special_tokens=False) + [tok.eos_token_id]) for p, r in
             zip(PROMPTS, RESPONSES)]
     plen = [len(tok.encode(p, add_special_tokens=False)) for p in PROMPTS]
