@@ -566,7 +566,8 @@ def verl_worker_markdown(rows: list[dict]) -> list[str]:
                       "the first:", "",
                   "| call | seconds | × update_actor | × old log-probs | peak GiB | above its start | × update's peak "
                   "| host syncs |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for name in ("compute_log_prob", "gradient", "fisher", "segment", verl_worker.SHARED_CALL, "update_actor"):
+        for name in ("compute_log_prob", "gradient", "fisher", "conservative", "segment",
+                     *map(verl_worker.shared_call, verl_worker.SHARED_MODES), "update_actor"):
             if name not in calls:
                 continue
             c = calls[name]
@@ -580,13 +581,13 @@ def verl_worker_markdown(rows: list[dict]) -> list[str]:
         for mode, a in p["agreement"].items():
             lines.append(f"| {mode} | {max(a['max_rel_diff']):.2e} | {min(a['spearman']):.4f} | "
                          f"{p['estimator'][mode]['max_sum_error']:.2e} |")
-        sh = p.get("shared")
-        if sh is not None:
-            added = calls.get(verl_worker.SHARED_CALL, {}).get("added_vs_update_time")
-            lines += ["", f"{verl_worker.SHARED_CALL}: the old-log-prob pass with fisher read from it adds "
+        for mode, sh in p.get("shared", {}).items():
+            name = verl_worker.shared_call(mode)
+            added = calls.get(name, {}).get("added_vs_update_time")
+            lines += ["", f"{name}: the old-log-prob pass with {mode} read from it adds "
                       f"{added:.2f}× update_actor to the pass alone; its log-probs against the pass alone: max |Δ| "
                       f"{sh['log_probs_max_abs_diff']:.1e} (bitwise equal: {sh['log_probs_equal']}); its scores against "
-                      f"the fisher call: worst row max rel. diff {max(sh['agreement']['max_rel_diff']):.2e}, worst "
+                      f"the {mode} call: worst row max rel. diff {max(sh['agreement']['max_rel_diff']):.2e}, worst "
                       f"row Spearman {min(sh['agreement']['spearman']):.4f}; recomputed share "
                       f"{sum(sh['recomputed']) / max(len(sh['recomputed']), 1):.2f}"]
         syncs = {site: n for mode in ("gradient", "fisher", "segment") for site, n in

@@ -41,11 +41,16 @@ import numpy as np
 import torch
 
 MODES = ("gradient", "fisher", "conservative", "segment")  # the attribution calls of the step, in order
-SHARED_CALL = "fisher-shared"  # the old-log-prob pass with fisher read from it (algorithm.oar.shared_forward)
+SHARED_MODES = ("fisher", "conservative")  # read from the old-log-prob pass (algorithm.oar.shared_forward), in order
 # non-tensor flag: the worker takes its fallback for this call (an engine that cannot carry attribution in the pass:
 # attribution right after it, in the same call), as Megatron, Ulysses or fused kernels would make it
 FALLBACK_KEY = "probe_fallback"
 FALLBACK_CALL = "fisher-fallback"
+
+
+def shared_call(mode: str) -> str:
+    """The name of the old-log-prob pass with ``mode`` read from it, among the step's calls."""
+    return f"{mode}-shared"
 COUNT_SYNCS_KEY = "probe_count_syncs"  # non-tensor flag: count this attribution call's host syncs (slower: untimed)
 FP32_TOLERANCE = 1e-3  # per row: max |worker - core| / max |core|
 BF16_SPEARMAN = 0.98  # per row, over the reasoning tokens
@@ -245,12 +250,13 @@ def _probed_worker():
 
             from verl.utils import tensordict_utils as tu
 
-            shared = tu.get(data, SHARED_KEY) is not None  # the pass with fisher read from it
+            shared = tu.get(data, SHARED_KEY)  # the pass with a method read from it
             if tu.pop(data, FALLBACK_KEY, default=False):
                 with mock.patch("oar_verl.integration.worker.shared_pass_error",
                                 lambda *args: "the fallback, forced by the probe"):
                     return self._probe(FALLBACK_CALL, super().compute_log_prob, data)
-            return self._probe(SHARED_CALL if shared else "compute_log_prob", super().compute_log_prob, data)
+            name = "compute_log_prob" if shared is None else shared_call(shared[CONFIG_KEY]["mode"])
+            return self._probe(name, super().compute_log_prob, data)
 
         @register(dispatch_mode=actor_mesh)
         def compute_token_importance(self, data):
@@ -425,23 +431,30 @@ def run_variant(plan: Plan, param_dtype: str, device: str, work: Path, log=print
             masks[mode] = [r.bool() for r in out["oar_reasoning_mask"].unbind()]
             point.setdefault("passes", {})[mode] = out["oar_passes"].tolist()
             log(f"[verl-worker {param_dtype}] {mode} done")
-        shared_data = logp_data.clone()  # the same pass, with fisher read from it
-        tu.assign_non_tensor(shared_data, **{SHARED_KEY: {CONFIG_KEY: oar_config("fisher", plan.budget).to_dict(),
-                                                          STEP_KEY: 3}})
-        for _ in range(plan.repeats):
-            shared = wg.compute_log_prob(shared_data.clone())
-        point["shared"] = {"log_probs_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(
-            log_probs.unbind(), shared["log_probs"].unbind())),
-            "log_probs_equal": all(torch.equal(a, b) for a, b in zip(log_probs.unbind(), shared["log_probs"].unbind())),
-            "recomputed": shared["oar_recomputed"].tolist(), "shared": shared["oar_shared"].tolist()}
-        shared_imp = [r.float() for r in shared["token_importance"].unbind()]
-        fallback_data = shared_data.clone()  # once: the fallback of an engine that cannot carry it
+        point["shared"], shared_imp = {}, {}
+        for mode in SHARED_MODES:  # the same pass, with the method read from it
+            shared_data = logp_data.clone()
+            tu.assign_non_tensor(shared_data, **{SHARED_KEY: {CONFIG_KEY: oar_config(mode, plan.budget).to_dict(),
+                                                              STEP_KEY: 3}})
+            for _ in range(plan.repeats):
+                shared = wg.compute_log_prob(shared_data.clone())
+            point["shared"][mode] = {
+                "log_probs_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(
+                    log_probs.unbind(), shared["log_probs"].unbind())),
+                "log_probs_equal": all(torch.equal(a, b) for a, b in zip(log_probs.unbind(),
+                                                                         shared["log_probs"].unbind())),
+                "recomputed": shared["oar_recomputed"].tolist(), "shared": shared["oar_shared"].tolist()}
+            shared_imp[mode] = [r.float() for r in shared["token_importance"].unbind()]
+        fallback_data = logp_data.clone()  # once: the fallback of an engine that cannot carry it
+        tu.assign_non_tensor(fallback_data, **{SHARED_KEY: {CONFIG_KEY: oar_config("fisher", plan.budget).to_dict(),
+                                                            STEP_KEY: 3}})
         tu.assign_non_tensor(fallback_data, **{FALLBACK_KEY: True})
         fallback = wg.compute_log_prob(fallback_data)
         point["fallback"] = {"log_probs_equal": all(torch.equal(a, b) for a, b in zip(
             log_probs.unbind(), fallback["log_probs"].unbind())), "shared": fallback["oar_shared"].tolist()}
         fallback_imp = [r.float() for r in fallback["token_importance"].unbind()]
-        log("[verl-worker %s] fisher read from the old-log-prob pass (and its fallback) done" % param_dtype)
+        log("[verl-worker %s] fisher and conservative read from the old-log-prob pass (and the fallback) done"
+            % param_dtype)
         after = wg.compute_log_prob(logp_data.clone())["log_probs"]
         point["log_probs_unchanged"] = all(torch.equal(a, b) for a, b in zip(log_probs.unbind(), after.unbind()))
         checks = {mode: estimator_checks(worker_imp[mode], masks[mode], responses) for mode in MODES}
@@ -462,7 +475,8 @@ def run_variant(plan: Plan, param_dtype: str, device: str, work: Path, log=print
     core = core_reference(model_dir, prompts, responses, plan.budget, param_dtype, device)
     point["core_seconds"] = time.perf_counter() - t2
     point["agreement"] = {m: agreement(worker_imp[m], core[m], masks[m]) for m in MODES}
-    point["shared"]["agreement"] = agreement(shared_imp, worker_imp["fisher"], masks["fisher"])
+    for mode in SHARED_MODES:
+        point["shared"][mode]["agreement"] = agreement(shared_imp[mode], worker_imp[mode], masks[mode])
     point["fallback"]["agreement"] = agreement(fallback_imp, worker_imp["fisher"], masks["fisher"])
     point["distributions"] = loaded_distributions()
     point["checks"] = verdicts(point)
@@ -500,8 +514,7 @@ def summarise_calls(calls: list[dict]) -> dict:
         e["vs_log_prob_time"] = e["seconds"] / logp["seconds"]
         if e["absolute_peak_bytes"] is not None:
             e["vs_update_peak"] = e["absolute_peak_bytes"] / max(update["absolute_peak_bytes"], 1)
-    if SHARED_CALL in out:  # what reading fisher from the pass adds to it, × the update
-        e = out[SHARED_CALL]
+    for e in (out[shared_call(m)] for m in SHARED_MODES if shared_call(m) in out):  # what reading it adds, × update
         e["added_vs_update_time"] = (e["seconds"] - logp["seconds"]) / update["seconds"]
         if e["absolute_peak_bytes"] is not None:
             e["vs_update_peak"] = e["absolute_peak_bytes"] / max(update["absolute_peak_bytes"], 1)
@@ -527,23 +540,21 @@ def verdicts(point: dict) -> dict:
         if peak is not None:
             out[f"{mode}: peak <= update_actor's"] = (peak <= 1.0, peak)
     out["log-probs unchanged by attribution"] = (point["log_probs_unchanged"], None)
-    sh = point.get("shared")
-    if sh is not None:  # fisher read from the old-log-prob pass: verl's log-probs, the separate call's scores
+    for mode, sh in point.get("shared", {}).items():  # read from the pass: verl's log-probs, the method call's scores
+        name = shared_call(mode)
         if bf16:
-            out["fisher-shared: log-probs = the pass alone (max |Δ| <= 1e-2)"] = (
+            out[f"{name}: log-probs = the pass alone (max |Δ| <= 1e-2)"] = (
                 sh["log_probs_max_abs_diff"] <= 1e-2, sh["log_probs_max_abs_diff"])
             rho = [r if r == r else (1.0 if d <= 1e-2 else 0.0)
                    for r, d in zip(sh["agreement"]["spearman"], sh["agreement"]["max_rel_diff"])]
-            out[f"fisher-shared = fisher (Spearman >= {BF16_SPEARMAN} per row)"] = (min(rho) >= BF16_SPEARMAN, min(rho))
+            out[f"{name} = {mode} (Spearman >= {BF16_SPEARMAN} per row)"] = (min(rho) >= BF16_SPEARMAN, min(rho))
         else:
-            out["fisher-shared: log-probs = the pass alone (bitwise)"] = (sh["log_probs_equal"],
-                                                                         sh["log_probs_max_abs_diff"])
+            out[f"{name}: log-probs = the pass alone (bitwise)"] = (sh["log_probs_equal"], sh["log_probs_max_abs_diff"])
             worst = max(sh["agreement"]["max_rel_diff"])
-            out[f"fisher-shared = fisher (max rel diff <= {FP32_TOLERANCE:g} per row)"] = (worst <= FP32_TOLERANCE,
-                                                                                          worst)
-        peak = point["calls"].get(SHARED_CALL, {}).get("vs_update_peak")
+            out[f"{name} = {mode} (max rel diff <= {FP32_TOLERANCE:g} per row)"] = (worst <= FP32_TOLERANCE, worst)
+        peak = point["calls"].get(name, {}).get("vs_update_peak")
         if peak is not None:
-            out["fisher-shared: peak <= update_actor's"] = (peak <= 1.0, peak)
+            out[f"{name}: peak <= update_actor's"] = (peak <= 1.0, peak)
     fb = point.get("fallback")
     if fb is not None:  # attribution right after the pass, in the same call: the fisher call's own code path
         a = fb["agreement"]
