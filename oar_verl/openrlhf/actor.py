@@ -91,10 +91,14 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
         if self._oar_shared is None or (self._oar_shared.step, self._oar_shared.mode) != (step, mode):
             self._oar_shared = SharedRows(step, mode)
         items = batch_items(sequences, action_mask, attention_mask)
+        args = self.strategy.args
+        # the backward recomputes as the actor's update does, and always when this forward holds more tokens than one
+        # training micro-batch (the experience maker's micro-batches may be larger): never above the update's memory
+        train_tokens = token_budget(args) or micro_batch_rows(args) * sequences.shape[1]
+        checkpointing = bool(args.actor.gradient_checkpointing_enable) or int(attention_mask.sum()) > train_tokens
         with attributed_forward(model, self.tokenizer, dataclasses.replace(cfg, mode=mode), step, items,
                                 attention_mask, packed=bool(getattr(self.actor, "packing_samples", False)),
-                                checkpointing=bool(self.strategy.args.actor.gradient_checkpointing_enable),
-                                device=next(model.parameters()).device) as rows:
+                                checkpointing=checkpointing, device=next(model.parameters()).device) as rows:
             out = super().forward(sequences, **kwargs)
         self._oar_shared.rows.update(rows.rows)
         return out
