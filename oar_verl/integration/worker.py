@@ -169,10 +169,11 @@ class TokenImportanceMixin:
             out = super().compute_log_prob(data)
             fields = self._importance(data, cfg, step, auto=None)
             return _merged(out, fields)
-        return self._shared_log_prob(data, cfg, step)
+        return self._shared_log_prob(data, cfg, step, bool(packed))
 
-    def _shared_log_prob(self, data: TensorDict, cfg: OARConfig, step: int) -> TensorDict | None:
-        """The old-log-prob pass with ``cfg.mode`` read from each micro-batch's forward."""
+    def _shared_log_prob(self, data: TensorDict, cfg: OARConfig, step: int, packed: bool) -> TensorDict | None:
+        """The old-log-prob pass with ``cfg.mode`` read from each micro-batch's forward (``packed``: verl's
+        remove-padding layout)."""
         engine = self.actor.engine
         kind = ENGINE_BACKENDS.get(self.actor.engine_config.strategy)
         device = kind.device(engine)
@@ -192,9 +193,7 @@ class TokenImportanceMixin:
             return shared_attribution(engine.module, batch, cfg, recompute, mask_token_id=prepared.mask_token_id,
                                       seeds=prepared.seeds, shards=sequence_shards(engine))
 
-        packed = tu.get(data, "use_remove_padding", default=self.actor.model_config.get("use_remove_padding", False))
-        with attributed_log_prob(engine, make, row_spans(batch.attention_mask)[0], batch.input_ids,
-                                 bool(packed)) as made:
+        with attributed_log_prob(engine, make, row_spans(batch.attention_mask)[0], batch.input_ids, packed) as made:
             out = super().compute_log_prob(data)
         if not made:
             raise RuntimeError("oar: verl's old-log-prob pass ran no micro-batch on this rank")

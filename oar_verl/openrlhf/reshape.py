@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from oar_verl.core.methods.attribution import module_backend, pass_limits
-from oar_verl.core.backends.collectives import max_over_ranks
+from oar_verl.core.backends.collectives import gather_objects, max_over_ranks
 from oar_verl.core.backends.memory import fixed_recompute
 from oar_verl.core.config import OARConfig
 from oar_verl.core.fidelity.controls import EntropySource
@@ -150,10 +150,7 @@ def gather_rows(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-row values of every data-parallel rank, rank by rank (name -> (N_total,) on the CPU); this rank's alone
     without a process group. Every rank calls it together."""
     local = {k: v.detach().cpu() for k, v in values.items()}
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return local
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
+    parts = gather_objects(local)
     return {k: torch.cat([p[k] for p in parts]) for k in local}
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 
+from oar_verl.core.backends.collectives import gather_objects
 from oar_verl.core.backends.memory import fixed_recompute
 from oar_verl.core.backends.budget import row_spans
 from oar_verl.core.backends.shared import ForwardLayout
@@ -90,13 +90,9 @@ class SharedRows:
                               att.answer_mask[i, :n].clone(), bool(att.span_found[i]), bool(att.answer_probe[i]))
 
     def gathered(self) -> SharedRows:
-        """Every rank's rows (every rank calls it together; itself without a process group)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return self
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, self.rows)
+        """Every rank's rows (every rank calls it together)."""
         out = SharedRows(self.step, self.mode)
-        for part in parts:
+        for part in gather_objects(self.rows):
             out.rows.update(part)
         return out
 

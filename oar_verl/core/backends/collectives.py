@@ -1,5 +1,5 @@
 """Keeping data-parallel ranks in step: every rank must issue the same number of collective passes, or they hang;
-and a differentiable sum over a sequence-parallel group. verl-free, so that both integrations (verl's workers,
+an object gather over the ranks, and a differentiable sum over a sequence-parallel group. verl-free, so that both integrations (verl's workers,
 OpenRLHF's DeepSpeed actors) share it."""
 
 from __future__ import annotations
@@ -25,6 +25,16 @@ def max_over_ranks(value: int, device: torch.device | str | int | None = None) -
     t = torch.tensor([value], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def gather_objects(obj) -> list:
+    """Every rank's ``obj`` over the default process group, rank by rank (``[obj]`` without one). Every rank calls it
+    together."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
 
 
 class _SumOverGroup(torch.autograd.Function):
