@@ -36,7 +36,7 @@ def shared_pass_error(strategy: str, engine, fused_kernels: bool, packed: bool =
 
 
 @contextlib.contextmanager
-def attributed_log_prob(engine, make: Callable[[], SharedAttribution], starts: torch.Tensor,
+def attributed_log_prob(engine, make: Callable[[], SharedAttribution], spans: tuple[torch.Tensor, torch.Tensor],
                         input_ids: torch.Tensor, packed: bool) -> Iterator[list[SharedAttribution]]:
     """For the duration, every micro-batch of ``engine``'s forwards is attributed as it runs: through verl's
     per-micro-batch contexts where the engine has them (patches/0005), else around ``forward_step`` wrapped on the
@@ -45,8 +45,9 @@ def attributed_log_prob(engine, make: Callable[[], SharedAttribution], starts: t
     Args:
         engine: verl's FSDP engine.
         make: builds the shared attribution at the first micro-batch (inside verl's ``eval_mode``, weights loaded).
-        starts: (B,) long first batch column of every row (the prepared batch's).
-        input_ids: (B, L) long the prepared batch's ids: each micro-batch's tokens are checked against them.
+        spans: (B,) long first and one-past-last batch column of every row (the prepared batch's
+            :func:`~oar_verl.core.backends.budget.row_spans`).
+        input_ids: (B, L) long the prepared batch's ids: each micro-batch's rows must be these rows, whole.
         packed: verl's remove-padding layout (a micro-batch's rows end to end); else right-padded to its longest.
 
     Yields:
@@ -57,14 +58,16 @@ def attributed_log_prob(engine, make: Callable[[], SharedAttribution], starts: t
     def attributed(micro_batch, forward_only=True) -> contextlib.AbstractContextManager:
         if not made:
             made.append(make())
+        starts, ends = spans
         device = starts.device
         rows = micro_batch[ROW_FIELD].to(device).long()
         ids = micro_batch["input_ids"]
         lengths = ids.offsets().diff().to(device).long()
         width = None if packed else int(lengths.max())  # verl pads each micro-batch to its longest row
         layout = ForwardLayout.sequences(rows, lengths, starts[rows], width)
-        # the micro-batch's real tokens, row by row, are the layout's tokens in order: one check per micro-batch
-        if not bool((ids.values().to(device) == input_ids[layout.row, layout.col]).all()):
+        # the micro-batch's rows are the attributed rows, whole and token for token: one check per micro-batch
+        if not bool((lengths == ends[rows] - starts[rows]).all()
+                    and (ids.values().to(device) == input_ids[layout.row, layout.col]).all()):
             raise RuntimeError("oar: a micro-batch of the old-log-prob pass does not hold the rows being attributed "
                                "(its tokens differ from the prompts and responses of the batch)")
         return made[0].forward(layout)

@@ -178,9 +178,9 @@ class TokenImportanceMixin:
         kind = ENGINE_BACKENDS.get(self.actor.engine_config.strategy)
         device = kind.device(engine)
         prompts, responses = unpack_rows(data)
-        truths = ground_truths(data) if cfg.target == "reference" else None
         tokenizer = self.actor.model_config.tokenizer
-        prepared = prepare_attribution(prompts, responses, tokenizer, cfg, step, ground_truths=truths, device=device)
+        # the model's own rows (never target=reference: core shared_mode), which verl's pass holds
+        prepared = prepare_attribution(prompts, responses, tokenizer, cfg, step, device=device)
         batch = prepared.batch
         data[ROW_FIELD] = torch.arange(len(responses))
         fingerprint = self._oar_log_prob_fingerprint  # noted by compute_log_prob: the weights of this very pass
@@ -193,7 +193,7 @@ class TokenImportanceMixin:
             return shared_attribution(engine.module, batch, cfg, recompute, mask_token_id=prepared.mask_token_id,
                                       seeds=prepared.seeds, shards=sequence_shards(engine))
 
-        with attributed_log_prob(engine, make, row_spans(batch.attention_mask)[0], batch.input_ids, packed) as made:
+        with attributed_log_prob(engine, make, row_spans(batch.attention_mask), batch.input_ids, packed) as made:
             out = super().compute_log_prob(data)
         if not made:
             raise RuntimeError("oar: verl's old-log-prob pass ran no micro-batch on this rank")

@@ -70,9 +70,9 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
 
     def _oar_shared_mode(self, cfg: OARConfig, step: int) -> str | None:
         """The mode whose scores ``step`` reads from the experience maker's forward (docs/method.md §14), or None: not
-        on a step that measures fidelity or calibrates ``mode=auto`` (their passes run in ``fit``), nor with
-        ``target=reference`` (the forward carries no ground truths). The same on every rank."""
-        if cfg.target == "reference" or fidelity_due(cfg, step):
+        on a step that measures fidelity or calibrates ``mode=auto`` (their passes run in ``fit``), nor where
+        :func:`~oar_verl.core.methods.attribution.shared_mode` says none can. The same on every rank."""
+        if fidelity_due(cfg, step):
             return None
         steady = self._auto(cfg, self._oar_model()).selector.steady_mode(step) if AutoStep.wanted(cfg) else None
         return shared_mode(cfg, steady)

@@ -186,6 +186,8 @@ def test_oar_g_at_scale_settings_saves_and_resumes(tiny_assets, tmp_path):
     _check_oar_run("oar_g_scale (resumed, steps 3-4)", resumed, [3, 4])
     probe = {m["step"]: m["oar/answer_probe_frac"] for m in first.metrics + resumed.metrics}
     assert probe == {1: 0.0, 2: 0.0, 3: 1.0, 4: 1.0}, probe
+    # target=reference attributes rows ending in the ground truth: never read from the old-log-prob pass
+    assert all(m["oar/shared_forward"] == 0 for m in first.metrics + resumed.metrics)
     # the budget needs several passes on every rank (ranks pad to the slowest; unequal counts are tested
     # deterministically by tests/integration/test_worker_group_on_cpu.py)
     assert all(m["oar/passes_min"] >= 2 for m in first.metrics + resumed.metrics)

@@ -296,6 +296,8 @@ def test_which_steps_read_attribution_from_the_old_log_prob_pass(setup):
     assert shares(mode="fisher") == "fisher" and shares(mode="conservative") == "conservative"
     assert shares(mode="gradient") is shares(mode="perturbation") is shares(mode="path") is None
     assert shares(mode="fisher", shared_forward=False) is None
+    # target=reference attributes rows ending in the ground truth, which the pass of the model's rows does not hold
+    assert shares(mode="fisher", target="reference") is shares(mode="conservative", target="reference") is None
     assert shares(step=4, mode="fisher", fidelity_every=2) == "fisher"  # the worker measures right after the pass
     options = step_of(mode="fisher").shared_options(3)
     assert options[CONFIG_KEY]["mode"] == "fisher" and options[STEP_KEY] == 3

@@ -272,7 +272,10 @@ def reasoning_slots(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @contextlib.contextmanager
 def frozen_parameters(params: torch.nn.Module | Iterable[torch.nn.Parameter]) -> Iterator[None]:
-    """Set requires_grad=False on every parameter (of a module, or given) for the duration; restore the flags after."""
+    """Set requires_grad=False on every parameter (of a module, or given) for the duration; restore the flags after.
+    A root FSDP2 module is initialised first (:func:`fsdp_initialised`)."""
+    if isinstance(params, torch.nn.Module):
+        fsdp_initialised(params)
     params = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
     flags = [p.requires_grad for p in params]
     try:
@@ -282,3 +285,18 @@ def frozen_parameters(params: torch.nn.Module | Iterable[torch.nn.Parameter]) ->
     finally:
         for p, f in zip(params, flags):
             p.requires_grad_(f)
+
+
+def fsdp_initialised(module: torch.nn.Module) -> None:
+    """Run FSDP2's lazy initialisation of a root ``fully_shard`` module now, a no-op for any other module or once done.
+
+    FSDP2 fixes each parameter group's gradient dtypes at the root's first forward from the ``requires_grad`` flags it
+    finds then: a first forward with every parameter frozen (attribution reading verl's old-log-prob pass as the
+    first forward of a process, e.g. after a resume) would leave the actor's later gradients in the compute dtype
+    (bf16) where its parameters are fp32, and the update fails."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return
+    if isinstance(module, FSDPModule):
+        module._get_fsdp_state()._lazy_init()

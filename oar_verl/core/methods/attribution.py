@@ -119,8 +119,9 @@ def shared_mode(cfg: OARConfig, steady: str | None = None) -> str | None:
     """The mode whose scores a step reads from a forward the trainer runs anyway (``shared_forward``;
     docs/method.md §14), or None: ``cfg.mode`` when it can share; under ``mode=auto`` the selector's ``steady`` mode
     of the step (:meth:`~oar_verl.core.auto.AutoSelector.steady_mode`: no calibration, one mode for every band) when
-    it can."""
-    if not cfg.shared_forward:
+    it can. Never with ``target=reference``: its rows end in the ground truth, which the trainer's forward of the
+    model's own rows does not hold."""
+    if not cfg.shared_forward or cfg.target == "reference":
         return None
     mode = steady if cfg.mode == AUTO_MODE else cfg.mode
     return mode if mode in shared_modes() else None
