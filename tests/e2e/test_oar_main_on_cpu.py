@@ -27,6 +27,8 @@ from oar_verl.quickstart.launcher import cpu_env, main_ppo_overrides, new_ray_te
 from oar_verl.quickstart import arith_reward
 
 STEPS = 3
+BF16_ACTOR = ("++actor_rollout_ref.actor.fsdp_config.mixed_precision="
+              "{param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}")
 OAR_KEYS = ["oar/weight_mean", "oar/weight_std", "oar/weight_max", "oar/frac_floor", "oar/frac_boosted",
             "oar/ess_ratio", "oar/top10_mass", "oar/span_found_frac", "oar/adv_mass_rel_err",
             "oar/attributed_seq_frac", "timing_s/oar"]
@@ -92,9 +94,11 @@ def _check_oar_run(name, run, steps, dump_dir=None):
                               "algorithm.oar.refine_share=0.3", "algorithm.rollout_correction.bypass_mode=true",
                               "actor_rollout_ref.rollout.calculate_log_probs=true"]),
     # fisher on verl's colocate_async trainer, read from the old-log-prob forward (docs/method.md §14), and the
-    # fidelity of its attribution measured on step 2 right after that pass (docs/fidelity.md, "Logged while training")
+    # fidelity of its attribution measured on step 2 right after that pass (docs/fidelity.md, "Logged while training");
+    # the actor in bf16 (verl's default), so that attribution with frozen parameters is the FSDP2 module's first
+    # forward and the update after it must still get fp32 gradients
     ("fisher_colocate_async", ["algorithm.oar.mode=fisher", "trainer.v1.trainer_mode=colocate_async",
-                               "algorithm.oar.fidelity_every=2"]),
+                               "algorithm.oar.fidelity_every=2", BF16_ACTOR]),
     # mode=auto (docs/auto.md) with its default candidates on the legacy trainer: conservative (auto_default) until
     # the first decision at step 1, the decision's mode after (step 2 read from the old-log-prob forward: both
     # candidates can), a re-check at step 3, the selector's state saved beside the step-3 checkpoint
@@ -165,7 +169,7 @@ AUTO = ["algorithm.oar.mode=auto", "algorithm.oar.auto_default=gradient", "algor
 SCALE = [*AUTO, "algorithm.oar.target=reference", "algorithm.oar.probe=auto",
          "algorithm.oar.probe_warmup_steps=3", "trainer.n_gpus_per_node=2", "++ray_kwargs.ray_init.num_gpus=2",
          "actor_rollout_ref.model.enable_gradient_checkpointing=True",
-         "++actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}",
+         BF16_ACTOR,
          "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=120",
          "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
          "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=120", "trainer.save_freq=2",
