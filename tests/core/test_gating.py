@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oar_verl.core.reshaping.gating import masked_quantile, normalize_scores, oar_token_weights
-from oar_verl.core.reshaping.metrics import ess_ratio, oar_metrics, top_mass
+from oar_verl.core.reshaping.metrics import ess_ratio, flat_rows, oar_metrics, top_mass
 
 
 def official_weights(importance: np.ndarray, tau: float, beta: float) -> np.ndarray:
@@ -142,6 +142,9 @@ def test_metrics_values():
     metrics = oar_metrics(tw, base, base * tw.weights, torch.ones(2, 4), span_found=torch.tensor([True, False]))
     assert metrics["oar/span_found_frac"] == 0.5
     assert metrics["oar/reshaped_seq_frac"] == 1.0
+    assert metrics["oar/flat_seq_frac"] == 0.5  # row 2's equal scores moved no credit
+    assert flat_rows(w, m).tolist() == [False, True]
+    assert not flat_rows(w[:1], torch.tensor([[True, False, False, False]])).any()  # one token is not a spread
     assert metrics["oar/adv_mass_rel_err"] < 1e-6
     assert all(math.isfinite(v) for v in metrics.values())
 

@@ -2,7 +2,7 @@
 
 ``python -m oar_verl.main`` runs, for 3 steps each, OAR-P (auto policy: hierarchical on long rows, exact on short
 ones) on the V1 sync trainer in rollout-correction bypass mode (old log-probs from the rollout), fisher on verl's
-``colocate_async`` trainer (read from the old-log-prob forward) and ``mode=auto`` with its default candidates on the
+``colocate_async`` trainer (read from the old-log-prob forward, the actor in bf16) and ``mode=auto`` with its default candidates on the
 legacy ``RayPPOTrainer`` (read from that forward once decided); and OAR-G on
 the V1 trainer at scale settings --
 2 data-parallel ranks, dynamic batch sizes, a bf16 actor with gradient checkpointing and a token budget that needs
@@ -31,7 +31,7 @@ BF16_ACTOR = ("++actor_rollout_ref.actor.fsdp_config.mixed_precision="
               "{param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}")
 OAR_KEYS = ["oar/weight_mean", "oar/weight_std", "oar/weight_max", "oar/frac_floor", "oar/frac_boosted",
             "oar/ess_ratio", "oar/top10_mass", "oar/span_found_frac", "oar/adv_mass_rel_err",
-            "oar/attributed_seq_frac", "timing_s/oar"]
+            "oar/attributed_seq_frac", "oar/flat_seq_frac", "timing_s/oar"]
 
 
 def _overrides(tiny_assets, tmp_path, ray_tmp, experiment, extra):
@@ -71,6 +71,9 @@ def _check_oar_run(name, run, steps, dump_dir=None):
     reshaped = [m for m in run.metrics if m["oar/reshaped_tokens"] > 0]
     assert reshaped, "no step had a sequence with a non-zero advantage to reshape"
     assert any(m["oar/weight_std"] > 1e-3 and m["oar/ess_ratio"] < 1.0 for m in reshaped)
+    # and on every such step some row's scores had a spread (all flat: attribution read nothing, weights uniform)
+    assert all(m["oar/flat_seq_frac"] < m["oar/reshaped_seq_frac"] for m in reshaped), \
+        [(m["step"], m["oar/flat_seq_frac"], m["oar/reshaped_seq_frac"]) for m in reshaped]
     assert all(abs(m["oar/weight_mean"] - 1.0) < 1e-4 for m in reshaped)  # mean one over reasoning tokens
     assert all(m["oar/global_step"] == m["step"] for m in run.metrics)
     # attribution ran with exactly the weights of the step's old-log-prob pass (not reported in bypass mode, where

@@ -30,6 +30,14 @@ def top_mass(weights: torch.Tensor, mask: torch.Tensor, frac: float = 0.1) -> to
     return (top / csum[:, -1].clamp(min=1e-12)).float() if w.shape[-1] else torch.zeros(w.shape[0])
 
 
+def flat_rows(weights: torch.Tensor, mask: torch.Tensor, tol: float = 1e-6) -> torch.Tensor:
+    """(B,) bool: rows with two or more masked tokens whose weights are all equal (within ``tol``): the scores were
+    flat, so the gate moved no credit (plain GRPO on that row)."""
+    w = weights.double()
+    spread = torch.where(mask, w, float("-inf")).amax(-1) - torch.where(mask, w, float("inf")).amin(-1)
+    return (mask.sum(-1) >= 2) & (spread <= tol)
+
+
 def oar_metrics(tw: TokenWeights, base_advantages: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, span_found: torch.Tensor | None = None,
                 answer_probe: torch.Tensor | None = None, prefix: str = "oar/") -> dict[str, float]:
@@ -45,7 +53,8 @@ def oar_metrics(tw: TokenWeights, base_advantages: torch.Tensor, advantages: tor
 
     Returns:
         dict of python floats: weight mean/std/min/max over reshaped tokens, floor and boost fractions, ESS ratio,
-        top-10 % mass, fractions of reshaped and fallback rows, advantage mass before/after and its relative error.
+        top-10 % mass, fractions of reshaped, flat (:func:`flat_rows`) and fallback rows, advantage mass
+        before/after and its relative error.
     """
     mask = tw.reshaped
     rows = mask.any(-1)
@@ -68,6 +77,7 @@ def oar_metrics(tw: TokenWeights, base_advantages: torch.Tensor, advantages: tor
         "reshaped_seq_frac": n_rows / B if B else 0.0,
         "reshaped_tokens": float(n_tok),
         "fallback_seq_frac": float(tw.fallback.sum()) / B if B else 0.0,
+        "flat_seq_frac": float(flat_rows(tw.weights, mask).sum()) / B if B else 0.0,
         "adv_mass_before": mass_before,
         "adv_mass_after": mass_after,
         "adv_mass_rel_err": abs(mass_after - mass_before) / mass_before if mass_before > 0 else 0.0,
