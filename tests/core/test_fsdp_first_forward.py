@@ -18,9 +18,8 @@ def test_attribution_first_keeps_the_updates_gradient_dtype(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     out = tmp_path / "out.pt"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-                           "--master_port", "29531", str(JOB), str(out)], capture_output=True, text=True,
-                          timeout=300, env=env)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                           str(JOB), str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = torch.load(out)
     assert res["grad_dtypes"] == ["torch.float32"]
