@@ -2,13 +2,13 @@
 
 ``python -m oar_verl.main`` runs, for 3 steps each, OAR-P (auto policy: hierarchical on long rows, exact on short
 ones) on the V1 sync trainer in rollout-correction bypass mode (old log-probs from the rollout), fisher on verl's
-``colocate_async`` trainer (read from the old-log-prob forward, the actor in bf16) and ``mode=auto`` with its default candidates on the
-legacy ``RayPPOTrainer`` (read from that forward once decided); and OAR-G on
-the V1 trainer at scale settings --
-2 data-parallel ranks, dynamic batch sizes, a bf16 actor with gradient checkpointing and a token budget that needs
-several attribution passes per rank -- saved at step 2 and resumed to step 4. From verl's file-logger JSONL, every
-step must carry the ``oar/*`` metrics and ``timing_s/oar``; the token weights must be non-uniform while every sequence
-keeps its advantage mass; and the policy must update. Bad configurations must fail before any rollout, naming the key.
+``colocate_async`` trainer (read from the old-log-prob forward, the actor in bf16) and ``mode=auto`` with its default
+candidates on the legacy ``RayPPOTrainer`` with a LoRA actor (read from that forward once decided); and OAR-G on the
+V1 trainer at scale settings -- 2 data-parallel ranks, dynamic batch sizes, a bf16 actor with gradient checkpointing
+and a token budget that needs several attribution passes per rank -- saved at step 2 and resumed to step 4. From
+verl's file-logger JSONL, every step must carry the ``oar/*`` metrics and ``timing_s/oar``; the token weights must be
+non-uniform while every sequence keeps its advantage mass; and the policy must update. Bad configurations must fail
+before any rollout, naming the key.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from oar_verl.quickstart import arith_reward
 STEPS = 3
 BF16_ACTOR = ("++actor_rollout_ref.actor.fsdp_config.mixed_precision="
               "{param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}")
+LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.model.target_modules=all-linear"]
 OAR_KEYS = ["oar/weight_mean", "oar/weight_std", "oar/weight_max", "oar/frac_floor", "oar/frac_boosted",
             "oar/ess_ratio", "oar/top10_mass", "oar/span_found_frac", "oar/adv_mass_rel_err",
             "oar/attributed_seq_frac", "oar/flat_seq_frac", "timing_s/oar"]
@@ -105,9 +107,11 @@ def _check_oar_run(name, run, steps, dump_dir=None):
     # mode=auto (docs/auto.md) with its default candidates on the legacy trainer: conservative (auto_default) until
     # the first decision at step 1, the decision's mode after (step 2 read from the old-log-prob forward: both
     # candidates can), a re-check at step 3, the selector's state saved beside the step-3 checkpoint
+    # the actor a LoRA adapter (PEFT, on every linear layer; vLLM serves it as an adapter): the rules and the shared
+    # pass on the wrapped projections
     ("auto_legacy", ["algorithm.oar.mode=auto", "trainer.use_v1=false", "algorithm.oar.auto_rows=2",
                      "algorithm.oar.auto_prompts=1", "algorithm.oar.auto_every=2", "algorithm.oar.auto_fallback=best",
-                     "trainer.save_freq=3"]),
+                     "trainer.save_freq=3", *LORA]),
 ])
 def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
     dump_dir = tmp_path / "dumps"
