@@ -31,6 +31,7 @@ from oar_verl.core.fidelity.step import due as fidelity_due
 from oar_verl.core.fidelity.step import step_metrics
 from oar_verl.core.methods.attribution import shared_mode
 from oar_verl.core.reshaping.reshape import attribution_rows
+from oar_verl.core.reshaping.metrics import flat_warning
 from oar_verl.integration import dumps, handoff
 from oar_verl.integration.estimator import base_advantage
 from oar_verl.integration.fields import AUTO_CONTROLS, AUTO_KEY, CONFIG_KEY, STEP_KEY
@@ -101,6 +102,7 @@ class OARStep:
         self._last_update: tuple[dict, float] | None = None  # (the previous step's timing_raw, its tokens per rank)
         self._update_spt = float("nan")  # the actor update's seconds per token per rank (the previous step's)
         self._calibrating = False  # whether the last attributed step was a calibration step
+        self._flat_warned = False  # flat_warning is logged once a run
 
     def attribute(self, io: TrainerIO, global_step: int, timing_raw: dict) -> StepAttribution:
         """Steps 1-5, timed as ``timing_s/oar``: rows → base advantage → selection → worker RPC → assembly."""
@@ -280,6 +282,11 @@ class OARStep:
         metrics = result.metrics(span_found=att.found[att.rows], answer_probe=att.answer_probe[att.rows])
         metrics["oar/attributed_seq_frac"] = len(att.rows.unique()) / max(int(response_mask.shape[0]), 1)
         metrics["oar/global_step"] = float(global_step)  # the step the probe schedule and the noise seeds used
+        warning = None if self._flat_warned else flat_warning(metrics, global_step)
+        if warning:
+            self._flat_warned = True
+            print(warning, flush=True)
+            logger.warning(warning)
         if len(att.passes) and bool((att.passes >= 0).all()):  # passes per data-parallel rank (the slowest sets it)
             metrics["oar/passes_max"], metrics["oar/passes_min"] = float(att.passes.max()), float(att.passes.min())
         counted = att.copies >= 0  # OAR-P rows whose masked copies were counted (docs/scaling.md: the cost model)

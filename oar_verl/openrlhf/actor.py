@@ -21,6 +21,7 @@ from oar_verl.core.checks.sliding_window import sliding_window
 from oar_verl.core.config import OARConfig
 from oar_verl.core.fidelity.step import due as fidelity_due
 from oar_verl.core.methods.attribution import shared_mode
+from oar_verl.core.reshaping.metrics import flat_warning
 from oar_verl.openrlhf.auto import STATE_KEY, AutoStep
 from oar_verl.openrlhf.entropy import policy_entropies
 from oar_verl.openrlhf.reshape import reshape_replay_buffer
@@ -56,6 +57,7 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
     _oar_step = 0
     _oar_auto: AutoStep | None = None  # --oar.mode auto: this rank's copy of the one decision (oar_verl.openrlhf.auto)
     _oar_shared: SharedRows | None = None  # the scores read from the experience maker's forwards for the next fit
+    _oar_flat_warned = False  # flat_warning is logged once a run
 
     def _oar_config(self) -> OARConfig:
         return OARConfig.from_mapping(getattr(self.strategy.args, ARGS_KEY), prefix=FLAG_PREFIX)
@@ -142,6 +144,11 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
         metrics = reshape_replay_buffer(items, model, self.tokenizer, cfg, self._oar_step, max_tokens=budget,
                                         checkpointing=checkpointing, device=device, plan=plan,
                                         entropies=entropies, shared=shared).metrics
+        warning = None if self._oar_flat_warned else flat_warning(metrics, self._oar_step)
+        if warning:  # every rank alike (reduced metrics); printed by rank 0
+            self._oar_flat_warned = True
+            if self.strategy.is_rank_0():
+                print(warning, flush=True)
         oar_time = time.time() - t0
         tokens = sum(int(it.sequences.numel()) for it in items)  # before fit: it clears the replay buffer
         t1 = time.time()

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oar_verl.core.reshaping.gating import masked_quantile, normalize_scores, oar_token_weights
-from oar_verl.core.reshaping.metrics import ess_ratio, flat_rows, oar_metrics, top_mass
+from oar_verl.core.reshaping.metrics import ess_ratio, flat_rows, flat_warning, oar_metrics, top_mass
 
 
 def official_weights(importance: np.ndarray, tau: float, beta: float) -> np.ndarray:
@@ -147,6 +147,11 @@ def test_metrics_values():
     assert not flat_rows(w[:1], torch.tensor([[True, False, False, False]])).any()  # one token is not a spread
     assert metrics["oar/adv_mass_rel_err"] < 1e-6
     assert all(math.isfinite(v) for v in metrics.values())
+    assert flat_warning(metrics, 3) is None  # row 1 moved credit
+    flat = oar_token_weights(torch.ones(2, 4), m, torch.ones(2, 4), 0.4, 2.0)  # nothing to rank: every row flat
+    line = flat_warning(oar_metrics(flat, base, base * flat.weights, torch.ones(2, 4)), 3)
+    assert line.startswith("oar: step 3: every reshaped row's scores were flat")
+    assert flat_warning({"oar/reshaped_seq_frac": 0.0, "oar/flat_seq_frac": 0.0}, 3) is None  # nothing reshaped
 
 
 # ------------------------------------------------------------------------------------------- invariants

@@ -87,3 +87,15 @@ def oar_metrics(tw: TokenWeights, base_advantages: torch.Tensor, advantages: tor
     if answer_probe is not None:
         out["answer_probe_frac"] = float(answer_probe.float().mean()) if answer_probe.numel() else 0.0
     return {prefix + k: v for k, v in out.items()}
+
+
+def flat_warning(metrics: dict[str, float], step: int, prefix: str = "oar/") -> str | None:
+    """A line for the log when every reshaped row of a step came out flat (:func:`flat_rows`; ``metrics`` as
+    :func:`oar_metrics` gives them, reduced over the ranks), else None: the scores read nothing of the outcome, so the
+    step ran plain GRPO while paying for attribution."""
+    reshaped, flat = metrics.get(prefix + "reshaped_seq_frac", 0.0), metrics.get(prefix + "flat_seq_frac", 0.0)
+    if reshaped <= 0 or flat < reshaped - 1e-9:
+        return None
+    return (f"oar: step {step}: every reshaped row's scores were flat ({prefix}flat_seq_frac = "
+            f"{prefix}reshaped_seq_frac = {reshaped:.3g}): all weights 1, no credit moved; check {prefix}span_found_frac,"
+            " algorithm.oar.probe / target and the method (logged once a run)")
