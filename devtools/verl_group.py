@@ -32,14 +32,16 @@ PARAM_DTYPES = ("fp32", "bf16")  # FSDP2 mixed precision: the dtype the forward 
 
 def trainer_config(model_dir: str, *, n_ranks: int = 1, batch_size: int, micro_batch_size: int, sp: int = 1,
                    param_dtype: str = "fp32", token_budget: int | None = None, checkpointing: bool = False,
-                   extra: Sequence[str] = ()):
+                   packed: bool | None = None, extra: Sequence[str] = ()):
     """verl's ``ppo_trainer`` config for an FSDP2 actor on ``n_ranks`` ranks (rollout named vllm, never started).
 
     Args:
         batch_size: rows of a step, in one mini-batch.
         micro_batch_size: rows of a rank's pass in training and log-probs (without ``token_budget``).
-        sp: > 1: Ulysses sequence parallelism of that size, remove-padding layout with the CPU stand-in attention
-            ``ulysses_sdpa``; else verl's padded layout with sdpa (flash-attn is not needed on either device).
+        sp: > 1: Ulysses sequence parallelism of that size (remove-padding layout).
+        packed: verl's remove-padding layout (``use_remove_padding``; default: with sequence parallelism), its rows
+            packed end to end, with the CPU stand-in attention ``ulysses_sdpa`` (a packed-sequence sdpa without a
+            group); else verl's padded layout with sdpa (flash-attn is not needed on either device).
         param_dtype: FSDP2 mixed precision's parameter dtype, ``fp32`` or ``bf16`` (reduce and buffers stay fp32;
             the master weights and optimizer are fp32 either way, as in verl's default for the actor).
         token_budget: dynamic batch sizes: tokens of one training and one log-prob pass per GPU.
@@ -48,9 +50,10 @@ def trainer_config(model_dir: str, *, n_ranks: int = 1, batch_size: int, micro_b
     """
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"param_dtype must be one of {PARAM_DTYPES}, got {param_dtype!r}")
+    packed = sp > 1 if packed is None else packed
     overrides = [
-        f"actor_rollout_ref.model.path={model_dir}", f"actor_rollout_ref.model.use_remove_padding={sp > 1}",
-        f"+actor_rollout_ref.model.override_config.attn_implementation={'ulysses_sdpa' if sp > 1 else 'sdpa'}",
+        f"actor_rollout_ref.model.path={model_dir}", f"actor_rollout_ref.model.use_remove_padding={packed}",
+        f"+actor_rollout_ref.model.override_config.attn_implementation={'ulysses_sdpa' if packed else 'sdpa'}",
         f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size={sp}",
         f"{ACTOR}.strategy=fsdp2", f"{ACTOR}.fsdp_config.strategy=fsdp2", f"{ACTOR}.use_torch_compile=False",
         f"+{ACTOR}.fsdp_config.mixed_precision.param_dtype={param_dtype}",
