@@ -98,8 +98,8 @@ def padded(rows):
 
 
 def check_shared(res):
-    """fisher read from verl's packed old-log-prob pass (the job's packed gradient run): every row read from it, verl's
-    log-probs bitwise, the scores of fisher's own call."""
+    """fisher read from verl's old-log-prob pass (the job's gradient run): every row read from it, verl's log-probs
+    bitwise, the scores of fisher's own call."""
     assert res["shared"].tolist() == [1.0] * 4
     for a, b in zip(res["log_probs_before"], res["shared_log_probs"]):
         assert torch.equal(a, b)
@@ -138,6 +138,7 @@ def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
             assert (two["refined"] < result.reasoning).any() and (two["copies"] < result.reasoning).any()
     if mode == "gradient":  # the step's fidelity, measured by each rank on its first row, equals the core's
         check_fidelity(tiny_assets.model_dir, two)
+        check_shared(two)  # fisher read from the pass on two ranks whose micro-batches differ in length
     if mode == "gradient":  # one rank (under the same budget): same result (noise is seeded per sequence, not rank),
         # in verl's remove-padding layout (users' usual one: rows packed end to end; another attention kernel, hence
         # the sequence-parallel test's tolerance), where fisher also reads from the packed old-log-prob pass

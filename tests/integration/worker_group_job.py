@@ -11,8 +11,8 @@ MODE: gradient, perturbation (exact OAR-P) or hierarchical (OAR-P's hierarchical
 
 SP > 1: Ulysses sequence parallelism of that size, so the ranks form sequence-parallel groups instead of data-parallel
 ranks. PACKED (1; implied by SP > 1): verl's remove-padding layout (rows packed end to end, the CPU stand-in
-attention ``ulysses_sdpa``). Packed with MODE gradient: also fisher read from verl's old-log-prob pass (sharded under
-SP; docs/method.md §14) and fisher's own call.
+attention ``ulysses_sdpa``). With MODE gradient, also fisher read from verl's old-log-prob pass (docs/method.md
+§14; the ranks' micro-batches of different lengths, sharded under SP) and fisher's own call.
 
 The actor runs with gradient checkpointing, and attribution with a token budget of 100 tokens per pass, so that the
 two ranks need different numbers of passes (short rows share passes on rank 0, long rows run alone on rank 1).
@@ -70,7 +70,7 @@ def main() -> None:
         out = wg.compute_token_importance(data)
         after = wg.compute_log_prob(logp_data.clone())["log_probs"]
         extra = {}
-        if packed and mode == "gradient":  # fisher read from verl's packed old-log-prob pass, and its own call
+        if mode == "gradient":  # fisher read from verl's old-log-prob pass, and its own call
             fisher = OARConfig(mode="fisher", probe="as_mean", max_token_len_per_gpu=BUDGET, target=target)
             shared_data = logp_data.clone()
             tu.assign_non_tensor(shared_data, **{SHARED_KEY: {CONFIG_KEY: fisher.to_dict(), STEP_KEY: 3}})
