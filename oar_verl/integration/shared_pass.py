@@ -69,7 +69,8 @@ def attributed_log_prob(engine, make: Callable[[], SharedAttribution], spans: tu
         if not bool((lengths == ends[rows] - starts[rows]).all()
                     and (ids.values().to(device) == input_ids[layout.row, layout.col]).all()):
             raise RuntimeError("oar: a micro-batch of the old-log-prob pass does not hold the rows being attributed "
-                               "(its tokens differ from the prompts and responses of the batch)")
+                               "whole (its rows' lengths or tokens differ from the prompts and responses of the "
+                               "batch)")
         return made[0].forward(layout)
 
     register = getattr(engine, "register_micro_batch_context", None)

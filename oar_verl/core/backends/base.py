@@ -273,7 +273,7 @@ def reasoning_slots(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @contextlib.contextmanager
 def frozen_parameters(params: torch.nn.Module | Iterable[torch.nn.Parameter]) -> Iterator[None]:
     """Set requires_grad=False on every parameter (of a module, or given) for the duration; restore the flags after.
-    A root FSDP2 module is initialised first (:func:`fsdp_initialised`)."""
+    A module is the whole model (an FSDP2 one, its root: initialised first, :func:`fsdp_initialised`)."""
     if isinstance(params, torch.nn.Module):
         fsdp_initialised(params)
     params = list(params.parameters() if isinstance(params, torch.nn.Module) else params)

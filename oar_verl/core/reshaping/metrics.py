@@ -97,5 +97,5 @@ def flat_warning(metrics: dict[str, float], step: int, prefix: str = "oar/") -> 
     if reshaped <= 0 or flat < reshaped - 1e-9:
         return None
     return (f"oar: step {step}: every reshaped row's scores were flat ({prefix}flat_seq_frac = "
-            f"{prefix}reshaped_seq_frac = {reshaped:.3g}): all weights 1, no credit moved; check {prefix}span_found_frac,"
-            " algorithm.oar.probe / target and the method (logged once a run)")
+            f"{prefix}reshaped_seq_frac = {reshaped:.3g}): all weights 1, no credit moved; check "
+            f"{prefix}span_found_frac, algorithm.oar.probe / target and the method (logged once a run)")
