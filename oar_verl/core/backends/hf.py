@@ -165,12 +165,21 @@ class ModuleBackend(DenseProbes):
 
 
 @contextlib.contextmanager
-def whole_table(weight: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The whole (V, H) embedding table for the duration: an FSDP2-sharded table (a DTensor) gathered, a DeepSpeed
-    ZeRO-3 partitioned parameter (an empty local tensor outside its module's forward) gathered on every rank (a
-    collective: every data-parallel rank calls it, as every rank runs the attribution), else the weight itself. V × H
-    transiently, once per batch, before any pass."""
-    if hasattr(weight, "full_tensor"):
+def whole_table(model: torch.nn.Module, emb: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The whole (V, H) table of ``model``'s input embedding ``emb`` for the duration: an FSDP2-sharded table (a
+    DTensor) gathered; under FSDP1 the parameters of the unit that holds it gathered (outside a forward its weight is a
+    view of freed storage); a DeepSpeed ZeRO-3 partitioned parameter (an empty local tensor outside its module's
+    forward) gathered; else the weight itself. Gathering is a collective: every data-parallel rank calls it, as every
+    rank runs the attribution. V × H transiently (FSDP1: the holding unit's parameters), once per batch, before any
+    pass."""
+    weight = emb.weight
+    unit = _fsdp1_unit(model, emb)
+    if unit is not None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
+            yield emb.weight
+    elif hasattr(weight, "full_tensor"):
         yield weight.full_tensor()
     elif hasattr(weight, "ds_id"):  # ZeRO-3: gathered on entry, partitioned again on exit
         import deepspeed
@@ -181,11 +190,24 @@ def whole_table(weight: torch.Tensor) -> Iterator[torch.Tensor]:
         yield weight
 
 
+def _fsdp1_unit(model: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Module | None:
+    """The innermost FSDP1 unit of ``model`` that holds ``module``'s parameters, or None (no FSDP1)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # a torch without distributed
+        return None
+    unit = None
+    for m in model.modules():  # pre-order: a unit nested inside another comes after it
+        if isinstance(m, FullyShardedDataParallel) and any(x is module for x in m.module.modules()):
+            unit = m
+    return unit
+
+
 def embedding_row(model: torch.nn.Module, token_id: int) -> torch.Tensor:
     """(H,) the input embedding of ``token_id`` as the model's embedding module outputs it (with a scaled embedding's
     ``embed_scale``); a sharded table is gathered for the call (:func:`whole_table`)."""
     emb = model.get_input_embeddings()
-    with torch.no_grad(), whole_table(emb.weight) as table:
+    with torch.no_grad(), whole_table(model, emb) as table:
         row = table[token_id].detach().clone()
     return row * getattr(emb, "embed_scale", 1.0)
 
@@ -194,7 +216,7 @@ def embedding_mean(model: torch.nn.Module) -> torch.Tensor:
     """(H,) the mean of the input-embedding table's rows as the embedding module outputs them (with a scaled
     embedding's ``embed_scale``), accumulated in float32 at least; a sharded table is gathered (:func:`whole_table`)."""
     emb = model.get_input_embeddings()
-    with torch.no_grad(), whole_table(emb.weight) as table:
+    with torch.no_grad(), whole_table(model, emb) as table:
         mean = table.to(torch.promote_types(table.dtype, torch.float32)).mean(0)
         dtype = table.dtype
     return (mean * getattr(emb, "embed_scale", 1.0)).to(dtype)
