@@ -49,9 +49,9 @@ def scores(model, b) -> dict[str, torch.Tensor]:
         cfg = OARConfig(**{"mode": name, **extra})
         out[name] = run_attribution(module_backend(model, cfg), b, cfg, mask_token_id=cfg.mask_token_id,
                                     seeds=torch.arange(4)).importance.detach().float()
-    for name in ("conservative", "fisher"):  # read from forwards the caller runs, two rows a forward
+    for name in ("conservative", "fisher"):  # read from forwards the caller runs, two rows a forward (recomputed: one)
         cfg = OARConfig(mode=name)
-        shared = shared_attribution(model, b, cfg, False)
+        shared = shared_attribution(model, b, cfg, name == "conservative")
         for r in torch.arange(4).split(2):
             inputs = b.model_inputs(r)
             with torch.no_grad(), shared.forward(ForwardLayout.padded(r, inputs["attention_mask"], 0)):
