@@ -32,7 +32,7 @@ PARAM_DTYPES = ("fp32", "bf16")  # FSDP2 mixed precision: the dtype the forward 
 
 def trainer_config(model_dir: str, *, n_ranks: int = 1, batch_size: int, micro_batch_size: int, sp: int = 1,
                    param_dtype: str = "fp32", token_budget: int | None = None, checkpointing: bool = False,
-                   packed: bool | None = None, extra: Sequence[str] = ()):
+                   packed: bool | None = None, strategy: str = "fsdp2", extra: Sequence[str] = ()):
     """verl's ``ppo_trainer`` config for an FSDP2 actor on ``n_ranks`` ranks (rollout named vllm, never started).
 
     Args:
@@ -46,8 +46,11 @@ def trainer_config(model_dir: str, *, n_ranks: int = 1, batch_size: int, micro_b
             the master weights and optimizer are fp32 either way, as in verl's default for the actor).
         token_budget: dynamic batch sizes: tokens of one training and one log-prob pass per GPU.
         checkpointing: gradient checkpointing of the actor.
+        strategy: ``fsdp2`` or ``fsdp`` (FSDP1, verl's default; on CPU ranks with :mod:`devtools.fsdp1_cpu` loaded).
         extra: further Hydra overrides.
     """
+    if strategy not in ("fsdp", "fsdp2"):
+        raise ValueError(f"strategy must be fsdp or fsdp2, got {strategy!r}")
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"param_dtype must be one of {PARAM_DTYPES}, got {param_dtype!r}")
     packed = sp > 1 if packed is None else packed
@@ -55,7 +58,7 @@ def trainer_config(model_dir: str, *, n_ranks: int = 1, batch_size: int, micro_b
         f"actor_rollout_ref.model.path={model_dir}", f"actor_rollout_ref.model.use_remove_padding={packed}",
         f"+actor_rollout_ref.model.override_config.attn_implementation={'ulysses_sdpa' if packed else 'sdpa'}",
         f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size={sp}",
-        f"{ACTOR}.strategy=fsdp2", f"{ACTOR}.fsdp_config.strategy=fsdp2", f"{ACTOR}.use_torch_compile=False",
+        f"{ACTOR}.strategy={strategy}", f"{ACTOR}.fsdp_config.strategy={strategy}", f"{ACTOR}.use_torch_compile=False",
         f"+{ACTOR}.fsdp_config.mixed_precision.param_dtype={param_dtype}",
         *(f"+{ACTOR}.fsdp_config.mixed_precision.{k}_dtype=fp32" for k in ("reduce", "buffer")),
         f"{ACTOR}.ppo_mini_batch_size={batch_size}", f"{ACTOR}.ppo_micro_batch_size_per_gpu={micro_batch_size}",

@@ -1,7 +1,7 @@
 """Every method on a model wrapped by torch's FSDP1 (verl's ``strategy=fsdp``, its default) on 2 gloo ranks (the job:
-fsdp1_job.py). verl's FSDP1 engine itself needs a GPU (it syncs module states from the device), so this is the
-core's side: the mask operators' embedding table is gathered from the unit that holds it (outside a forward FSDP1's
-weights are views of freed storage: reading them crashed the process), and the update after attribution is intact."""
+fsdp1_job.py): the mask operators' embedding table is gathered from the unit that holds it (outside a forward FSDP1's
+weights are views of freed storage: reading them crashed the process), and the update after attribution is intact.
+verl's FSDP1 engine runs in tests/integration/test_worker_group_on_cpu.py."""
 
 from __future__ import annotations
 

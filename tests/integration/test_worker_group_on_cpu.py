@@ -25,14 +25,15 @@ from oar_helpers import count_passes
 JOB = Path(__file__).with_name("worker_group_job.py")
 
 
-def run_job(model_dir, tmp_path, n_ranks, mode, target="response", sp=1, packed=False):
-    out = tmp_path / f"imp_{mode}_{n_ranks}_{target}_{sp}_{int(packed)}.pt"
+def run_job(model_dir, tmp_path, n_ranks, mode, target="response", sp=1, packed=False, strategy="fsdp2"):
+    out = tmp_path / f"imp_{mode}_{n_ranks}_{target}_{sp}_{int(packed)}_{strategy}.pt"
     env = {**os.environ, **cpu_env(), "VERL_USE_EXTERNAL_PLUGINS": "none",
-           # the CPU stand-in for Ulysses attention (development tooling, not in the wheel) in every process
-           "VERL_USE_EXTERNAL_MODULES": f"{CPU_PLATFORM_MODULE},devtools.ulysses_attention"}
+           # the CPU stand-ins for Ulysses attention and FSDP1's module-state sync (development tooling, not in the
+           # wheel) in every process
+           "VERL_USE_EXTERNAL_MODULES": f"{CPU_PLATFORM_MODULE},devtools.ulysses_attention,devtools.fsdp1_cpu"}
     proc = subprocess.run([sys.executable, str(JOB), str(model_dir), str(out), str(n_ranks), mode,
-                           new_ray_temp_dir(), target, str(sp), str(int(packed))], env=env, capture_output=True,
-                          text=True, timeout=600)
+                           new_ray_temp_dir(), target, str(sp), str(int(packed)), strategy], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(out)
 
@@ -113,7 +114,9 @@ def check_shared(res):
                                          ("perturbation", "response"), ("perturbation", "reference"),
                                          ("hierarchical", "response")])
 def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
-    two = run_job(tiny_assets.model_dir, tmp_path, 2, mode, target)
+    # OAR-G with three draws on verl's FSDP1 engine (strategy=fsdp, verl's default), the others on FSDP2
+    strategy = "fsdp" if mode == "gradient_k3" else "fsdp2"
+    two = run_job(tiny_assets.model_dir, tmp_path, 2, mode, target, strategy=strategy)
     ref, spans, rounds, result = core_reference(tiny_assets.model_dir, two)
     got = padded(two["token_importance"])
     assert got.shape == ref.shape
@@ -136,9 +139,10 @@ def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
         assert two["refined"].tolist() == result.refined.float().tolist()
         if mode == "hierarchical":  # part of every long row refined, in fewer copies than tokens
             assert (two["refined"] < result.reasoning).any() and (two["copies"] < result.reasoning).any()
+    if mode.startswith("gradient"):  # fisher read from the pass on two ranks whose micro-batches differ in length
+        check_shared(two)
     if mode == "gradient":  # the step's fidelity, measured by each rank on its first row, equals the core's
         check_fidelity(tiny_assets.model_dir, two)
-        check_shared(two)  # fisher read from the pass on two ranks whose micro-batches differ in length
     if mode == "gradient":  # one rank (under the same budget): same result (noise is seeded per sequence, not rank),
         # in verl's remove-padding layout (users' usual one: rows packed end to end; another attention kernel, hence
         # the sequence-parallel test's tolerance), where fisher also reads from the packed old-log-prob pass

@@ -5,14 +5,15 @@ imported). Builds the group exactly like verl's trainers do (``create_colocated_
 job_support.py), calls the RPC on a nested TensorDict whose data-parallel shards hold different lengths, and saves
 inputs and outputs.
 
-usage: python worker_group_job.py MODEL_DIR OUT_FILE N_RANKS MODE RAY_TMP [TARGET [SP [PACKED]]]
+usage: python worker_group_job.py MODEL_DIR OUT_FILE N_RANKS MODE RAY_TMP [TARGET [SP [PACKED [STRATEGY]]]]
 
 MODE: gradient, perturbation (exact OAR-P) or hierarchical (OAR-P's hierarchical policy).
 
 SP > 1: Ulysses sequence parallelism of that size, so the ranks form sequence-parallel groups instead of data-parallel
 ranks. PACKED (1; implied by SP > 1): verl's remove-padding layout (rows packed end to end, the CPU stand-in
-attention ``ulysses_sdpa``). With MODE gradient, also fisher read from verl's old-log-prob pass (docs/method.md
-§14; the ranks' micro-batches of different lengths, sharded under SP) and fisher's own call.
+attention ``ulysses_sdpa``). STRATEGY: fsdp2 (default) or fsdp (FSDP1, verl's default; :mod:`devtools.fsdp1_cpu`).
+With MODE gradient or gradient_k3, also fisher read from verl's old-log-prob pass (docs/method.md §14; the ranks'
+micro-batches of different lengths, sharded under SP) and fisher's own call.
 
 The actor runs with gradient checkpointing, and attribution with a token budget of 100 tokens per pass, so that the
 two ranks need different numbers of passes (short rows share passes on rank 0, long rows run alone on rank 1).
@@ -45,11 +46,12 @@ def main() -> None:
     target = sys.argv[6] if len(sys.argv) > 6 else "response"
     sp = int(sys.argv[7]) if len(sys.argv) > 7 else 1
     packed = sp > 1 or (len(sys.argv) > 8 and sys.argv[8] == "1")
+    strategy = sys.argv[9] if len(sys.argv) > 9 else "fsdp2"
     n_ranks = int(n_ranks)
     _, prompts, responses = tokenized(model_dir, RESPONSES)
     prompts, responses = [torch.tensor(p) for p in prompts], [torch.tensor(r) for r in responses]
     cfg = trainer_config(model_dir, n_ranks=n_ranks, batch_size=2, micro_batch_size=1, sp=sp, checkpointing=True,
-                         packed=packed)
+                         packed=packed, strategy=strategy)
     with actor_group(OARActorRolloutRefWorker, cfg, ray_tmp, n_ranks) as wg:
         data = rows_tensordict(prompts, responses)
         # "hierarchical": OAR-P's segment level, then exact OAR-P inside the top segments (the ranks need different
@@ -70,7 +72,7 @@ def main() -> None:
         out = wg.compute_token_importance(data)
         after = wg.compute_log_prob(logp_data.clone())["log_probs"]
         extra = {}
-        if mode == "gradient":  # fisher read from verl's old-log-prob pass, and its own call
+        if mode.startswith("gradient"):  # fisher read from verl's old-log-prob pass, and its own call
             fisher = OARConfig(mode="fisher", probe="as_mean", max_token_len_per_gpu=BUDGET, target=target)
             shared_data = logp_data.clone()
             tu.assign_non_tensor(shared_data, **{SHARED_KEY: {CONFIG_KEY: fisher.to_dict(), STEP_KEY: 3}})
