@@ -32,7 +32,16 @@ MODES = {"conservative": {}, "gradient": {}, "fisher": {}, "path": {}, "perturba
          "fisher_token": {"mode": "fisher", "mask": "token", "mask_token_id": 3}}
 
 
+def tiny_model() -> Qwen2ForCausalLM:
+    """The jobs' tiny fp32 Qwen2 (random weights, seed 0), in eval mode."""
+    cfg = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
 def batch():
+    """4 rows of 3 prompt and 10 response tokens, 7 of reasoning and 2 of answer, one probe kind after another."""
     g = torch.Generator().manual_seed(1)
     B, P, T = 4, 3, 10
     prompts, responses = torch.randint(1, 97, (B, P), generator=g), torch.randint(1, 97, (B, T), generator=g)
@@ -62,10 +71,7 @@ def scores(model, b) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     dist.init_process_group("gloo")
-    cfg = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    plain = Qwen2ForCausalLM(cfg).eval()
+    plain = tiny_model()
     b = batch()
     reference = scores(plain, b)
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if sys.argv[2] == "bf16" else None
@@ -74,8 +80,7 @@ def main() -> None:
                                                     transformer_layer_cls={Qwen2DecoderLayer}))
     got = scores(model, b)
     model.train()
-    ids = torch.cat([b.input_ids[:, : b.response_start], b.input_ids[:, b.response_start:]], 1)
-    model(ids).logits.logsumexp(-1).mean().backward()
+    model(b.input_ids).logits.logsumexp(-1).mean().backward()
     grads = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
     torch.save({"got": got, "reference": reference, "grads": grads}, f"{sys.argv[1]}/rank{dist.get_rank()}.pt")
     dist.destroy_process_group()

@@ -30,7 +30,8 @@ from oar_verl.quickstart import arith_reward
 STEPS = 3
 BF16_ACTOR = ("++actor_rollout_ref.actor.fsdp_config.mixed_precision="
               "{param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}")
-FSDP1 = "actor_rollout_ref.actor.strategy=fsdp"  # verl's default (the launcher names fsdp2), with its engine config
+# verl's default strategy (the launcher names fsdp2): the actor and its engine config
+FSDP1 = ["actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.fsdp_config.strategy=fsdp"]
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
         "actor_rollout_ref.model.target_modules=all-linear"]
 OAR_KEYS = ["oar/weight_mean", "oar/weight_std", "oar/weight_max", "oar/frac_floor", "oar/frac_boosted",
@@ -49,7 +50,7 @@ def _overrides(tiny_assets, tmp_path, ray_tmp, experiment, extra):
 def _run(tiny_assets, tmp_path, experiment, extra, module="oar_verl.main", timeout_s=900):
     ray_tmp = new_ray_temp_dir()
     env = cpu_env(file_logger_root=tmp_path / "metrics")
-    if FSDP1 in extra:  # torch refuses FSDP1's module-state sync for CPU tensors (gloo broadcasts them fine)
+    if FSDP1[0] in extra:  # torch refuses FSDP1's module-state sync for CPU tensors (gloo broadcasts them fine)
         env["VERL_USE_EXTERNAL_MODULES"] += ",devtools.fsdp1_cpu"
     try:
         return run_main_ppo(_overrides(tiny_assets, tmp_path, ray_tmp, experiment, extra), output_dir=tmp_path,
@@ -102,8 +103,7 @@ def _check_oar_run(name, run, steps, dump_dir=None):
                               "algorithm.oar.perturbation=auto", "algorithm.oar.exact_max_tokens=4",
                               "algorithm.oar.segment_min_tokens=1", "algorithm.oar.segment_max_tokens=4",
                               "algorithm.oar.refine_share=0.3", "algorithm.rollout_correction.bypass_mode=true",
-                              "actor_rollout_ref.rollout.calculate_log_probs=true", FSDP1,
-                              "actor_rollout_ref.actor.fsdp_config.strategy=fsdp"]),
+                              "actor_rollout_ref.rollout.calculate_log_probs=true", *FSDP1]),
     # fisher on verl's colocate_async trainer, read from the old-log-prob forward (docs/method.md §14), and the
     # fidelity of its attribution measured on step 2 right after that pass (docs/fidelity.md, "Logged while training");
     # the actor in bf16 (verl's default), so that attribution with frozen parameters is the FSDP2 module's first

@@ -292,8 +292,8 @@ def fsdp_initialised(module: torch.nn.Module) -> None:
 
     FSDP2 fixes each parameter group's gradient dtypes at the root's first forward from the ``requires_grad`` flags it
     finds then: a first forward with every parameter frozen (attribution reading verl's old-log-prob pass at a run's
-    first step or after a resume, or bypass mode's own passes) would leave the actor's later gradients in the compute dtype
-    (bf16) where its parameters are fp32, and the update fails."""
+    first step or after a resume, or bypass mode's own passes) would leave the actor's later gradients in the compute
+    dtype (bf16) where its parameters are fp32, and the update fails."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2

@@ -1,6 +1,6 @@
 """Keeping data-parallel ranks in step: every rank must issue the same number of collective passes, or they hang;
-an object gather over the ranks, and a differentiable sum over a sequence-parallel group. verl-free, so that both integrations (verl's workers,
-OpenRLHF's DeepSpeed actors) share it."""
+an object gather over the ranks, and a differentiable sum over a sequence-parallel group. verl-free, so that both
+integrations (verl's workers, OpenRLHF's DeepSpeed actors) share it."""
 
 from __future__ import annotations
 
