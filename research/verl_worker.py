@@ -252,8 +252,8 @@ def _probed_worker():
 
             shared = tu.get(data, SHARED_KEY)  # the pass with a method read from it
             if tu.pop(data, FALLBACK_KEY, default=False):
-                with mock.patch("oar_verl.integration.worker.shared_pass_error",
-                                lambda *args: "the fallback, forced by the probe"):
+                with mock.patch.object(OARActorRolloutRefWorker, "_shared_pass_error",
+                                       lambda *args: "the fallback, forced by the probe"):
                     return self._probe(FALLBACK_CALL, super().compute_log_prob, data)
             name = "compute_log_prob" if shared is None else shared_call(shared[CONFIG_KEY]["mode"])
             return self._probe(name, super().compute_log_prob, data)

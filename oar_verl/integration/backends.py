@@ -4,6 +4,7 @@ every method the same way on FSDP, FSDP + Ulysses and Megatron, and start-up ref
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +31,11 @@ class EngineBackend:
         recompute: (engine, cfg, tokens, *, checkpointing) -> whether attribution's backwards recompute the layers
             (``algorithm.oar.recompute`` with the actor's ``checkpointing`` and update budget ``tokens``): a bool, or
             a share of the layers chosen per pass of so many tokens.
+        shared_error: (engine, cfg, *, fused_kernels, packed) -> why the engine's old-log-prob pass cannot carry
+            ``cfg``'s method (the worker then attributes right after it, in the same call), or None.
+        shared_pass: (engine, cfg, prepared, recompute, packed) -> a context for verl's ``compute_log_prob`` that
+            attributes ``prepared``'s rows from its forwards; it yields a list holding the shared attribution
+            (``result()``, ``choices``) once a micro-batch ran.
     """
 
     make: Callable[..., AttributionBackend]
@@ -38,6 +44,9 @@ class EngineBackend:
     startup_error: Callable[[object], str | None] = lambda config: None
     recompute: Callable[..., bool | Callable[[int], float]] = (
         lambda engine, cfg, tokens, *, checkpointing: fixed_recompute(cfg.recompute, checkpointing))
+    shared_error: Callable[..., str | None] = (
+        lambda engine, cfg, *, fused_kernels, packed: "the engine's pass carries no attribution")
+    shared_pass: Callable[..., contextlib.AbstractContextManager] | None = None
 
 
 ENGINE_BACKENDS: Registry[EngineBackend] = Registry("actor strategy OAR can attribute with",
@@ -86,9 +95,22 @@ def sequence_shards(engine) -> SequenceShards | None:
     return SequenceShards(engine.ulysses_parallel_group, engine.ulysses_device_mesh["sp"].get_local_rank(), size)
 
 
+def _fsdp_shared_error(engine, cfg: OARConfig, *, fused_kernels: bool, packed: bool) -> str | None:
+    from oar_verl.integration.shared_pass import fsdp_shared_error
+
+    return fsdp_shared_error(engine, cfg, fused_kernels=fused_kernels, packed=packed)
+
+
+def _fsdp_shared_pass(engine, cfg: OARConfig, prepared, recompute, packed: bool):
+    from oar_verl.integration.shared_pass import fsdp_log_prob
+
+    return fsdp_log_prob(engine, cfg, prepared, recompute, packed)
+
+
 ENGINE_BACKENDS.register("fsdp", "fsdp2")(EngineBackend(make=_fsdp_backend, device=_module_device,
                                                        eval_numerics=lambda engine: engine.module.eval(),
-                                                       recompute=_fsdp_recompute))
+                                                       recompute=_fsdp_recompute, shared_error=_fsdp_shared_error,
+                                                       shared_pass=_fsdp_shared_pass))
 
 
 def _megatron_backend(engine, cfg: OARConfig, tokens: int, *, pad_id: int, checkpointing: bool,
@@ -117,7 +139,22 @@ def _megatron_startup_error(config) -> str | None:
                                  use_fused_kernels=bool(model.get("use_fused_kernels", False)))
 
 
+def _megatron_shared_error(engine, cfg: OARConfig, *, fused_kernels: bool, packed: bool) -> str | None:
+    from oar_verl.integration.megatron.shared import megatron_shared_error
+
+    return megatron_shared_error(cfg, fused_kernels=fused_kernels)
+
+
+def _megatron_shared_pass(engine, cfg: OARConfig, prepared, recompute, packed: bool):
+    from oar_verl.core.methods.contract import MethodInputs
+    from oar_verl.integration.megatron.shared import megatron_log_prob
+
+    return megatron_log_prob(engine, cfg, prepared.batch, MethodInputs(prepared.mask_token_id, prepared.seeds))
+
+
 # Megatron's engine moves micro-batches itself (inputs stay on CPU) and its eval_mode() is complete
 ENGINE_BACKENDS.register("megatron")(EngineBackend(make=_megatron_backend, device=lambda engine: torch.device("cpu"),
                                                    eval_numerics=lambda engine: None,
-                                                   startup_error=_megatron_startup_error))
+                                                   startup_error=_megatron_startup_error,
+                                                   shared_error=_megatron_shared_error,
+                                                   shared_pass=_megatron_shared_pass))

@@ -28,17 +28,14 @@ from oar_verl.core.checks.startup import require_resolved
 from oar_verl.core.config import OARConfig
 from oar_verl.core.fidelity.summary import default_min_gap
 from oar_verl.core.fidelity.step import due
-from oar_verl.core.backends.budget import row_spans
-from oar_verl.core.methods.attribution import shared_attribution
 from oar_verl.core.methods.contract import AttributionResult
 from oar_verl.core.pipeline import attribute, row_attribution
 from oar_verl.core.preprocess import PreparedAttribution, prepare_attribution
 from oar_verl.integration.actor_budget import actor_token_budget
-from oar_verl.integration.backends import ENGINE_BACKENDS, sequence_shards
+from oar_verl.integration.backends import ENGINE_BACKENDS
 from oar_verl.core.backends.collectives import max_over_ranks
 from oar_verl.integration.fields import (AUTO_CONTROLS, AUTO_FIELDS, AUTO_KEY, AUTO_SLOTS, CONFIG_KEY, FIDELITY_FIELDS,
                                          GROUND_TRUTH_KEY, ROW_FIELD, SHARED_KEY, STEP_KEY)
-from oar_verl.integration.shared_pass import attributed_log_prob, shared_pass_error
 
 logger = logging.getLogger("oar_verl")
 
@@ -160,16 +157,21 @@ class TokenImportanceMixin:
             return super().compute_log_prob(data)
         cfg = require_resolved(_config(json.dumps(options[CONFIG_KEY], sort_keys=True)))
         step = int(options[STEP_KEY])
-        strategy = self.actor.engine_config.strategy
-        fused = tu.get(data, "use_fused_kernels", default=self.actor.engine_config.use_fused_kernels)
         packed = tu.get(data, "use_remove_padding", default=self.actor.model_config.get("use_remove_padding", False))
-        reason = shared_pass_error(strategy, self.actor.engine, bool(fused), bool(packed))
+        reason = self._shared_pass_error(data, cfg, bool(packed))
         if reason is not None:
             _log_once(f"oar: attribution runs after the old-log-prob pass, not inside it: {reason}")
             out = super().compute_log_prob(data)
             fields = self._importance(data, cfg, step, auto=None)
             return _merged(out, fields)
         return self._shared_log_prob(data, cfg, step, bool(packed))
+
+    def _shared_pass_error(self, data: TensorDict, cfg: OARConfig, packed: bool) -> str | None:
+        """Why this engine's old-log-prob pass cannot carry ``cfg``'s method (then attribution runs right after it),
+        or None."""
+        kind = ENGINE_BACKENDS.get(self.actor.engine_config.strategy)
+        fused = tu.get(data, "use_fused_kernels", default=self.actor.engine_config.use_fused_kernels)
+        return kind.shared_error(self.actor.engine, cfg, fused_kernels=bool(fused), packed=packed)
 
     def _shared_log_prob(self, data: TensorDict, cfg: OARConfig, step: int, packed: bool) -> TensorDict | None:
         """The old-log-prob pass with ``cfg.mode`` read from each micro-batch's forward (``packed``: verl's
@@ -181,19 +183,12 @@ class TokenImportanceMixin:
         tokenizer = self.actor.model_config.tokenizer
         # the model's own rows (never target=reference: core shared_mode), which verl's pass holds
         prepared = prepare_attribution(prompts, responses, tokenizer, cfg, step, device=device)
-        batch = prepared.batch
         data[ROW_FIELD] = torch.arange(len(responses))
         fingerprint = self._oar_log_prob_fingerprint  # noted by compute_log_prob: the weights of this very pass
         longest = max_over_ranks(prepared.longest, device)
         tokens = actor_token_budget(cfg, self.actor.engine_config, longest)
         recompute = kind.recompute(engine, cfg, tokens, checkpointing=self._oar_checkpointing())
-
-        def make():
-            kind.eval_numerics(engine)
-            return shared_attribution(engine.module, batch, cfg, recompute, mask_token_id=prepared.mask_token_id,
-                                      seeds=prepared.seeds, shards=sequence_shards(engine))
-
-        with attributed_log_prob(engine, make, row_spans(batch.attention_mask), batch.input_ids, packed) as made:
+        with kind.shared_pass(engine, cfg, prepared, recompute, packed) as made:
             out = super().compute_log_prob(data)
         if not made:
             raise RuntimeError("oar: verl's old-log-prob pass ran no micro-batch on this rank")

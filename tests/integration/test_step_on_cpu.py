@@ -319,18 +319,25 @@ def test_which_steps_read_attribution_from_the_old_log_prob_pass(setup):
 
 
 def test_an_engine_that_cannot_carry_attribution_in_its_pass_says_why():
-    from oar_verl.integration.shared_pass import shared_pass_error
+    from oar_verl.integration.backends import ENGINE_BACKENDS
+
+    fsdp, megatron = ENGINE_BACKENDS.get("fsdp2"), ENGINE_BACKENDS.get("megatron")
+    cfg = OARConfig(mode="fisher")
 
     class Engine:  # verl's FSDP engine without sequence parallelism has no Ulysses group
         ulysses_sequence_parallel_size = 1
 
-    assert shared_pass_error("fsdp2", Engine(), fused_kernels=False) is None
-    assert "megatron" in shared_pass_error("megatron", Engine(), fused_kernels=False)
-    assert "use_fused_kernels=true" in shared_pass_error("fsdp", Engine(), fused_kernels=True)
+    assert fsdp.shared_error(Engine(), cfg, fused_kernels=False, packed=True) is None
+    assert "use_fused_kernels=true" in fsdp.shared_error(Engine(), cfg, fused_kernels=True, packed=True)
 
     class Sharded:  # under Ulysses (verl requires remove-padding there): sharded like verl's own pass
         ulysses_sequence_parallel_size, ulysses_parallel_group = 2, None
         ulysses_device_mesh = {"sp": type("Mesh", (), {"get_local_rank": lambda self: 1})()}
 
-    assert shared_pass_error("fsdp2", Sharded(), fused_kernels=False) is None
-    assert "without use_remove_padding" in shared_pass_error("fsdp2", Sharded(), fused_kernels=False, packed=False)
+    assert fsdp.shared_error(Sharded(), cfg, fused_kernels=False, packed=True) is None
+    assert "without use_remove_padding" in fsdp.shared_error(Sharded(), cfg, fused_kernels=False, packed=False)
+    # Megatron's schedule runs one backward per micro-batch: fisher with one loss column shares, more do not
+    assert megatron.shared_error(None, cfg, fused_kernels=False, packed=True) is None
+    two = OARConfig(mode="fisher", fisher_outcomes=1, fisher_sketches=1)
+    assert "fisher_outcomes + fisher_sketches = 2" in megatron.shared_error(None, two, fused_kernels=False,
+                                                                            packed=True)

@@ -24,6 +24,9 @@ M10 register verl's Megatron engine for device "cpu" (verl registers it for cuda
 M11 the local softmax's default causal mask is built with ``device="cuda"`` where M4's mode is not active: inside a
     full-recompute (``recompute_granularity="full"``) block's recomputation during the backward
     (``Torch not compiled with CUDA enabled``): build it on the CPU.
+M12 verl's packed (THD, ``use_remove_padding=True``) layout: the local DotProductAttention refuses packed sequences
+    (``Packed sequence is not supported by DotProductAttention``): attend within each packed sequence (its padded
+    span), causally, as TransformerEngine's varlen kernel does.
 plus ``float32_engine_config``: verl's McoreEngineConfig accepts only bf16/fp16; the exact-agreement tests run the
 engine in fp32.
 """
@@ -164,7 +167,18 @@ def install() -> None:
             attention_mask = None
         return original_forward(self, query, key, value, attention_mask, *a, **k)
 
-    DotProductAttention.forward = causal_forward
+    # M12
+    def packed_forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                       packed_seq_params=None):
+        if packed_seq_params is None:
+            return causal_forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias)
+        cu = packed_seq_params.cu_seqlens_q_padded
+        cu = (packed_seq_params.cu_seqlens_q if cu is None else cu).tolist()
+        parts = [causal_forward(self, query[a:b, None], key[a:b, None], value[a:b, None], None, attn_mask_type,
+                                attention_bias)[:, 0] for a, b in zip(cu[:-1], cu[1:])]  # per packed sequence
+        return torch.cat(parts, 0)  # [t, hidden]: the attention reshapes it to [t, 1, hidden]
+
+    DotProductAttention.forward = packed_forward
     # M9
     if os.environ.get("OAR_TEST_SP") == "1":
         from megatron.core.transformer import torch_norm

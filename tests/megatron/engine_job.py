@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("VERL_PLATFORM", "cpu")
 sys.path.insert(0, str(Path(__file__).parent))
@@ -134,6 +135,7 @@ def main(spec_path: str) -> None:
     with engine.eval_mode():
         fid = fidelity_of(MegatronBackend(engine, pass_limits(fcfg)), fbatch, int(spec["mask_token_id"]))
     fid = fid if engine.is_mp_src_rank_with_outputs() else None
+    shared = shared_pass(engine, sel, rows, int(spec["mask_token_id"]))
     lp_after = log_probs()
     checks = {
         "embedding_chunked": None if emb is None else any(o != i for o, i in shapes),
@@ -159,13 +161,75 @@ def main(spec_path: str) -> None:
         object.__setattr__(engine.engine_config, "context_parallel_size", 1)
 
     out = Path(spec["out_dir"]) / f"rank{rank}.pt"
-    torch.save({"cases": results, "fidelity": fid, "src": engine.is_mp_src_rank_with_outputs(), "dp_rank": dp_rank,
-                "rows": rows, "seconds": seconds, "checks": checks,
+    torch.save({"cases": results, "fidelity": fid, "shared": shared, "src": engine.is_mp_src_rank_with_outputs(),
+                "dp_rank": dp_rank, "rows": rows, "seconds": seconds, "checks": checks,
                 "tp_rank": mpu.get_tensor_model_parallel_rank(), "pp_rank": mpu.get_pipeline_model_parallel_rank()},
                out)
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: done", flush=True)
+
+
+SHARED = [  # fisher with one loss column (Megatron's schedule runs one backward per micro-batch), each probe kind
+    {"mode": "fisher", "probe": "as_mean", "mask": "mean"},
+    {"mode": "fisher", "probe": "as_joint", "mask": "pad"},
+    {"mode": "fisher", "probe": "lt_logits", "mask": "zero"},
+]
+
+
+def shared_pass(engine, sel, rows, mask_id: int) -> dict:
+    """verl's old-log-prob call (the engine's own training layout, entropies, a rollout temperature of 0.7) with
+    fisher read from it: the log-probs and entropies against the plain call's, the scores against the backend's own
+    fisher passes (on the collecting rank)."""
+    from verl.utils import tensordict_utils as tu
+
+    from oar_verl.core.batch.layout import build_attribution_batch
+    from oar_verl.core.config import OARConfig
+    from oar_verl.core.methods.attribution import pass_limits, probe_kinds, run_attribution
+    from oar_verl.integration.backends import ENGINE_BACKENDS
+    from oar_verl.integration.fields import ROW_FIELD
+    from oar_verl.integration.megatron.backend import MegatronBackend
+
+    ids = [torch.cat([p[pm.bool()], r[rm.bool()]]) for p, pm, r, rm in
+           zip(sel["prompts"], sel["prompt_mask"], sel["responses"], sel["response_mask"])]
+    nj = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+
+    def call(attributed=None):
+        td = tu.get_tensordict({"input_ids": nj(ids), "position_ids": nj([torch.arange(len(x)) for x in ids]),
+                                "loss_mask": nj([torch.ones(len(x)) for x in ids])})
+        tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=2, temperature=0.7,
+                             use_fused_kernels=False, calculate_entropy=True)
+        if attributed is not None:
+            td[ROW_FIELD] = torch.arange(len(ids))
+        with engine.eval_mode():
+            out = engine.infer_batch(td)
+        got = (out or {}).get("model_output", {})
+        return {k: [t.clone() for t in got[k].unbind()] for k in ("log_probs", "entropy") if k in got}
+
+    plain = call()
+    out = {"log_probs_equal": [], "entropy_equal": [], "rel": [], "choices": [], "has_outputs": bool(plain)}
+    for oar in SHARED:
+        cfg = OARConfig.from_mapping(oar)
+        batch = build_attribution_batch(sel["prompts"], sel["prompt_mask"], sel["responses"], sel["response_mask"],
+                                        sel["reasoning"], sel["answer"], probe_kinds(cfg, 0, len(rows)))
+        prepared = SimpleNamespace(batch=batch, mask_token_id=mask_id, seeds=sel["seeds"])  # what the worker prepares
+        with ENGINE_BACKENDS.get("megatron").shared_pass(engine, cfg, prepared, None, engine.engine_config.
+                                                         use_remove_padding) as made:
+            got = call(attributed=True)
+        (attribution,) = made
+        scores = attribution.result()
+        with engine.eval_mode():
+            own = run_attribution(MegatronBackend(engine, pass_limits(cfg)), batch, cfg, mask_token_id=mask_id,
+                                  seeds=sel["seeds"]).importance
+        m = batch.reasoning_mask
+        assert bool((own[m] != 0).all()), "vacuous comparison: the own passes scored zeros"
+        out["log_probs_equal"].append(all(torch.equal(a, b) for a, b in zip(plain.get("log_probs", []),
+                                                                             got.get("log_probs", []))))
+        out["entropy_equal"].append(all(torch.equal(a, b) for a, b in zip(plain.get("entropy", []),
+                                                                           got.get("entropy", []))))
+        out["rel"].append(float((scores - own).abs().max() / own.abs().max()))
+        out["choices"].append(attribution.choices)
+    return out
 
 
 def _optimizer_state_empty(optimizer) -> bool:

@@ -6,12 +6,14 @@ shims of ``cpu_shims.py``. Every layout is compared number by number with :func:
 run_attribution` on the Hugging Face model loaded from the same tiny checkpoint in fp32 (CPU Megatron has already
 produced silently wrong, non-causal numbers once: "it runs" proves nothing).
 
-Layouts: TP=PP=1 (one rank), TP=2, TP=2 with sequence parallelism, PP=2 (with a packed-sequence training layout, which
-attribution swaps for the padded one, and full activation recomputation), DP=2 with unequal work per rank (and the
-distributed optimizer), in fp32; and TP=PP=1 in bf16, the production dtype, against the bf16 error floor. Cases: OAR-P
-(with the pad token and the mean embedding as the mask) and OAR-G with every probe, OAR-G with K = 3 noise draws, OAR-P's
-segment, hierarchical and auto policies, and the second-order (fisher) mode, truncated and sketched -- the core's methods
-run unchanged on the engine's backend.
+Layouts: TP=PP=1 (one rank), TP=2, TP=2 with sequence parallelism and PP=2 (both with a packed-sequence training
+layout, which attribution swaps for the padded one; PP=2 with full activation recomputation), DP=2 with unequal work
+per rank (and the distributed optimizer), in fp32; and TP=PP=1 in bf16, the production dtype, against the bf16 error
+floor. Cases: OAR-P (with the pad token and the mean embedding as the mask) and OAR-G with every probe, OAR-G with K =
+3 noise draws, OAR-P's segment, hierarchical and auto policies, and the second-order (fisher) mode, truncated and
+sketched -- the core's methods run unchanged on the engine's backend. In every layout verl's old-log-prob call also
+runs with fisher read from it (:mod:`oar_verl.integration.megatron.shared`, in the engine's training layout):
+log-probs and entropies bitwise the plain call's, scores the backend's own fisher passes'.
 """
 
 from __future__ import annotations
@@ -219,6 +221,19 @@ def check_side_effects(ranks):
         assert c["optimizer_state_empty"]
         assert c["log_probs_unchanged"], "the engine's log-probs changed"
         assert c["cp_error"] and "context_parallel_size=2" in c["cp_error"], c["cp_error"]
+        check_shared(res)
+
+
+def check_shared(res, rtol=1e-4):
+    """verl's old-log-prob call with fisher read from it: log-probs and entropies bitwise the plain call's, on every
+    rank that has outputs, and the scores the backend's own fisher passes' (to 1e-4 of the largest: the own passes
+    run the padded layout, the packed one sums in another order; measured ≤ 7e-6, 0 where both are padded)."""
+    shared = res["shared"]
+    assert shared["has_outputs"] or not res["src"]
+    assert all(shared["log_probs_equal"]) and all(shared["entropy_equal"]), shared
+    assert all(len(c) > 0 for c in shared["choices"]), "the call ran no micro-batch"
+    assert max(shared["rel"]) < rtol, shared["rel"]
+    print(f"[shared pass] scores vs the own passes, max|diff| ÷ max|own|: {shared['rel']}")
 
 
 FP32_RTOL = 2e-3  # fp32 engine vs fp32 HF: different kernels and summation orders only
@@ -238,7 +253,7 @@ def test_tp2(assets):
 
 
 def test_tp2_sequence_parallel(assets):
-    ranks = run_layout(assets, "tp2sp", nproc=2, tp=2, sp=True)
+    ranks = run_layout(assets, "tp2sp", nproc=2, tp=2, sp=True, remove_padding=True)
     assert all(r["checks"]["embedding_chunked"] for r in ranks)  # the embedding really output [s/2, b, h] chunks
     assert compare(assets, ranks, FP32_RTOL, "TP=2 SP fp32") == {0}
     check_side_effects(ranks)

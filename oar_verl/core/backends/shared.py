@@ -210,7 +210,7 @@ class SharedAttribution:
         t = self.target
         spec = t.batch.probe
         rows = layout.rows
-        targets = spec.target_ids[rows[:, None], _columns(layout, index)]
+        targets = spec.target_ids[rows[:, None], batch_columns(layout, index)]
         group = None if self.shards is None else self.shards.group
         combine = None if group is None else functools.partial(sum_over_group, group=group)
         probe = probe_from_logits(captured["logits"], w * captured["here"], targets, spec.joint[rows], combine)
@@ -251,7 +251,7 @@ class SharedAttribution:
         return torch.where(keep, scores, 0.0)
 
 
-def _columns(layout: ForwardLayout, index: torch.Tensor) -> torch.Tensor:
+def batch_columns(layout: ForwardLayout, index: torch.Tensor) -> torch.Tensor:
     """(n, K) batch columns of the flat positions ``index`` (n, K) (a padding entry: its sequence's first token)."""
     col_of = torch.zeros(int(layout.flat.max()) + 1 if layout.flat.numel() else 1, dtype=torch.long,
                          device=layout.flat.device)
