@@ -31,8 +31,9 @@ class EngineBackend:
         recompute: (engine, cfg, tokens, *, checkpointing) -> whether attribution's backwards recompute the layers
             (``algorithm.oar.recompute`` with the actor's ``checkpointing`` and update budget ``tokens``): a bool, or
             a share of the layers chosen per pass of so many tokens.
-        shared_error: (engine, cfg, *, fused_kernels, packed) -> why the engine's old-log-prob pass cannot carry
-            ``cfg``'s method (the worker then attributes right after it, in the same call), or None.
+        shared_error: (engine, cfg, *, fused_kernels, packed, tokens) -> why the engine's old-log-prob pass cannot
+            carry ``cfg``'s method (the worker then attributes right after it, in the same call), or None; ``tokens``:
+            (the most a micro-batch of the pass holds, the update's), the same on every rank.
         shared_pass: (engine, cfg, prepared, recompute, packed) -> a context for verl's ``compute_log_prob`` that
             attributes ``prepared``'s rows from its forwards; it yields a list holding the shared attribution
             (``result()``, ``choices``) once a micro-batch ran.
@@ -45,7 +46,7 @@ class EngineBackend:
     recompute: Callable[..., bool | Callable[[int], float]] = (
         lambda engine, cfg, tokens, *, checkpointing: fixed_recompute(cfg.recompute, checkpointing))
     shared_error: Callable[..., str | None] = (
-        lambda engine, cfg, *, fused_kernels, packed: "the engine's pass carries no attribution")
+        lambda engine, cfg, *, fused_kernels, packed, tokens: "the engine's pass carries no attribution")
     shared_pass: Callable[..., contextlib.AbstractContextManager] | None = None
 
 
@@ -95,7 +96,9 @@ def sequence_shards(engine) -> SequenceShards | None:
     return SequenceShards(engine.ulysses_parallel_group, engine.ulysses_device_mesh["sp"].get_local_rank(), size)
 
 
-def _fsdp_shared_error(engine, cfg: OARConfig, *, fused_kernels: bool, packed: bool) -> str | None:
+def _fsdp_shared_error(engine, cfg: OARConfig, *, fused_kernels: bool, packed: bool, tokens: tuple[int, int]
+                       ) -> str | None:
+    """(``tokens`` unused: ``recompute=auto`` sizes each micro-batch's backward under the update's peak.)"""
     from oar_verl.integration.shared_pass import fsdp_shared_error
 
     return fsdp_shared_error(engine, cfg, fused_kernels=fused_kernels, packed=packed)
@@ -139,10 +142,12 @@ def _megatron_startup_error(config) -> str | None:
                                  use_fused_kernels=bool(model.get("use_fused_kernels", False)))
 
 
-def _megatron_shared_error(engine, cfg: OARConfig, *, fused_kernels: bool, packed: bool) -> str | None:
+def _megatron_shared_error(engine, cfg: OARConfig, *, fused_kernels: bool, packed: bool, tokens: tuple[int, int]
+                           ) -> str | None:
     from oar_verl.integration.megatron.shared import megatron_shared_error
 
-    return megatron_shared_error(cfg, fused_kernels=fused_kernels)
+    recomputes = getattr(getattr(engine, "tf_config", None), "recompute_granularity", None) == "full"
+    return megatron_shared_error(cfg, fused_kernels=fused_kernels, recomputes=recomputes, tokens=tokens)
 
 
 def _megatron_shared_pass(engine, cfg: OARConfig, prepared, recompute, packed: bool):

@@ -98,6 +98,18 @@ def pass_entropies(out: TensorDict | None, responses: list[torch.Tensor]) -> lis
     return [e[len(e) - len(r) - 1:len(e) - 1] for e, r in zip(rows, responses)]  # per row, not per token
 
 
+def pass_tokens(data: TensorDict, engine_config, longest: int) -> int:
+    """The most tokens one micro-batch of verl's ``compute_log_prob`` call over ``data`` holds: its
+    ``max_token_len_per_gpu`` with dynamic batch sizes, else its micro-batch size × ``longest`` (the call's own
+    options, else the engine's log-prob settings, as verl's ``TrainingWorker.infer_batch`` reads them)."""
+    if tu.get(data, "use_dynamic_bsz", default=engine_config.use_dynamic_bsz):
+        tokens = tu.get(data, "max_token_len_per_gpu", default=engine_config.infer_max_token_len_per_gpu)
+        if tokens:
+            return int(tokens)
+    rows = tu.get(data, "micro_batch_size_per_gpu", default=engine_config.infer_micro_batch_size_per_gpu)
+    return max(1, int(rows or 1)) * max(1, int(longest))
+
+
 @functools.lru_cache(maxsize=8)
 def _config(serialised: str) -> OARConfig:
     """The OARConfig of a JSON-serialised mapping, validated once per distinct configuration (not every step)."""
@@ -168,10 +180,15 @@ class TokenImportanceMixin:
 
     def _shared_pass_error(self, data: TensorDict, cfg: OARConfig, packed: bool) -> str | None:
         """Why this engine's old-log-prob pass cannot carry ``cfg``'s method (then attribution runs right after it),
-        or None."""
-        kind = ENGINE_BACKENDS.get(self.actor.engine_config.strategy)
-        fused = tu.get(data, "use_fused_kernels", default=self.actor.engine_config.use_fused_kernels)
-        return kind.shared_error(self.actor.engine, cfg, fused_kernels=bool(fused), packed=packed)
+        or None; the same answer on every rank."""
+        ec = self.actor.engine_config
+        kind = ENGINE_BACKENDS.get(ec.strategy)
+        fused = tu.get(data, "use_fused_kernels", default=ec.use_fused_kernels)
+        prompts, responses = unpack_rows(data)
+        longest = max_over_ranks(max((len(p) + len(r) for p, r in zip(prompts, responses)), default=1),
+                                 kind.device(self.actor.engine))
+        return kind.shared_error(self.actor.engine, cfg, fused_kernels=bool(fused), packed=packed,
+                                 tokens=(pass_tokens(data, ec, longest), actor_token_budget(cfg, ec, longest)))
 
     def _shared_log_prob(self, data: TensorDict, cfg: OARConfig, step: int, packed: bool) -> TensorDict | None:
         """The old-log-prob pass with ``cfg.mode`` read from each micro-batch's forward (``packed``: verl's

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -327,17 +328,25 @@ def test_an_engine_that_cannot_carry_attribution_in_its_pass_says_why():
     class Engine:  # verl's FSDP engine without sequence parallelism has no Ulysses group
         ulysses_sequence_parallel_size = 1
 
-    assert fsdp.shared_error(Engine(), cfg, fused_kernels=False, packed=True) is None
-    assert "use_fused_kernels=true" in fsdp.shared_error(Engine(), cfg, fused_kernels=True, packed=True)
+    assert fsdp.shared_error(Engine(), cfg, fused_kernels=False, packed=True, tokens=(8, 8)) is None
+    assert "use_fused_kernels=true" in fsdp.shared_error(Engine(), cfg, fused_kernels=True, packed=True,
+                                                         tokens=(8, 8))
 
     class Sharded:  # under Ulysses (verl requires remove-padding there): sharded like verl's own pass
         ulysses_sequence_parallel_size, ulysses_parallel_group = 2, None
         ulysses_device_mesh = {"sp": type("Mesh", (), {"get_local_rank": lambda self: 1})()}
 
-    assert fsdp.shared_error(Sharded(), cfg, fused_kernels=False, packed=True) is None
-    assert "without use_remove_padding" in fsdp.shared_error(Sharded(), cfg, fused_kernels=False, packed=False)
+    assert fsdp.shared_error(Sharded(), cfg, fused_kernels=False, packed=True, tokens=(8, 8)) is None
+    assert "without use_remove_padding" in fsdp.shared_error(Sharded(), cfg, fused_kernels=False, packed=False,
+                                                             tokens=(8, 8))
     # Megatron's schedule runs one backward per micro-batch: fisher with one loss column shares, more do not
-    assert megatron.shared_error(None, cfg, fused_kernels=False, packed=True) is None
+    assert megatron.shared_error(None, cfg, fused_kernels=False, packed=True, tokens=(8, 8)) is None
     two = OARConfig(mode="fisher", fisher_outcomes=1, fisher_sketches=1)
     assert "fisher_outcomes + fisher_sketches = 2" in megatron.shared_error(None, two, fused_kernels=False,
-                                                                            packed=True)
+                                                                            packed=True, tokens=(8, 8))
+    # its backward keeps the pass's activations: micro-batches larger than the update's only with full recompute
+    plain, full = (SimpleNamespace(tf_config=SimpleNamespace(recompute_granularity=g)) for g in (None, "full"))
+    assert "hold up to 4096 tokens, the update's 2048" in megatron.shared_error(plain, cfg, fused_kernels=False,
+                                                                                packed=True, tokens=(4096, 2048))
+    assert megatron.shared_error(full, cfg, fused_kernels=False, packed=True, tokens=(4096, 2048)) is None
+    assert megatron.shared_error(plain, cfg, fused_kernels=False, packed=True, tokens=(2048, 2048)) is None

@@ -36,14 +36,28 @@ from oar_verl.integration.megatron.engine import full_recompute, no_param_grads
 from oar_verl.integration.megatron.vocab_parallel import probe_from_vp_logits
 
 
-def megatron_shared_error(cfg, fused_kernels: bool = False) -> str | None:
+def megatron_shared_error(cfg, *, fused_kernels: bool = False, recomputes: bool = False,
+                          tokens: tuple[int, int] = (0, 0)) -> str | None:
     """Why verl's Megatron old-log-prob pass cannot carry ``cfg``'s method (the worker then attributes after it, in
-    the same call), or None. megatron-core's schedule runs one backward per micro-batch."""
+    the same call), or None.
+
+    megatron-core's schedule runs one backward per micro-batch, so a method needs one loss column. The backward keeps
+    the pass's activations as the update keeps its own (or recomputes them, as the engine's settings say); a pass
+    whose micro-batches hold more tokens (``tokens``: the most a pass's micro-batch holds, the update's) would need
+    more activation memory than the training step unless the engine recomputes every layer (``recomputes``).
+    """
     if fused_kernels:
         return "use_fused_kernels=true (the fused forward computes no logits)"
     if cfg.mode == "fisher" and cfg.fisher_outcomes + cfg.fisher_sketches > 1:
         return (f"{cfg.prefix}.fisher_outcomes + fisher_sketches = {cfg.fisher_outcomes + cfg.fisher_sketches} "
                 "backwards per row (the Megatron schedule runs one per micro-batch)")
+    held, update = tokens
+    if held > update and not recomputes:
+        return (f"its micro-batches hold up to {held} tokens, the update's {update}: a backward through them would "
+                "keep more activations than the training step (set actor_rollout_ref.rollout."
+                "log_prob_max_token_len_per_gpu / log_prob_micro_batch_size_per_gpu to at most the actor's ppo_* "
+                "values, or the engine's full recompute: actor_rollout_ref.actor.megatron."
+                "override_transformer_config.recompute_granularity=full)")
     return None
 
 
