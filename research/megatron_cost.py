@@ -1,0 +1,203 @@
+"""What ``fisher`` read from verl's Megatron old-log-prob pass adds (issue #45), measured side by side in one process
+on verl 0.9.1's real Megatron engine (CPU, gloo, one rank; the tests' CPU shims), on the same model and rows.
+
+For each response length (one row of 128 prompt + T response tokens, random weights at the shape asked for, fp32):
+
+* **train**: the engine's training micro-step: ``forward_backward_batch`` with a log-prob loss, parameter gradients
+  (the engine's recompute settings);
+* **log_prob**: verl's old-log-prob call alone (``infer_batch``, no entropies);
+* **shared**: the same call with ``fisher`` read from it (:mod:`oar_verl.integration.megatron.shared`);
+* **own**: ``fisher``'s own passes (the Megatron backend), today's fallback after the call.
+
+Reported: (call with fisher − call alone) ÷ train and own ÷ train, with the cost model in forward units (train 4F
+with recompute, 3F without; the shared backward F, its recompute another F; own passes forward + backward (+
+recompute)). Each ``--recompute`` setting is the engine's own (``none``: activations kept; ``full``: every layer
+recomputed) and runs in its own process.
+
+usage (the Megatron environment ``.venv-mcore`` must exist: ``bash scripts/setup_mcore_env.sh``):
+    python -m research.megatron_cost --lengths 1024,2048 --recompute none,full
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MASK = 7
+
+
+def job(spec_path: str) -> None:
+    """One engine, every variant, every length (runs under torchrun in the Megatron environment)."""
+    os.environ.setdefault("VERL_PLATFORM", "cpu")
+    sys.path.insert(0, str(ROOT / "tests" / "megatron"))
+    import torch
+    import torch.distributed as dist
+
+    import cpu_shims  # test tooling: verl's Megatron engine on a CPU-only torch
+
+    import oar_verl.quickstart.platform  # noqa: F401  (verl "cpu" platform, gloo)
+
+    cpu_shims.install()
+    spec = json.loads(Path(spec_path).read_text())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(spec["threads"])
+    from types import SimpleNamespace
+
+    from verl.trainer.config import CheckpointConfig
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.engine import EngineRegistry
+
+    from oar_verl.core.config import OARConfig
+    from oar_verl.core.methods.attribution import pass_limits, run_attribution
+    from oar_verl.integration.backends import ENGINE_BACKENDS
+    from oar_verl.integration.fields import ROW_FIELD
+    from oar_verl.integration.megatron.backend import MegatronBackend
+    from research.scaling import make_rows
+
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
+        if spec["recompute"] == "full" else {}
+    mc = HFModelConfig(path=spec["model_dir"], use_remove_padding=False)
+    ec = McoreEngineConfig(dtype="bfloat16", use_mbridge=True, vanilla_mbridge=True, forward_only=False,
+                           use_dynamic_bsz=False, micro_batch_size_per_gpu=1, infer_micro_batch_size_per_gpu=1,
+                           use_remove_padding=False,
+                           override_transformer_config={"use_cpu_initialization": True, **recompute})
+    cpu_shims.float32_engine_config(ec)
+    engine = EngineRegistry.new(model_type="language_model", backend="megatron", model_config=mc, engine_config=ec,
+                                optimizer_config=McoreOptimizerConfig(lr=1e-5, total_training_steps=10),
+                                checkpoint_config=CheckpointConfig())
+    engine.initialize()
+    cfg = OARConfig(mode="fisher", mask="token", mask_token_id=MASK)
+    out = []
+    for length in spec["lengths"]:
+        batch = make_rows(1, length, spec["vocab"], "cpu")
+        ids = [batch.input_ids[0]]
+        nj = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+
+        def td(attributed=False):
+            d = tu.get_tensordict({"input_ids": nj(ids), "position_ids": nj([torch.arange(len(x)) for x in ids]),
+                                   "loss_mask": nj([torch.ones(len(x)) for x in ids])})
+            tu.assign_non_tensor(d, use_dynamic_bsz=False, micro_batch_size_per_gpu=1, temperature=1.0,
+                                 use_fused_kernels=False, calculate_entropy=False)
+            if attributed:
+                d[ROW_FIELD] = torch.arange(len(ids))
+            return d
+
+        def loss(model_output, data, dp_group):
+            lp = model_output["log_probs"]
+            return -(lp.values() if lp.is_nested else lp).mean(), {}
+
+        def train():
+            with engine.train_mode():
+                engine.forward_backward_batch(td(), loss, forward_only=False)
+            engine.optimizer_zero_grad()
+
+        def log_prob():
+            with engine.eval_mode():
+                engine.infer_batch(td())
+
+        def shared():
+            prepared = SimpleNamespace(batch=batch, mask_token_id=MASK, seeds=None)
+            with ENGINE_BACKENDS.get("megatron").shared_pass(engine, cfg, prepared, None, False) as made:
+                with engine.eval_mode():
+                    engine.infer_batch(td(attributed=True))
+            made[0].result()
+
+        def own():
+            with engine.eval_mode():
+                run_attribution(MegatronBackend(engine, pass_limits(cfg, 1 + length + 128)), batch, cfg,
+                                mask_token_id=MASK)
+
+        row = {"length": length, "tokens": int(batch.input_ids.shape[1]), "recompute": spec["recompute"]}
+        for name, fn in (("train", train), ("log_prob", log_prob), ("shared", shared), ("own", own)):
+            fn()  # warm-up
+            times = []
+            for _ in range(spec["repeats"]):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            row[f"{name}_s"] = statistics.median(times)
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    Path(spec["out"]).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def model_x_train(variant: str, recompute: bool) -> float:
+    """The cost model's time ÷ train in forward units: train 4F with recompute (forward, recompute, two backward
+    matmuls), 3F without; the shared pass adds a backward F (+ F recompute); the own passes forward + backward
+    (+ recompute)."""
+    train = 4.0 if recompute else 3.0
+    return {"shared": 1.0 + recompute, "own": 2.0 + recompute}[variant] / train
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="cpu-quick")
+    ap.add_argument("--lengths", default="1024", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--recompute", default="none,full", type=lambda s: s.split(","))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--job", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.job:
+        job(args.job)
+        return 0
+    import torch
+
+    from oar_verl.quickstart.tiny_assets import build_tokenizer
+    from research.scaling import SHAPES, build_model
+
+    venv = Path(os.environ.get("OAR_MCORE_VENV", ROOT / ".venv-mcore"))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        build_tokenizer(model_dir, seed=0)
+        model = build_model(args.shape, "cpu", torch.float32)
+        model.config.max_position_embeddings = max(args.lengths) + 256
+        model.save_pretrained(model_dir)
+        for recompute in args.recompute:
+            spec = {"model_dir": str(model_dir), "lengths": args.lengths, "recompute": recompute,
+                    "repeats": args.repeats, "threads": args.threads, "vocab": SHAPES[args.shape][6],
+                    "out": str(Path(tmp) / f"{recompute}.json")}
+            (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_PLATFORM": "cpu", "OAR_TEST_SP": "0",
+                   "OMP_NUM_THREADS": str(args.threads), "TORCH_COMPILE_DISABLE": "1", "PYTHONWARNINGS": "ignore",
+                   "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+            env.pop("VIRTUAL_ENV", None)
+            cmd = [str(venv / "bin" / "python"), "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                   "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "research.megatron_cost",
+                   "--job", str(Path(tmp) / "spec.json")]
+            proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
+                return proc.returncode
+            rows += json.loads(Path(spec["out"]).read_text())
+    print(f"\nfisher and verl's Megatron old-log-prob pass, {args.shape}, fp32, CPU ({args.threads} threads), "
+          f"{date.today()}: time ÷ the engine's training micro-step on the same tokens (cost model)")
+    print("| T | engine recompute | the pass itself | fisher read from it adds | fisher's own passes |")
+    print("|---|---|---:|---:|---:|")
+    for r in rows:
+        full = r["recompute"] == "full"
+        added = (r["shared_s"] - r["log_prob_s"]) / r["train_s"]
+        print(f"| {r['length']} | {r['recompute']} | {r['log_prob_s'] / r['train_s']:.2f} "
+              f"({1 / (4 if full else 3):.2f}) | {added:.2f} ({model_x_train('shared', full):.2f}) | "
+              f"{r['own_s'] / r['train_s']:.2f} ({model_x_train('own', full):.2f}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
