@@ -44,6 +44,7 @@ def job(spec_path: str) -> None:
     import torch.distributed as dist
 
     import cpu_shims  # test tooling: verl's Megatron engine on a CPU-only torch
+    from engine_job import log_prob_batch  # the tests' verl compute_log_prob inputs
 
     import oar_verl.quickstart.platform  # noqa: F401  (verl "cpu" platform, gloo)
 
@@ -54,14 +55,12 @@ def job(spec_path: str) -> None:
     from types import SimpleNamespace
 
     from verl.trainer.config import CheckpointConfig
-    from verl.utils import tensordict_utils as tu
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
     from verl.workers.engine import EngineRegistry
 
     from oar_verl.core.config import OARConfig
     from oar_verl.core.methods.attribution import pass_limits, run_attribution
     from oar_verl.integration.backends import ENGINE_BACKENDS
-    from oar_verl.integration.fields import ROW_FIELD
     from oar_verl.integration.megatron.backend import MegatronBackend
     from research.scaling import make_rows
 
@@ -82,16 +81,9 @@ def job(spec_path: str) -> None:
     for length in spec["lengths"]:
         batch = make_rows(1, length, spec["vocab"], "cpu")
         ids = [batch.input_ids[0]]
-        nj = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
 
         def td(attributed=False):
-            d = tu.get_tensordict({"input_ids": nj(ids), "position_ids": nj([torch.arange(len(x)) for x in ids]),
-                                   "loss_mask": nj([torch.ones(len(x)) for x in ids])})
-            tu.assign_non_tensor(d, use_dynamic_bsz=False, micro_batch_size_per_gpu=1, temperature=1.0,
-                                 use_fused_kernels=False, calculate_entropy=False)
-            if attributed:
-                d[ROW_FIELD] = torch.arange(len(ids))
-            return d
+            return log_prob_batch(ids, micro_batch_size=1, rows=attributed)
 
         def loss(model_output, data, dp_group):
             lp = model_output["log_probs"]

@@ -170,6 +170,24 @@ def main(spec_path: str) -> None:
     print(f"rank {rank}: done", flush=True)
 
 
+def log_prob_batch(ids: list, *, micro_batch_size: int, temperature: float = 1.0, entropy: bool = False,
+                   rows: bool = False):
+    """verl's ``compute_log_prob`` inputs for token-id rows (nested, unpadded), as its actor worker hands them to the
+    engine; with ``rows`` each row's index too (what OAR's worker adds for the shared pass)."""
+    from verl.utils import tensordict_utils as tu
+
+    from oar_verl.integration.fields import ROW_FIELD
+
+    nj = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+    td = tu.get_tensordict({"input_ids": nj(ids), "position_ids": nj([torch.arange(len(x)) for x in ids]),
+                            "loss_mask": nj([torch.ones(len(x)) for x in ids])})
+    tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
+                         temperature=temperature, use_fused_kernels=False, calculate_entropy=entropy)
+    if rows:
+        td[ROW_FIELD] = torch.arange(len(ids))
+    return td
+
+
 SHARED = [  # fisher with one loss column (Megatron's schedule runs one backward per micro-batch), each probe kind
     {"mode": "fisher", "probe": "as_mean", "mask": "mean"},
     {"mode": "fisher", "probe": "as_joint", "mask": "pad"},
@@ -181,26 +199,17 @@ def shared_pass(engine, sel, rows, mask_id: int) -> dict:
     """verl's old-log-prob call (the engine's own training layout, entropies, a rollout temperature of 0.7) with
     fisher read from it: the log-probs and entropies against the plain call's, the scores against the backend's own
     fisher passes (on the collecting rank)."""
-    from verl.utils import tensordict_utils as tu
-
     from oar_verl.core.batch.layout import build_attribution_batch
     from oar_verl.core.config import OARConfig
     from oar_verl.core.methods.attribution import pass_limits, probe_kinds, run_attribution
     from oar_verl.integration.backends import ENGINE_BACKENDS
-    from oar_verl.integration.fields import ROW_FIELD
     from oar_verl.integration.megatron.backend import MegatronBackend
 
     ids = [torch.cat([p[pm.bool()], r[rm.bool()]]) for p, pm, r, rm in
            zip(sel["prompts"], sel["prompt_mask"], sel["responses"], sel["response_mask"])]
-    nj = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
 
-    def call(attributed=None):
-        td = tu.get_tensordict({"input_ids": nj(ids), "position_ids": nj([torch.arange(len(x)) for x in ids]),
-                                "loss_mask": nj([torch.ones(len(x)) for x in ids])})
-        tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=2, temperature=0.7,
-                             use_fused_kernels=False, calculate_entropy=True)
-        if attributed is not None:
-            td[ROW_FIELD] = torch.arange(len(ids))
+    def call(attributed=False):
+        td = log_prob_batch(ids, micro_batch_size=2, temperature=0.7, entropy=True, rows=attributed)
         with engine.eval_mode():
             out = engine.infer_batch(td)
         got = (out or {}).get("model_output", {})
