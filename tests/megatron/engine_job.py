@@ -48,8 +48,8 @@ def main(spec_path: str) -> None:
     from megatron.core import parallel_state as mpu
     from verl.trainer.config import CheckpointConfig
     from verl.utils import tensordict_utils as tu
-    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
-    from verl.workers.engine import EngineRegistry
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig, TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
 
     from oar_verl.core.methods.attribution import pass_limits, probe_kinds, run_attribution
     from oar_verl.core.config import OARConfig
@@ -69,9 +69,11 @@ def main(spec_path: str) -> None:
                                                         **RECOMPUTE.get(spec.get("recompute", "none"), {})})
     if spec["dtype"] == "float32":
         cpu_shims.float32_engine_config(ec)
-    engine = EngineRegistry.new(model_type="language_model", backend="megatron", model_config=mc, engine_config=ec,
-                                optimizer_config=McoreOptimizerConfig(lr=1e-5, total_training_steps=10),
-                                checkpoint_config=CheckpointConfig())
+    # verl's TrainingWorker (the actor worker's engine holder, whose infer_batch is compute_log_prob's), without Ray
+    trainer = TrainingWorker(TrainingWorkerConfig(
+        model_type="language_model", model_config=mc, engine_config=ec,
+        optimizer_config=McoreOptimizerConfig(lr=1e-5, total_training_steps=10), checkpoint_config=CheckpointConfig()))
+    engine = trainer.engine
     engine.initialize()
     assert bool(engine.tf_config.sequence_parallel) == sp, "sequence_parallel was changed by the engine"
     assert engine.tf_config.recompute_granularity == RECOMPUTE.get(spec.get("recompute"), {}).get(
@@ -136,6 +138,8 @@ def main(spec_path: str) -> None:
         fid = fidelity_of(MegatronBackend(engine, pass_limits(fcfg)), fbatch, int(spec["mask_token_id"]))
     fid = fid if engine.is_mp_src_rank_with_outputs() else None
     shared = shared_pass(engine, sel, rows, int(spec["mask_token_id"]))
+    shared["worker"] = worker_pass(trainer, sel)
+    shared["recompute"] = spec.get("recompute", "none")
     lp_after = log_probs()
     checks = {
         "embedding_chunked": None if emb is None else any(o != i for o, i in shapes),
@@ -238,6 +242,51 @@ def shared_pass(engine, sel, rows, mask_id: int) -> dict:
                                                                            got.get("entropy", []))))
         out["rel"].append(float((scores - own).abs().max() / own.abs().max()))
         out["choices"].append(attribution.choices)
+    return out
+
+
+def worker_pass(trainer, sel) -> dict:
+    """OAR's worker RPC body (``OARActorRolloutRefWorker.compute_log_prob`` over verl's ``TrainingWorker``, no Ray)
+    with fisher read from the pass: log-probs and entropies against verl's own call's, the importance against the
+    worker's own ``compute_token_importance`` (fisher's own passes), and marked as read from the pass (collecting
+    rank)."""
+    from verl.utils import tensordict_utils as tu
+
+    from oar_verl.core.config import OARConfig
+    from oar_verl.integration.fields import CONFIG_KEY, SHARED_KEY, STEP_KEY
+    from oar_verl.integration.worker import OARActorRolloutRefWorker
+
+    prompts = [p[pm.bool()] for p, pm in zip(sel["prompts"], sel["prompt_mask"])]
+    responses = [r[rm.bool()] for r, rm in zip(sel["responses"], sel["response_mask"])]
+    nj = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+    cfg = OARConfig(mode="fisher", probe="as_mean", mask="mean").to_dict()  # as the trainer step sends it
+
+    def data(shared: bool, micro_batch_size: int):
+        td = log_prob_batch([torch.cat([p, r]) for p, r in zip(prompts, responses)],
+                            micro_batch_size=micro_batch_size, temperature=0.7, entropy=True)
+        td["prompts"], td["responses"] = nj(prompts), nj(responses)
+        tu.assign_non_tensor(td, **{CONFIG_KEY: cfg, STEP_KEY: 3})
+        if shared:
+            tu.assign_non_tensor(td, **{SHARED_KEY: {CONFIG_KEY: cfg, STEP_KEY: 3}})
+        return td
+
+    worker = object.__new__(OARActorRolloutRefWorker)  # the RPC bodies need only the actor (verl's TrainingWorker)
+    worker.actor, worker.enable_routing_replay = trainer, False  # (verl's worker sets the flag from its config)
+    own = worker.compute_token_importance(data(False, 1))
+    out = {}
+    # the update's micro-batch is 1 row: a pass of 1-row micro-batches shares; of 2-row ones only under the engine's
+    # full recompute (its backward would keep more activations than the update), else the fallback after the pass
+    for mbs in (1, 2):
+        plain = trainer.infer_batch(data(False, mbs))
+        got = worker.compute_log_prob(data(True, mbs))
+        if plain is None:  # not a collecting rank
+            out[mbs] = {"collecting": False}
+            continue
+        a, b = got["token_importance"].values(), own["token_importance"].values()
+        out[mbs] = {"collecting": True, "shared": float(got["oar_shared"].min()), "nonzero": int((b != 0).sum()),
+                    "log_probs_diff": float((plain["log_probs"].values() - got["log_probs"].values()).abs().max()),
+                    "entropy_diff": float((plain["entropy"].values() - got["entropy"].values()).abs().max()),
+                    "rel": float((a - b).abs().max() / b.abs().max())}
     return out
 
 

@@ -13,7 +13,8 @@ floor. Cases: OAR-P (with the pad token and the mean embedding as the mask) and 
 3 noise draws, OAR-P's segment, hierarchical and auto policies, and the second-order (fisher) mode, truncated and
 sketched -- the core's methods run unchanged on the engine's backend. In every layout verl's old-log-prob call also
 runs with fisher read from it (:mod:`oar_verl.integration.megatron.shared`, in the engine's training layout):
-log-probs and entropies bitwise the plain call's, scores the backend's own fisher passes'.
+log-probs and entropies bitwise the plain call's, scores the backend's own fisher passes'; and through OAR's worker RPC
+over verl's TrainingWorker, where the pass's micro-batch size decides whether it shares.
 """
 
 from __future__ import annotations
@@ -233,6 +234,18 @@ def check_shared(res, rtol=1e-4):
     assert all(shared["log_probs_equal"]) and all(shared["entropy_equal"]), shared
     assert all(len(c) > 0 for c in shared["choices"]), "the call ran no micro-batch"
     assert max(shared["rel"]) < rtol, shared["rel"]
+    # the same through OAR's worker RPC over verl's TrainingWorker: micro-batches of the update's size share, larger
+    # ones only under the engine's full recompute (else the fallback: attribution right after the pass). Log-probs to
+    # fp32 rounding: with its parameters frozen the pass runs Megatron's frozen-weight linear, and torch.matmul folds a
+    # one-row [s, 1, h] input into one matrix product or not by the weight's requires_grad (measured 1.2e-5 at TP=2
+    # with one-row micro-batches, 0 elsewhere; TransformerEngine's GEMMs on a GPU do not go through torch.matmul)
+    for mbs, got in shared["worker"].items():
+        assert got["collecting"] or not res["src"], got
+        if got["collecting"]:
+            want = 1.0 if mbs == 1 or shared["recompute"] == "full" else 0.0
+            assert got["shared"] == want and got["nonzero"] > 8, (mbs, got)
+            assert got["log_probs_diff"] <= 5e-5 and got["entropy_diff"] <= 5e-5 and got["rel"] < rtol, (mbs, got)
+    print(f"[shared pass] through the worker: {shared['worker']}")
     print(f"[shared pass] scores vs the own passes, max|diff| ÷ max|own|: {shared['rel']}")
 
 
