@@ -16,6 +16,7 @@ from oar_verl.core.backends.ulysses import SequenceShards
 from oar_verl.core.config import OARConfig
 from oar_verl.core.backends.memory import PassKind, fixed_recompute, memory_guard, model_shape, recompute_policy
 from oar_verl.core.registry import Registry
+from oar_verl.integration.shared_pass import fsdp_log_prob, fsdp_shared_error
 
 
 @dataclass(frozen=True)
@@ -99,15 +100,11 @@ def sequence_shards(engine) -> SequenceShards | None:
 def _fsdp_shared_error(engine, cfg: OARConfig, *, fused_kernels: bool, packed: bool, tokens: tuple[int, int]
                        ) -> str | None:
     """(``tokens`` unused: ``recompute=auto`` sizes each micro-batch's backward under the update's peak.)"""
-    from oar_verl.integration.shared_pass import fsdp_shared_error
-
-    return fsdp_shared_error(engine, cfg, fused_kernels=fused_kernels, packed=packed)
+    return fsdp_shared_error(sequence_shards(engine), fused_kernels=fused_kernels, packed=packed)
 
 
 def _fsdp_shared_pass(engine, cfg: OARConfig, prepared, recompute, packed: bool):
-    from oar_verl.integration.shared_pass import fsdp_log_prob
-
-    return fsdp_log_prob(engine, cfg, prepared, recompute, packed)
+    return fsdp_log_prob(engine, cfg, prepared, recompute, packed, sequence_shards(engine))
 
 
 ENGINE_BACKENDS.register("fsdp", "fsdp2")(EngineBackend(make=_fsdp_backend, device=_module_device,

@@ -21,32 +21,33 @@ from oar_verl.core.backends.budget import row_spans
 from oar_verl.core.backends.shared import ForwardLayout, SharedAttribution
 from oar_verl.core.methods.attribution import shared_attribution
 from oar_verl.core.preprocess import PreparedAttribution
-from oar_verl.integration.backends import sequence_shards
+from oar_verl.core.backends.ulysses import SequenceShards
 from oar_verl.integration.fields import ROW_FIELD
 
 
-def fsdp_shared_error(engine, cfg, *, fused_kernels: bool, packed: bool = True) -> str | None:
+def fsdp_shared_error(shards: SequenceShards | None, *, fused_kernels: bool, packed: bool = True) -> str | None:
     """Why verl's FSDP old-log-prob pass cannot carry attribution (the worker then attributes after it, in the same
-    call), or None. Under Ulysses the pass is sharded like verl's (remove-padding, which verl requires there)."""
-    if sequence_shards(engine) is not None and not packed:
+    call), or None. Under Ulysses (``shards``: the engine's group) the pass is sharded like verl's (remove-padding,
+    which verl requires there)."""
+    if shards is not None and not packed:
         return "Ulysses sequence parallelism without use_remove_padding"
     if fused_kernels:
         return "use_fused_kernels=true (the fused head computes no logits)"
     return None
 
 
-def fsdp_log_prob(engine, cfg, prepared: PreparedAttribution, recompute, packed: bool
-                  ) -> contextlib.AbstractContextManager[list[SharedAttribution]]:
+def fsdp_log_prob(engine, cfg, prepared: PreparedAttribution, recompute, packed: bool,
+                  shards: SequenceShards | None) -> contextlib.AbstractContextManager[list[SharedAttribution]]:
     """verl's FSDP old-log-prob pass (the duration of the block) with ``cfg.mode`` read from every micro-batch of
     ``prepared``'s rows (``recompute``: the share of layers each pass recomputes; ``packed``: verl's remove-padding
-    layout): :func:`attributed_log_prob` with the core's :func:`~oar_verl.core.methods.attribution.
-    shared_attribution` on the engine's module."""
+    layout; ``shards``: the engine's Ulysses group): :func:`attributed_log_prob` with the core's
+    :func:`~oar_verl.core.methods.attribution.shared_attribution` on the engine's module."""
     batch = prepared.batch
 
     def make():
         engine.module.eval()  # no dropout (inside verl's eval_mode, weights loaded)
         return shared_attribution(engine.module, batch, cfg, recompute, mask_token_id=prepared.mask_token_id,
-                                  seeds=prepared.seeds, shards=sequence_shards(engine))
+                                  seeds=prepared.seeds, shards=shards)
 
     return attributed_log_prob(engine, make, row_spans(batch.attention_mask), batch.input_ids, packed)
 
