@@ -102,6 +102,18 @@ def test_methods_with_their_own_passes_are_refused_by_name(lm64, make_batch):
             shared_attribution(lm64, mixed_batch(make_batch), OARConfig(mode=mode), lambda tokens: True)
 
 
+@pytest.mark.parametrize("keys", [{"mode": "fisher"}, {"mode": "fisher", "fisher_outcomes": 2, "fisher_sketches": 1},
+                                  {"mode": "conservative"}])
+def test_a_methods_declared_columns_are_its_targets(lm64, make_batch, keys):
+    """``Method.shared_columns`` (what an engine with one backward per forward, Megatron's, decides by) is the loss
+    columns of the target the method builds."""
+    from oar_verl.core.methods.attribution import METHODS
+
+    cfg = OARConfig(**keys, mask_token_id=MASK)
+    shared = shared_attribution(lm64, mixed_batch(make_batch), cfg, lambda tokens: True, mask_token_id=MASK)
+    assert shared.target.columns == METHODS.get(cfg.mode).shared_columns(cfg)
+
+
 def test_a_block_without_a_forward_is_an_error(lm64, make_batch):
     cfg = OARConfig(mode="fisher", mask="token", mask_token_id=MASK)
     shared = shared_attribution(lm64, mixed_batch(make_batch), cfg, lambda tokens: True, mask_token_id=MASK)

@@ -54,6 +54,10 @@ def _never(cfg) -> bool:
     return False
 
 
+def _one(cfg) -> int:
+    return 1
+
+
 @dataclass(frozen=True)
 class Method:
     """A registered attribution method and its traits.
@@ -74,6 +78,8 @@ class Method:
         shared: (backend, batch, cfg, inputs) -> its :class:`~oar_verl.core.backends.shared.SharedTarget`: a
             clean-point gradient method that can read its scores from a forward the trainer runs anyway (verl's
             old-log-prob pass); None: it runs its own passes.
+        shared_columns: cfg -> the loss columns of its shared target (backwards from one forward; an engine whose
+            schedule runs one backward per forward, Megatron's, shares only at 1).
         ranks_past_window: a gradient method measured to rank well above random on rows longer than a sliding
             window (conservative on Gemma 3: research/docs/faithfulness.md §17), so the sliding-window warning, whose
             premise is a random ranking there, does not name it.
@@ -88,6 +94,7 @@ class Method:
     propagation_rules: bool = False
     shared: Callable[..., object] | None = None
     ranks_past_window: bool = False
+    shared_columns: Callable[[object], int] = _one
 
 
 METHODS: Registry[Method] = Registry("attribution method", "algorithm.oar.mode")
@@ -96,13 +103,14 @@ METHODS: Registry[Method] = Registry("attribution method", "algorithm.oar.mode")
 def method(name: str, *, forward_only: bool, reads_gradients: bool, uses_mask_token: bool,
            linearises_mask: bool = False, segments: Callable[[object], bool] | None = None,
            propagation_rules: bool = False, shared: Callable[..., object] | None = None,
-           ranks_past_window: bool = False):
+           ranks_past_window: bool = False, shared_columns: Callable[[object], int] | None = None):
     """Decorator: register the decorated ``run`` function as the method ``name`` (``algorithm.oar.mode``) with its
     traits (:class:`Method`; the first three have no default: every method declares them)."""
 
     def add(run: Callable[..., AttributionResult]) -> Callable[..., AttributionResult]:
         METHODS.register(name)(Method(run, forward_only, reads_gradients, uses_mask_token, linearises_mask,
-                                      segments or _never, propagation_rules, shared, ranks_past_window))
+                                      segments or _never, propagation_rules, shared, ranks_past_window,
+                                      shared_columns or _one))
         return run
 
     return add

@@ -198,7 +198,7 @@ def fisher_target(backend: AttributionBackend, batch: AttributionBatch, cfg, inp
 
 
 @method("fisher", forward_only=False, reads_gradients=True, uses_mask_token=True, linearises_mask=True,
-        shared=fisher_target)
+        shared=fisher_target, shared_columns=lambda cfg: cfg.fisher_outcomes + cfg.fisher_sketches)
 def run_fisher(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
     """``mode=fisher``: :func:`fisher` with ``mask``, ``fisher_outcomes``, ``fisher_sketches`` and ``seed`` of the
     configuration."""

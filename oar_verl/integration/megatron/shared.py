@@ -48,9 +48,10 @@ def megatron_shared_error(cfg, *, fused_kernels: bool = False, recomputes: bool 
     """
     if fused_kernels:
         return "use_fused_kernels=true (the fused forward computes no logits)"
-    if cfg.mode == "fisher" and cfg.fisher_outcomes + cfg.fisher_sketches > 1:
-        return (f"{cfg.prefix}.fisher_outcomes + fisher_sketches = {cfg.fisher_outcomes + cfg.fisher_sketches} "
-                "backwards per row (the Megatron schedule runs one per micro-batch)")
+    columns = METHODS.get(cfg.mode).shared_columns(cfg)
+    if columns > 1:
+        return (f"{cfg.prefix}.mode={cfg.mode} reads {columns} backwards per row here (fisher: fisher_outcomes + "
+                "fisher_sketches); the Megatron schedule runs one per micro-batch")
     held, update = tokens
     if held > update and not recomputes:
         return (f"its micro-batches hold up to {held} tokens, the update's {update}: a backward through them would "
