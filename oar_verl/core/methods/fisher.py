@@ -184,6 +184,11 @@ def fisher(backend: AttributionBackend, batch: AttributionBatch, mask_token_id: 
     return backend.share(torch.where(batch.reasoning_mask, scores, 0.0)), len(packs)
 
 
+def loss_columns(cfg) -> int:
+    """C = K + S loss columns of a distribution row (``fisher_outcomes`` + ``fisher_sketches``): backwards per row."""
+    return cfg.fisher_outcomes + cfg.fisher_sketches
+
+
 def fisher_target(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> SharedTarget:
     """``mode=fisher`` read from a shared clean forward (:mod:`oar_verl.core.backends.shared`): the same columns,
     weights, projection and Fisher sum as :func:`fisher`, one forward and C backwards per sequence."""
@@ -192,13 +197,13 @@ def fisher_target(backend: AttributionBackend, batch: AttributionBatch, cfg, inp
     mask_embedding = replacement_embedding(backend, as_replacement(mask))
     signs = cached_signs(cfg.seed, S)
     joint = batch.probe.joint
-    return SharedTarget(batch, K + S, lambda probe, rows: fisher_columns(probe, K, S, signs, joint[rows]),
+    return SharedTarget(batch, loss_columns(cfg), lambda probe, rows: fisher_columns(probe, K, S, signs, joint[rows]),
                         lambda grad, clean: embedding_projection(grad, clean, mask_embedding),
                         lambda projections, weights: fisher_importance(projections, weights, joint))
 
 
 @method("fisher", forward_only=False, reads_gradients=True, uses_mask_token=True, linearises_mask=True,
-        shared=fisher_target, shared_columns=lambda cfg: cfg.fisher_outcomes + cfg.fisher_sketches)
+        shared=fisher_target, shared_columns=loss_columns)
 def run_fisher(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
     """``mode=fisher``: :func:`fisher` with ``mask``, ``fisher_outcomes``, ``fisher_sketches`` and ``seed`` of the
     configuration."""

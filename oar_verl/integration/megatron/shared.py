@@ -91,6 +91,9 @@ class MegatronSharedAttribution:
         self.batch = batch
         B, L = batch.input_ids.shape
         self.L = L
+        am = batch.attention_mask.bool().cpu()  # each row's real tokens, contiguous: first column and count
+        self._start, self._lengths = am.int().argmax(-1), am.sum(-1)
+        self._flat_ids = batch.input_ids.reshape(-1).cpu().long()  # read by every micro-batch's checks
         self.projections = torch.zeros(B, 1, L, dtype=torch.float32)
         self.weights = torch.zeros(B, 1, dtype=torch.float32)
         self.covered = torch.zeros(B, dtype=torch.bool)
@@ -121,13 +124,11 @@ class MegatronSharedAttribution:
         from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
         from verl.utils import tensordict_utils as tu
 
-        batch = self.batch
         rows = micro_batch[ROW_FIELD].cpu().long()
         ids = micro_batch["input_ids"]
         lengths = ids.offsets().diff().cpu().long()
-        am = batch.attention_mask.bool()
-        start = am.int().argmax(-1)
-        if not bool((lengths == am.sum(-1)[rows]).all()):
+        start = self._start
+        if not bool((lengths == self._lengths[rows]).all()):
             raise RuntimeError("oar: a micro-batch of the Megatron old-log-prob pass does not hold the rows being "
                                "attributed whole (its rows' lengths differ from the batch's prompts and responses)")
         codes = [rows[i] * self.L + start[rows[i]] + torch.arange(int(n)) + 1 for i, n in enumerate(lengths.tolist())]
@@ -141,9 +142,7 @@ class MegatronSharedAttribution:
             forced = tu.get_non_tensor_data(data=micro_batch, key="forced_max_seqlen", default=None)
             laid = preprocess_bshd_engine(nested, pre_process=True, use_fp8_padding=fp8, forced_max_seqlen=forced)[0]
         laid = laid.cpu().long()
-        real = laid > 0
-        flat_ids = batch.input_ids.reshape(-1).cpu()
-        if not torch.equal(flat_ids[laid[real] - 1].long(), ids.values().cpu().long()):
+        if not torch.equal(self._flat_ids[laid[laid > 0] - 1], ids.values().cpu().long()):
             raise RuntimeError("oar: a micro-batch of the Megatron old-log-prob pass does not hold the rows being "
                                "attributed token for token")
         return rows, laid
@@ -155,9 +154,9 @@ class MegatronSharedAttribution:
         gradient is projected and stored by batch position."""
         rows, codes = self._micro_batch
         input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        if tuple(input_ids.shape) != tuple(codes.shape) or not torch.equal(
-                input_ids.cpu().long()[codes > 0], self.batch.input_ids.reshape(-1).cpu().long()[
-                    codes[codes > 0] - 1]):
+        real = codes > 0
+        if tuple(input_ids.shape) != tuple(codes.shape) or not torch.equal(input_ids.cpu().long()[real],
+                                                                           self._flat_ids[codes[real] - 1]):
             raise RuntimeError(f"oar: the Megatron embedding received input ids {tuple(input_ids.shape)} laid out "
                                f"otherwise than verl's layout of the micro-batch {tuple(codes.shape)}")
         at = codes.t()  # [s, b] like the embedding output
