@@ -9,7 +9,8 @@ For each response length (one row of 128 prompt + T response tokens, random weig
 * **shared**: the same call with ``fisher`` read from it (:mod:`oar_verl.integration.megatron.shared`);
 * **own**: ``fisher``'s own passes (the Megatron backend), today's fallback after the call.
 
-Reported: (call with fisher − call alone) ÷ train and own ÷ train, with the cost model in forward units (train 4F
+Reported: (call with fisher − call alone) ÷ train and own ÷ train, each call's peak (resident-memory rise) ÷ train's,
+with the cost model in forward units (train 4F
 with recompute, 3F without; the shared backward F, its recompute another F; own passes forward + backward (+
 recompute)). Each ``--recompute`` setting is the engine's own (``none``: activations kept; ``full``: every layer
 recomputed) and runs in its own process.
@@ -28,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from datetime import date
 from pathlib import Path
 
@@ -62,6 +62,7 @@ def job(spec_path: str) -> None:
     from oar_verl.core.methods.attribution import pass_limits, run_attribution
     from oar_verl.integration.backends import ENGINE_BACKENDS
     from oar_verl.integration.megatron.backend import MegatronBackend
+    from research.common import measure
     from research.scaling import make_rows
 
     recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
@@ -113,12 +114,9 @@ def job(spec_path: str) -> None:
         row = {"length": length, "tokens": int(batch.input_ids.shape[1]), "recompute": spec["recompute"]}
         for name, fn in (("train", train), ("log_prob", log_prob), ("shared", shared), ("own", own)):
             fn()  # warm-up
-            times = []
-            for _ in range(spec["repeats"]):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            row[f"{name}_s"] = statistics.median(times)
+            got = [measure(fn, "cpu") for _ in range(spec["repeats"])]
+            row[f"{name}_s"] = statistics.median(s for s, _ in got)
+            row[f"{name}_mib"] = max(m for _, m in got)  # resident-memory rise over the state before
         out.append(row)
         print(json.dumps(row), flush=True)
     Path(spec["out"]).write_text(json.dumps(out))
@@ -180,14 +178,16 @@ def main(argv: list[str] | None = None) -> int:
             rows += json.loads(Path(spec["out"]).read_text())
     print(f"\nfisher and verl's Megatron old-log-prob pass, {args.shape}, fp32, CPU ({args.threads} threads), "
           f"{date.today()}: time ÷ the engine's training micro-step on the same tokens (cost model)")
-    print("| T | engine recompute | the pass itself | fisher read from it adds | fisher's own passes |")
-    print("|---|---|---:|---:|---:|")
+    print("| T | engine recompute | the pass itself | fisher read from it adds | fisher's own passes | peak × train's: "
+          "pass / pass with fisher / own |")
+    print("|---|---|---:|---:|---:|---|")
     for r in rows:
         full = r["recompute"] == "full"
         added = (r["shared_s"] - r["log_prob_s"]) / r["train_s"]
         print(f"| {r['length']} | {r['recompute']} | {r['log_prob_s'] / r['train_s']:.2f} "
               f"({1 / (4 if full else 3):.2f}) | {added:.2f} ({model_x_train('shared', full):.2f}) | "
-              f"{r['own_s'] / r['train_s']:.2f} ({model_x_train('own', full):.2f}) |")
+              f"{r['own_s'] / r['train_s']:.2f} ({model_x_train('own', full):.2f}) | "
+              + " / ".join(f"{r[k + '_mib'] / r['train_mib']:.2f}" for k in ("log_prob", "shared", "own")) + " |")
     return 0
 
 
