@@ -21,6 +21,12 @@ __all__ = ["ModelShape", "PassKind", "free_accelerator_bytes", "memory_guard", "
 # input norm in/out (2H), q/k/v (Q + 2KV), attention output (Q) + its softmax statistics, o_proj input (Q),
 # residual + post-norm in/out (2H), gate/up (2I), activation and product (2I), down input (I)
 _SAVED_H, _SAVED_I = 4, 5
+# with the weights frozen (attribution's input-gradient passes) no linear keeps its input for a weight gradient: the
+# two norms' fp32 inputs (HF's RMSNorm upcasts), q and the attention output (2Q), k and v (2KV), gate, up and the
+# activation (3I); under the conservative rules each norm keeps its input and output in the model's dtype (4H).
+# Counted with autograd's saved-tensor hooks (tests/core/test_memory_model.py); 0.63 GiB a layer at Qwen2.5-7B x 4k
+# in bf16, where the H100 measured 0.60 (docs/performance.md) and the training count gives 0.95
+_FROZEN_FP32_H, _RULES_H, _FROZEN_Q, _FROZEN_KV, _FROZEN_I = 2, 4, 2, 2, 3
 _TRANSIENT_H, _TRANSIENT_I = 4, 3  # one layer's live tensors in a no-grad forward: hidden, norm, residual; gate/up/act
 _BACKWARD = 2  # a layer in its backward: its saved activations plus gradients of the same size
 # under the conservative propagation rules the norms and the activation run without a graph and keep their input and
@@ -62,6 +68,14 @@ class ModelShape:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         return _SAVED_H * self.hidden + _SAVED_I * self.intermediate + 3 * q + 2 * kv
 
+    def per_layer_saved_frozen(self, rules: bool = False) -> int:
+        """Elements one layer saves for an input-gradient backward with frozen weights, per token (``rules``: under the
+        conservative propagation rules); fp32 tensors count as 4 / ``dtype_bytes`` elements."""
+        q, kv, wide = self.heads * self.head_dim, self.kv_heads * self.head_dim, 4 // self.dtype_bytes
+        norms = _RULES_H * self.hidden if rules else _FROZEN_FP32_H * self.hidden * wide
+        stats = (2 + self.heads) * wide  # the norms' fp32 rsqrt, the attention's fp32 log-sum-exp per head
+        return norms + _FROZEN_Q * q + _FROZEN_KV * kv + _FROZEN_I * self.intermediate + stats
+
     def per_layer_transient(self) -> int:
         """Elements one layer holds at once in a no-grad forward, per token."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -100,12 +114,14 @@ def pass_bytes(kind: str, tokens: int, shape: ModelShape, *, checkpointing: bool
         return layer + logit_positions * V * 4
     if kind == PassKind.FORWARD_CACHED:
         return shape.kv_cache() * tokens * b + layer + logit_positions * V * 4
-    saved_layer = shape.per_layer_saved() * tokens * b
+    frozen = kind in (PassKind.INPUT_GRADIENT, PassKind.RULES_GRADIENT)  # attribution's: no parameter gradients
+    per_token = shape.per_layer_saved_frozen(kind == PassKind.RULES_GRADIENT) if frozen else shape.per_layer_saved()
+    saved_layer = per_token * tokens * b
     # the layer being differentiated holds its saved activations and their gradients at once
     backward = (_RULES_BACKWARD if kind == PassKind.RULES_GRADIENT else _BACKWARD) * saved_layer
     kept = (0 if checkpointing else shape.layers) if kept_layers is None else kept_layers
     saved = (shape.layers - kept) * H * tokens * b + kept * saved_layer + backward
-    if kind in (PassKind.INPUT_GRADIENT, PassKind.RULES_GRADIENT):
+    if frozen:
         leaf = 3 * H * tokens * b + 2 * H * tokens * 4  # clean, leaf, gradient; the fp32 product for the saliency
         return saved + leaf + logit_positions * V * 4 * 2
     if kind == PassKind.TRAINING:
