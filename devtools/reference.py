@@ -411,12 +411,15 @@ def batch_path(model, prompts, prompt_mask, responses, response_mask, reasoning_
     return out
 
 
-def conservative_logits(model: torch.nn.Module, embeddings: torch.Tensor) -> torch.Tensor:
+def conservative_logits(model: torch.nn.Module, embeddings: torch.Tensor, attention_rule: str = "values"
+                        ) -> torch.Tensor:
     """(L, V) float64 logits of one unpadded sequence from its (L, H) input embeddings, computed by hand from a Qwen2
     (or Llama) model's weights with the conservative rules written into the forward (docs/method.md §13): the norm
-    scale rsqrt(mean x² + ε) detached, queries and keys detached after RoPE (the attention probabilities constant),
-    SiLU by the identity rule (silu(g) = g · [silu(g)/g], the ratio detached) and the gate × up product by the half
-    rule. The values are the model's own; only the backward differs from the plain forward's."""
+    scale rsqrt(mean x² + ε) detached; attention by ``attention_rule``: ``values`` — queries and keys detached after
+    RoPE (the attention probabilities constant), ``uniform`` — the scores q·k and the output P·V each the half-sum of
+    their two one-factor-detached products (AttnLRP's half rule), the softmax plain; SiLU by the identity rule
+    (silu(g) = g · [silu(g)/g], the ratio detached) and the gate × up product by the half rule. The values are the
+    model's own; only the backward differs from the plain forward's."""
     cfg = model.config
     L, H = embeddings.shape
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -440,13 +443,22 @@ def conservative_logits(model: torch.nn.Module, embeddings: torch.Tensor) -> tor
     for layer in model.model.layers:
         att = layer.self_attn
         x = norm(h, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-        q = rope(linear(x, att.q_proj).view(L, heads, hd)).detach()
-        k = rope(linear(x, att.k_proj).view(L, kv, hd)).detach()
+        q = rope(linear(x, att.q_proj).view(L, heads, hd))
+        k = rope(linear(x, att.k_proj).view(L, kv, hd))
         v = linear(x, att.v_proj).view(L, kv, hd)
         k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
-        scores = torch.einsum("qnd,knd->nqk", q, k) / math.sqrt(hd)
+        if attention_rule == "values":
+            scores = torch.einsum("qnd,knd->nqk", q.detach(), k.detach()) / math.sqrt(hd)
+        else:
+            scores = 0.5 * (torch.einsum("qnd,knd->nqk", q, k.detach())
+                            + torch.einsum("qnd,knd->nqk", q.detach(), k)) / math.sqrt(hd)
         probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
-        h = h + linear(torch.einsum("nqk,knd->qnd", probs, v).reshape(L, heads * hd), att.o_proj)
+        if attention_rule == "values":
+            out = torch.einsum("nqk,knd->qnd", probs, v)
+        else:
+            out = 0.5 * (torch.einsum("nqk,knd->qnd", probs, v.detach())
+                         + torch.einsum("nqk,knd->qnd", probs.detach(), v))
+        h = h + linear(out.reshape(L, heads * hd), att.o_proj)
         x = norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
         mlp = layer.mlp
         gate, up = linear(x, mlp.gate_proj), linear(x, mlp.up_proj)
@@ -458,7 +470,8 @@ def conservative_logits(model: torch.nn.Module, embeddings: torch.Tensor) -> tor
 
 
 def conservative(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int], answer: list[int],
-                 kind: ProbeKind, on_module: bool = False, pad_id: int = 0) -> torch.Tensor:
+                 kind: ProbeKind, on_module: bool = False, pad_id: int = 0, attention_rule: str = "values"
+                 ) -> torch.Tensor:
     """``mode=conservative`` of one sequence (docs/method.md §13): ⟨∂φ/∂e_t, e_t⟩ with φ the answer tokens'
     log-probability over the probe's positions (LT-Logits: the first answer token; AS-Mean and AS-Joint: the mean over
     the answer tokens; no answer: LT-Logits' fallback position, the last reasoning token, and the token after it).
@@ -468,6 +481,7 @@ def conservative(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int]
             family; a per-sequence reference of the batched, padded fast path) instead of the hand-written Qwen2
             forward :func:`conservative_logits` (the rules' own definition).
         pad_id: the token after a sequence's last position (what the batch's shifted targets hold there).
+        attention_rule: ``algorithm.oar.attention_rule``.
 
     Returns:
         (L,) float64 signed relevance, 0 off the reasoning positions.
@@ -486,12 +500,12 @@ def conservative(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int]
     if on_module:
         from oar_verl.core.backends.rules import conservative_rules
 
-        with conservative_rules(model):
+        with conservative_rules(model, attention_rule):
             logits = model(inputs_embeds=e[None]).logits[0].double()
             phi = sum(torch.log_softmax(logits[p], -1)[t] for p, t in targets) / len(targets)
             (grad,) = torch.autograd.grad(phi, e)
     else:
-        logits = conservative_logits(model, e)
+        logits = conservative_logits(model, e, attention_rule)
         phi = sum(torch.log_softmax(logits[p], -1)[t] for p, t in targets) / len(targets)
         (grad,) = torch.autograd.grad(phi, e)
     for t in reasoning:
@@ -500,12 +514,12 @@ def conservative(model: torch.nn.Module, ids: torch.Tensor, reasoning: list[int]
 
 
 def batch_conservative(model, prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,
-                       kind: ProbeKind, on_module: bool = False) -> torch.Tensor:
+                       kind: ProbeKind, on_module: bool = False, attention_rule: str = "values") -> torch.Tensor:
     """(B, T) float64 response-aligned ``mode=conservative`` of a verl-layout batch, row by row."""
     out = torch.zeros(responses.shape, dtype=torch.float64)
     for b in range(responses.shape[0]):
         ids, reasoning, answer, p = _row(prompts, prompt_mask, responses, response_mask, reasoning_mask, answer_mask,
                                          b)
-        scores = conservative(model, ids, reasoning, answer, kind, on_module)
+        scores = conservative(model, ids, reasoning, answer, kind, on_module, attention_rule=attention_rule)
         out[b, : len(ids) - p] = scores[p:]
     return out

@@ -74,6 +74,8 @@ METHODS = {
     "path_m2": {"mode": "path", "path_points": 2, "mask": "mean"},
     # conservative propagation: gradient × input of the answer's log-probability, relevance conserved (#46 item 1)
     "conservative": {"mode": "conservative"},
+    # the same with AttnLRP's attention rule: relevance through the queries and keys too (#46)
+    "conservative_uniform": {"mode": "conservative", "attention_rule": "uniform"},
     # OAR-G with noise above bf16's resolution in the logits (#46 item 2)
     "oar_g_s01": {"mode": "gradient", "noise_std": 1e-2, "noise_std_low_precision": None},
     "oar_g_s05": {"mode": "gradient", "noise_std": 5e-2, "noise_std_low_precision": None},
@@ -87,6 +89,7 @@ DN_WIDTH = 64
 # a method run on the model rounded to bf16 (the actor's compute dtype on a GPU), its removals still measured on the
 # fp32 model: does bf16 rounding cost credit on a trained model? (docs/gpu_check.md measured it on random weights)
 LOW_PRECISION = {"oar_g_bf16": "oar_g", "fisher_k1_mean_bf16": "fisher_k1_mean", "conservative_bf16": "conservative",
+                 "conservative_uniform_bf16": "conservative_uniform",
                  "oar_g_s01_bf16": "oar_g_s01", "oar_g_s05_bf16": "oar_g_s05"}
 BASE = {"target": "reference", "conclude_text": "\n#### ", "answer_patterns": ("gsm8k",), "probe": "as_mean"}
 OPERATORS = ("token", "zero", "delete", "resample")  # `token`: the model's plain mask token, as the methods mask

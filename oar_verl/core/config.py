@@ -21,6 +21,7 @@ APPLY_TO = ("all", "negative", "positive")
 AUTO_MODE = "auto"  # `mode=auto`: the driver chooses a registered mode per band (oar_verl.core.auto, docs/auto.md)
 AUTO_FALLBACKS = ("grpo", "best")
 RECOMPUTE = ("auto", "always", "never")
+ATTENTION_RULES = ("values", "uniform")  # how `conservative` propagates through attention (core/backends/rules.py)
 AUTO_MAX_CANDIDATES = 8  # the integrations' per-row fields hold this many candidates
 
 # Presets only fill the keys the user did not set.  `paper`: the values the paper's summaries report; `official_code`:
@@ -67,6 +68,12 @@ class OARConfig:
                      "gradients of the shift along the mask path, every reasoning token moved together: OAR-G's "
                      "cost with `path_points` draws; docs/method.md §12); `auto`: the run chooses among "
                      "`auto_candidates` on its own rows (docs/auto.md).")
+    attention_rule: str = _key("values", "method",
+                               "`conservative`: how relevance crosses attention: `values` (the attention "
+                               "probabilities held constant, the values carry it; exactly conserved) or `uniform` "
+                               "(AttnLRP's: the softmax by gradient x input and each of attention's two products split "
+                               "in half between its factors, so relevance also flows through what a token attends "
+                               "to; conserved up to the softmax's share). Same cost; docs/method.md §13.")
     preset: str = _key("paper", "method",
                        "`paper` (tau = 0.4, beta = 2.0, the paper's summaries) or `official_code` (tau = 0.25, "
                        "beta = 1.0, the official OAR-main.py); an explicit `tau` / `beta` wins over the preset.")
@@ -277,6 +284,7 @@ class OARConfig:
             if not isinstance(getattr(self, key), bool):
                 raise OARConfigError(f"{p}.{key} must be true or false, got {getattr(self, key)!r}")
         _choice(p, "recompute", self.recompute, RECOMPUTE)
+        _choice(p, "attention_rule", self.attention_rule, ATTENTION_RULES)
         _integer(p, "mask_span", self.mask_span, lo=1)
         _name(p, "perturbation", self.perturbation)
         if not isinstance(self.segment_split, str) or not self.segment_split:

@@ -64,6 +64,8 @@ def test_probe_schedule():
     ({"mode": "fisher", "mask": "resample"}, r"algorithm\.oar\.mask=resample is not allowed with algorithm\.oar\."
                                              r"mode=fisher .*choose algorithm\.oar\.mask=mean\|zero\|pad\|token"),
     ({"apply_to": "wrong"}, r"algorithm\.oar\.apply_to='wrong' is not allowed; choose one of: all, negative, positive"),
+    ({"attention_rule": "probabilities"}, r"algorithm\.oar\.attention_rule='probabilities' is not allowed; choose one "
+                                          r"of: values, uniform"),
     ({"base_estimator": "oar"}, r"algorithm\.oar\.base_estimator cannot be 'oar'"),
     ({"answer_patterns": []}, r"algorithm\.oar\.answer_patterns must be a non-empty list"),
     ({"answer_patterns": ["(unclosed"]}, r"neither a built-in pattern .* nor a usable answer regex"),

@@ -54,6 +54,19 @@ def test_matches_the_float64_reference_of_its_definition(lm, make_batch, kind, t
     assert (passes == 1) == (tokens > 10**5)
 
 
+@pytest.mark.parametrize("kind", [ProbeKind.LT_LOGITS, ProbeKind.AS_MEAN])
+def test_uniform_attention_matches_the_float64_reference_of_its_definition(lm, make_batch, kind):
+    """``attention_rule=uniform`` (AttnLRP's half rule on q·k and P·V, the softmax plain) on sdpa through gradient
+    scaling against the reference's explicit half-sums of one-factor-detached products; and it is another ranking."""
+    rows = answered_rows(make_batch, seed=5)
+    batch = build_attribution_batch(*rows, torch.full((rows[0].shape[0],), int(kind)))
+    got, _ = conservative(ModuleBackend(lm, PassLimits(10**6), checkpointing=True), batch, "uniform")
+    ref = reference.batch_conservative(lm, *rows, kind, attention_rule="uniform")
+    torch.testing.assert_close(got[:, batch.response_start:].double(), ref, rtol=1e-6, atol=1e-12)
+    values = reference.batch_conservative(lm, *rows, kind)
+    assert float((ref - values).abs().max()) > 1e-3 * float(values.abs().max())
+
+
 def test_through_the_registry_with_any_probe_and_budget_invariant(lm, make_batch):
     rows = answered_rows(make_batch, seed=8)
     kinds = torch.tensor([ProbeKind.AS_MEAN, ProbeKind.LT_LOGITS, ProbeKind.AS_JOINT][: rows[0].shape[0]]
@@ -121,17 +134,18 @@ def test_relevance_is_conserved(make_lm, family, attention):
     assert abs(float((g * e).sum()) + share - target) > 1e-3
 
 
-def test_rules_keep_every_value_and_restore_the_model(lm):
+@pytest.mark.parametrize("rule", ["values", "uniform"])
+def test_rules_keep_every_value_and_restore_the_model(lm, rule):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     ids = torch.randint(1, 90, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = lm(ids).logits
-        with conservative_rules(lm):
+        with conservative_rules(lm, rule):
             inside = lm(ids).logits
     assert torch.equal(inside, before)
     local = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
-    with pytest.raises(RuntimeError, match="boom"), conservative_rules(lm):
+    with pytest.raises(RuntimeError, match="boom"), conservative_rules(lm, rule):
         raise RuntimeError("boom")
     assert ALL_ATTENTION_FUNCTIONS._local_mapping == local
     assert not any("forward" in m.__dict__ for m in lm.modules())
@@ -146,3 +160,19 @@ def test_a_family_without_the_rules_is_refused():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40)).eval()
     with pytest.raises(ValueError, match="mode=conservative: GPT2LMHeadModel has no"), conservative_rules(model):
         pass
+
+
+def test_uniform_attention_is_the_same_on_every_attention_implementation():
+    """The uniform rule wraps the registered implementation (sdpa) and the modelling module's eager function alike:
+    Gemma 3 (query/key norms, a sliding window shorter than the row) gives the same relevance on both (to the eager
+    function's float32 softmax, 5e-8 in the logits themselves) and another one than ``values``."""
+    ids = torch.randint(1, 50, (14,), generator=torch.Generator().manual_seed(3))
+    got = []
+    for attention in ("sdpa", "eager"):
+        model = gemma3()
+        model.set_attn_implementation(attention)
+        got.append(reference.conservative(model, ids, list(range(2, 10)), [11, 12], ProbeKind.AS_MEAN, on_module=True,
+                                          attention_rule="uniform"))
+    torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-8)
+    values = reference.conservative(model, ids, list(range(2, 10)), [11, 12], ProbeKind.AS_MEAN, on_module=True)
+    assert float((got[1] - values).abs().max()) > 1e-2 * float(values.abs().max()) > 1e-6

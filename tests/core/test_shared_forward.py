@@ -45,7 +45,7 @@ def packed_forward(model, batch, shared, order):
 
 
 CONFIGS = [("fisher", dict(fisher_outcomes=1)), ("fisher", dict(fisher_outcomes=2, fisher_sketches=2)),
-           ("conservative", {})]
+           ("conservative", {}), ("conservative", dict(attention_rule="uniform"))]
 
 
 @pytest.mark.parametrize("mode,keys", CONFIGS)

@@ -144,7 +144,7 @@ class AttributionBackend(Protocol):
 
     def share(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def propagation_rules(self) -> contextlib.AbstractContextManager: ...
+    def propagation_rules(self, attention_rule: str) -> contextlib.AbstractContextManager: ...
 
 
 class DenseProbeTable:
@@ -185,10 +185,10 @@ class DenseProbes:
     def share(self, x: torch.Tensor) -> torch.Tensor:
         return x  # every rank read the probe itself
 
-    def propagation_rules(self) -> contextlib.AbstractContextManager:
+    def propagation_rules(self, attention_rule: str) -> contextlib.AbstractContextManager:
         from oar_verl.core.backends.rules import conservative_rules
 
-        return conservative_rules(self.model)
+        return conservative_rules(self.model, attention_rule)
 
 
 def with_fillers(passes: list[Pass], count: int, filler: Pass, batch: AttributionBatch) -> list[Pass]:

@@ -4,7 +4,10 @@ Inside :func:`conservative_rules` the forward computes exactly what it computes 
 the backward treats three non-linearities as constants of the forward (Ali et al. 2022; AttnLRP, Achtibat et al.
 2024), so that gradient × input conserves relevance through the layers:
 
-* attention: queries and keys detached (the attention probabilities constant; the values carry the gradient);
+* attention, by ``attention_rule``: ``values`` — queries and keys detached (the attention probabilities constant;
+  the values carry the gradient; Ali et al.'s rule), or ``uniform`` — AttnLRP's: the softmax by gradient × input and
+  each of attention's two products by the half rule, so the queries' and keys' gradients are scaled by 1/4 and the
+  values' by 1/2 (relevance also flows through what each token attends to);
 * RMSNorm: the normalisation's scale detached (y = x ⊙ s with s = w·rsqrt(mean x² + ε) constant);
 * gated MLP ``down(act(gate(x)) * up(x))``: the activation by the identity rule (act(g) = g · [act(g)/g], the ratio
   constant) and the product by the half rule (a·u with half the gradient to each factor).
@@ -23,6 +26,8 @@ import sys
 from collections.abc import Iterator
 
 import torch
+
+from oar_verl.core.config import ATTENTION_RULES
 
 
 def ratio_times(grad: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -80,10 +85,43 @@ def half_rule(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return _HalfProduct.apply(a, u)
 
 
-def _attention_rule(fn):
+class _GradScale(torch.autograd.Function):
+    """x itself, with its gradient times a constant."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x (the value unchanged) with ∂/∂x scaled by ``factor``."""
+    return _GradScale.apply(x, factor)
+
+
+def uniform_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AttnLRP's attention rule on an unchanged attention kernel: o = P·V and the scores s = q·k each split their
+    relevance in half between the factors (half rule), the softmax between them by gradient × input, so ∂ reaches the
+    values ×1/2 and the queries and keys ×1/2·1/2."""
+    return scale_gradient(query, 0.25), scale_gradient(key, 0.25), scale_gradient(value, 0.5)
+
+
+def _values_attention(query, key, value):
+    return query.detach(), key.detach(), value
+
+
+_ATTENTION = {"values": _values_attention, "uniform": uniform_attention}
+
+
+def _attention_rule(fn, rule: str):
     @functools.wraps(fn)
     def attention(module, query, key, value, *args, **kwargs):
-        return fn(module, query.detach(), key.detach(), value, *args, **kwargs)
+        return fn(module, *_ATTENTION[rule](query, key, value), *args, **kwargs)
 
     return attention
 
@@ -104,9 +142,9 @@ def _is_rmsnorm(module: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def conservative_rules(model: torch.nn.Module) -> Iterator[None]:
-    """Apply the rules to ``model`` (plain or FSDP-wrapped) for the forwards and backwards run inside; everything is
-    restored on the way out, on error too.
+def conservative_rules(model: torch.nn.Module, attention_rule: str = "values") -> Iterator[None]:
+    """Apply the rules to ``model`` (plain or FSDP-wrapped) for the forwards and backwards run inside, attention by
+    ``attention_rule`` (one of :data:`ATTENTION_RULES`); everything is restored on the way out, on error too.
 
     Raises:
         ValueError: the model has no attention, RMSNorm or gated MLP module the rules know (a family they were not
@@ -114,6 +152,8 @@ def conservative_rules(model: torch.nn.Module) -> Iterator[None]:
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    if attention_rule not in _ATTENTION:
+        raise ValueError(f"attention_rule must be one of {ATTENTION_RULES}, got {attention_rule!r}")
     modules = list(model.modules())
     attention = [m for m in modules if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "v_proj")]
     norms = [m for m in modules if _is_rmsnorm(m)]
@@ -128,7 +168,7 @@ def conservative_rules(model: torch.nn.Module) -> Iterator[None]:
         for impl in sorted(impls - {"eager"}):  # the registered implementation, wrapped in this interface's map
             had = impl in ALL_ATTENTION_FUNCTIONS._local_mapping
             previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(impl)
-            ALL_ATTENTION_FUNCTIONS[impl] = _attention_rule(ALL_ATTENTION_FUNCTIONS[impl])
+            ALL_ATTENTION_FUNCTIONS[impl] = _attention_rule(ALL_ATTENTION_FUNCTIONS[impl], attention_rule)
             undo.append(lambda impl=impl, had=had, previous=previous: (
                 ALL_ATTENTION_FUNCTIONS.__setitem__(impl, previous) if had else ALL_ATTENTION_FUNCTIONS.__delitem__(impl)))
         if "eager" in impls:  # the modelling modules' own eager function, looked up at call time
@@ -136,7 +176,7 @@ def conservative_rules(model: torch.nn.Module) -> Iterator[None]:
                 mod = sys.modules[name]
                 if hasattr(mod, "eager_attention_forward"):
                     original = mod.eager_attention_forward
-                    mod.eager_attention_forward = _attention_rule(original)
+                    mod.eager_attention_forward = _attention_rule(original, attention_rule)
                     undo.append(lambda mod=mod, original=original: setattr(mod, "eager_attention_forward", original))
         for norm in norms:  # an instance attribute over the class's forward, the norm's own forward without a graph
             norm.forward = functools.partial(linear_rule, norm.forward)

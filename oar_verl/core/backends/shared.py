@@ -51,7 +51,8 @@ class SharedTarget:
         losses: (probe of n rows, their batch rows (n,)) -> (losses (n, C), weights (n, C) float32 detached).
         project: (grad (b, s, H), clean (b, s, H)) -> (b, s) float32 projection of every position.
         finish: (projections (B, C, L) float32, weights (B, C)) -> (B, L) float32 scores.
-        rules: the backward runs under the model's conservative propagation rules.
+        rules: the backward runs under the model's conservative propagation rules with this attention rule
+            (``algorithm.oar.attention_rule``); None: no rules.
     """
 
     batch: AttributionBatch
@@ -59,7 +60,7 @@ class SharedTarget:
     losses: Callable[[ProbeOutput, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     finish: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    rules: bool = False
+    rules: str | None = None
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ class SharedAttribution:
                                                                                                   always_call=True),
                    self.model.get_input_embeddings().register_forward_hook(at_embedding),
                    self.model.get_output_embeddings().register_forward_hook(at_head)]
-        rules = _rules(self.model) if self.target.rules else contextlib.nullcontext()
+        rules = _rules(self.model, self.target.rules) if self.target.rules else contextlib.nullcontext()
         try:
             with frozen_parameters(self.model), layer_checkpointing(self.model, recompute), rules:
                 yield
@@ -263,7 +264,7 @@ def _always(share: float, tokens: int) -> float:
     return share
 
 
-def _rules(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+def _rules(model: torch.nn.Module, attention_rule: str) -> contextlib.AbstractContextManager:
     from oar_verl.core.backends.rules import conservative_rules
 
-    return conservative_rules(model)
+    return conservative_rules(model, attention_rule)

@@ -29,12 +29,14 @@ def answer_target(batch: AttributionBatch) -> AttributionBatch:
     return dataclasses.replace(batch, probe=dataclasses.replace(batch.probe, joint=torch.ones_like(batch.probe.joint)))
 
 
-def conservative(backend: AttributionBackend, batch: AttributionBatch) -> tuple[torch.Tensor, int]:
+def conservative(backend: AttributionBackend, batch: AttributionBatch, attention_rule: str = "values"
+                 ) -> tuple[torch.Tensor, int]:
     """Conserved relevance of every reasoning token to its row's answer, on any backend that has the rules.
 
     Args:
-        backend: the model runtime (``propagation_rules()``: the rules' context).
+        backend: the model runtime (``propagation_rules(attention_rule)``: the rules' context).
         batch: AttributionBatch (B, L); B >= 1 when other data-parallel ranks run more passes.
+        attention_rule: ``algorithm.oar.attention_rule`` (``values`` or ``uniform``).
 
     Returns:
         ((B, L) float32 signed relevance ⟨∂φ/∂e_t, e_t⟩ at reasoning positions, 0 elsewhere; the passes this rank
@@ -47,7 +49,7 @@ def conservative(backend: AttributionBackend, batch: AttributionBatch) -> tuple[
     passes = with_fillers([Pass(rows[p]) for p in packs], backend.align(len(packs)),
                           Pass(first_row(batch), filler=True), batch)
     hook = EmbeddingHook(lambda grad, clean: embedding_projection(grad, clean))
-    with backend.propagation_rules():
+    with backend.propagation_rules(attention_rule):
         got = backend.run(target, passes, lambda i, probe: probe.phi, hook)
     scores = collect(got, packs, (B, L), batch.input_ids.device)
     # where the probe is read (Megatron: the last stage) the scores go to every rank
@@ -60,12 +62,12 @@ def conservative_target(backend: AttributionBackend, batch: AttributionBatch, cf
     one backward under the rules (which leave the forward's values unchanged)."""
     return SharedTarget(answer_target(batch), 1, lambda probe, rows: (probe.phi[:, None], torch.ones_like(
         probe.phi[:, None], dtype=torch.float32)), lambda grad, clean: embedding_projection(grad, clean),
-        lambda projections, weights: projections[:, 0], rules=True)
+        lambda projections, weights: projections[:, 0], rules=cfg.attention_rule)
 
 
 @method("conservative", forward_only=False, reads_gradients=True, uses_mask_token=False, propagation_rules=True,
         shared=conservative_target, ranks_past_window=True)
 def run_conservative(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs
                      ) -> AttributionResult:
-    """``mode=conservative``: :func:`conservative` (no method keys)."""
-    return AttributionResult(*conservative(backend, batch))
+    """``mode=conservative``: :func:`conservative` (its key: ``attention_rule``)."""
+    return AttributionResult(*conservative(backend, batch, cfg.attention_rule))

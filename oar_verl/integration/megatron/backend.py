@@ -91,7 +91,7 @@ class MegatronBackend:
                        group=mpu.get_pipeline_model_parallel_group())
         return buf.to(x.device)
 
-    def propagation_rules(self):
+    def propagation_rules(self, attention_rule: str):
         """The conservative propagation rules are written for Hugging Face modules (FSDP, Ulysses); start-up refuses
         the methods that need them on this engine (:func:`~.layout_checks.megatron_mode_error`), so reaching here is a
         bug."""
