@@ -43,17 +43,13 @@ from oar_verl.quickstart import last_digit_reward
 from research import REPO, digit_task, task
 from research.common import bootstrap_ci, finish_figure, nanmean, permutation_p, progress
 
-METHODS = ("grpo", "oar_g", "oar_p", "fisher", "conservative", "conservative_uniform", "entropy", "position")
+METHODS = ("grpo", "oar_g", "oar_p", "fisher", "conservative", "entropy", "position")
 DEFAULT_METHODS = ("grpo", "oar_g", "oar_p", "entropy")  # the study's protocol; fisher on request (--methods)
 LABELS = {"grpo": "GRPO", "oar_g": "OAR-G", "oar_p": "OAR-P", "fisher": "OAR fisher",
-          "conservative": "OAR conservative", "conservative_uniform": "OAR conservative, uniform attention",
-          "entropy": "entropy weights", "position": "position weights"}
+          "conservative": "OAR conservative", "entropy": "entropy weights", "position": "position weights"}
 COLORS = {"grpo": "tab:gray", "oar_g": "tab:orange", "oar_p": "tab:blue", "fisher": "tab:purple",
-          "conservative": "tab:red", "conservative_uniform": "tab:brown", "entropy": "tab:green",
-          "position": "tab:olive"}
-MODES = {"oar_g": "gradient", "oar_p": "perturbation", "fisher": "fisher", "conservative": "conservative",
-         "conservative_uniform": "conservative"}
-KEYS = {"conservative_uniform": {"attention_rule": "uniform"}}  # a method's algorithm.oar keys beyond its mode
+          "conservative": "tab:red", "entropy": "tab:green", "position": "tab:olive"}
+MODES = {"oar_g": "gradient", "oar_p": "perturbation", "fisher": "fisher", "conservative": "conservative"}
 # the task the runs use (--task): the product's last-digit module, or a research.digit_task.DigitTask with the
 # decisive token early or in the middle; both offer the same names
 TASK = credit_task
@@ -138,7 +134,7 @@ def algorithm_config(method: str, seed: int):
     probe ``auto``), the mode of ``method``, ``algorithm.oar.seed`` = the run's seed."""
     from omegaconf import OmegaConf
 
-    oar = {"mode": MODES.get(method, "gradient"), "seed": seed, **KEYS.get(method, {})}
+    oar = {"mode": MODES.get(method, "gradient"), "seed": seed}
     return OmegaConf.create({"adv_estimator": "oar" if method != "grpo" else "grpo", "norm_adv_by_std_in_grpo": True,
                              "oar": oar})
 
@@ -496,7 +492,6 @@ def verl_check(assets: dict, out: Path, *, log, prompt: tuple[int, int] = (3, 5)
             rollout_n=rollout_n, micro_batch_size_per_gpu=16, max_prompt_length=32, max_response_length=48,
             project="oar_credit", experiment=method,
             extra=[f"algorithm.oar.mode={MODES[method]}", "algorithm.oar.dump_every=1",
-                   *(f"algorithm.oar.{k}={v}" for k, v in KEYS.get(method, {}).items()),
                    f"algorithm.oar.dump_groups={groups}", f"algorithm.oar.dump_dir={run_dir / 'dumps'}",
                    "algorithm.oar.seed=0", "actor_rollout_ref.rollout.temperature=1.0", "trainer.test_freq=-1",
                    "trainer.val_before_train=False"])
