@@ -59,17 +59,21 @@ def trained(tmp_path_factory):
     return model, bf16_twin(model), tok, ids, responses
 
 
-def method_config(mode: str) -> OARConfig:
+def method_config(mode: str, **keys) -> OARConfig:
     """The mode's shipped configuration; OAR-G at the σ a bf16 actor draws, in both dtypes (module docstring)."""
     if mode == "gradient":
-        return OARConfig(mode=mode, noise_std=OARConfig().noise_std_low_precision)
-    return OARConfig(mode=mode)
+        return OARConfig(mode=mode, noise_std=OARConfig().noise_std_low_precision, **keys)
+    return OARConfig(mode=mode, **keys)
 
 
-@pytest.mark.parametrize("mode", METHODS.names())
-def test_bf16_ranks_the_rows_as_fp32_does(trained, mode):
+# every registered mode at its defaults, and the shipped alternative rule of `conservative`
+CASES = [(mode, {}) for mode in METHODS.names()] + [("conservative", {"attention_rule": "uniform"})]
+
+
+@pytest.mark.parametrize("mode,keys", CASES, ids=[m + "".join(f"-{v}" for v in k.values()) for m, k in CASES])
+def test_bf16_ranks_the_rows_as_fp32_does(trained, mode, keys):
     model, low, tok, ids, responses = trained
-    cfg = method_config(mode)
+    cfg = method_config(mode, **keys)
     prep = prepare_attribution([torch.tensor(p) for p in ids], [torch.tensor(r) for r in responses], tok, cfg, 0)
     scores = {}
     for dtype, m in ((torch.float32, model), (torch.bfloat16, low)):
