@@ -163,8 +163,8 @@ class OARConfig:
                                 "backward per row, `fisher` at its default `fisher_outcomes`; not with fused kernels; "
                                 "elsewhere right after the pass, in the same call), in the V1 and legacy trainers and "
                                 "OpenRLHF's experience maker; under `mode=auto` on the steps that do not calibrate, "
-                                "when every band runs one such method; never with `target=reference` (its rows end in the ground "
-                                "truth, which that forward does not hold); with false, their own passes.")
+                                "when every band runs one such method; never with `target=reference` (its rows end in "
+                                "the ground truth, which that forward does not hold); with false, their own passes.")
     recompute: str = _key("auto", "budgets",
                           "Gradient checkpointing of attribution's backwards: `auto` (keep the activations of as many "
                           "decoder layers as fit under the training step's peak and the free memory, recompute the "

@@ -154,6 +154,18 @@ def test_rules_keep_every_value_and_restore_the_model(lm, rule):
         assert torch.equal(lm(ids).logits, before)
 
 
+def test_every_configurable_attention_rule_is_implemented():
+    """The names `algorithm.oar.attention_rule` accepts (the config's one list) are the rules this module applies, and
+    any other is refused before the model is touched."""
+    from oar_verl.core.backends import rules
+    from oar_verl.core.config import ATTENTION_RULES
+
+    assert set(rules._ATTENTION) == set(ATTENTION_RULES)
+    with pytest.raises(ValueError, match="attention_rule must be one of"), conservative_rules(torch.nn.Linear(2, 2),
+                                                                                             "probabilities"):
+        pass
+
+
 def test_a_family_without_the_rules_is_refused():
     from transformers import GPT2Config, GPT2LMHeadModel
 

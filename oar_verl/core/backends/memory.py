@@ -24,7 +24,7 @@ _SAVED_H, _SAVED_I = 4, 5
 # with the weights frozen (attribution's input-gradient passes) no linear keeps its input for a weight gradient: the
 # two norms' fp32 inputs (HF's RMSNorm upcasts), q and the attention output (2Q), k and v (2KV), gate, up and the
 # activation (3I); under the conservative rules each norm keeps its input and output in the model's dtype (4H).
-# Counted with autograd's saved-tensor hooks (tests/core/test_memory_model.py); 0.63 GiB a layer at Qwen2.5-7B x 4k
+# Counted with autograd's saved-tensor hooks (tests/core/test_memory_model.py); 0.62 GiB a layer at Qwen2.5-7B x 4k
 # in bf16, where the H100 measured 0.60 (docs/performance.md) and the training count gives 0.95
 _FROZEN_FP32_H, _RULES_H, _FROZEN_Q, _FROZEN_KV, _FROZEN_I = 2, 4, 2, 2, 3
 _TRANSIENT_H, _TRANSIENT_I = 4, 3  # one layer's live tensors in a no-grad forward: hidden, norm, residual; gate/up/act
