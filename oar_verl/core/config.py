@@ -61,7 +61,7 @@ class OARConfig:
     mode: str = _key("conservative", "method",
                      "`conservative` (the default, chosen by measurement, docs/method.md §15: gradient x input of "
                      "the answer's log-probability with relevance conserved through attention, norms and the gated "
-                     "MLP; one clean input-gradient pass; FSDP / Ulysses, not Megatron yet; docs/method.md §13), "
+                     "MLP; one clean input-gradient pass; every engine; docs/method.md §13), "
                      "`gradient` (OAR-G, the paper's: gradient x input under embedding noise), `perturbation` (OAR-P: "
                      "one-token masking, the probe's change per masked token), `fisher` (OAR-P's masking KL to second "
                      "order from clean-point gradients: about OAR-G's cost; docs/method.md §11) or `path` (integrated "
@@ -160,8 +160,9 @@ class OARConfig:
                                 "`fisher` and `conservative` read their scores from verl's old-log-prob forward "
                                 "(one forward for both, backwards only from the probe; docs/method.md §14) where the "
                                 "engine allows it (FSDP, with or without Ulysses; Megatron for methods with one "
-                                "backward per row, `fisher` at its default `fisher_outcomes`; not with fused kernels; "
-                                "elsewhere right after the pass, in the same call), in the V1 and legacy trainers and "
+                                "backward per row: `fisher` at its default `fisher_outcomes`, `conservative`; not "
+                                "with fused kernels; elsewhere right after the pass, in the same call), in the V1 and "
+                                "legacy trainers and "
                                 "OpenRLHF's experience maker; under `mode=auto` on the steps that do not calibrate, "
                                 "when every band runs one such method; never with `target=reference` (its rows end in "
                                 "the ground truth, which that forward does not hold); with false, their own passes.")

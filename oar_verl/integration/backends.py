@@ -123,6 +123,7 @@ def _megatron_backend(engine, cfg: OARConfig, tokens: int, *, pad_id: int, check
 
 
 def _megatron_startup_error(config) -> str | None:
+    from oar_verl.core.checks.model_config import local_model_config
     from oar_verl.integration.megatron.layout_checks import megatron_layout_error, megatron_mode_error
 
     recompute = config.get("algorithm", {}).get("oar", {}).get("recompute", "auto")
@@ -130,7 +131,8 @@ def _megatron_startup_error(config) -> str | None:
         return (f"algorithm.oar.recompute={recompute}: the Megatron engine recomputes as its own settings say "
                 "(actor_rollout_ref.actor.megatron.override_transformer_config.recompute_*); keep auto")
 
-    mode_error = megatron_mode_error(config.get("algorithm", {}).get("oar", {}))
+    mode_error = megatron_mode_error(config.get("algorithm", {}).get("oar", {}),
+                                     local_model_config(config.actor_rollout_ref.model.get("path", None)))
     if mode_error:
         return mode_error
     model = config.actor_rollout_ref.model

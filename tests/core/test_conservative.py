@@ -160,7 +160,7 @@ def test_every_configurable_attention_rule_is_implemented():
     from oar_verl.core.backends import rules
     from oar_verl.core.config import ATTENTION_RULES
 
-    assert set(rules._ATTENTION) == set(ATTENTION_RULES)
+    assert set(rules.ATTENTION_RULE_INPUTS) == set(ATTENTION_RULES)
     with pytest.raises(ValueError, match="attention_rule must be one of"), conservative_rules(torch.nn.Linear(2, 2),
                                                                                              "probabilities"):
         pass
@@ -188,3 +188,44 @@ def test_uniform_attention_is_the_same_on_every_attention_implementation():
     torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-8)
     values = reference.conservative(model, ids, list(range(2, 10)), [11, 12], ProbeKind.AS_MEAN, on_module=True)
     assert float((got[1] - values).abs().max()) > 1e-2 * float(values.abs().max()) > 1e-6
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_norm_rule_through_a_module_s_output_equals_the_held_scale(fused):
+    """Megatron's form of the norm rule (:func:`norm_scale_held`: the module's own backward plus x s² ⟨out − b, g⟩ / H)
+    equals holding the scale constant (:func:`linear_rule` on the norm), in float64, for a plain RMSNorm and for one
+    fused with the linear after it (TransformerEngine's layout; the bias inside the output), where neither the norm's
+    weight nor the linear is read."""
+    from oar_verl.core.backends.rules import linear_rule, norm_scale_held
+
+    g = torch.Generator().manual_seed(0)
+    norm = torch.nn.RMSNorm(16, eps=1e-5, dtype=torch.float64)
+    linear = torch.nn.Linear(16, 24, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=g)
+    after = linear if fused else torch.nn.Identity()
+    x = (3 * torch.randn(3, 5, 16, dtype=torch.float64, generator=g)).requires_grad_()
+    up = torch.randn(3, 5, 24 if fused else 16, dtype=torch.float64, generator=g)
+    (want,) = torch.autograd.grad(after(linear_rule(norm, x)), x, up)
+    out = after(norm(x))
+    (got,) = torch.autograd.grad(norm_scale_held(x, out, 1e-5, bias=linear.bias if fused else None), x, up)
+    (plain,) = torch.autograd.grad(after(norm(x)), x, up)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(plain, want, rtol=1e-3)  # the rule changes the gradient
+    assert torch.equal(norm_scale_held(x, out, 1e-5), out)  # and not the value
+
+
+@pytest.mark.parametrize("act", [torch.nn.functional.silu, torch.nn.functional.gelu])
+def test_the_gated_rule_on_a_concatenated_first_layer_equals_the_module_rules(act):
+    """Megatron's gated MLP (``linear_fc1`` outputs [gate, up]): :func:`gated_half` gives [gate, up] the gradient of
+    the identity rule on act and the half rule on the product, as the Hugging Face rules do, the value untouched."""
+    from oar_verl.core.backends.rules import gated_half, half_rule, linear_rule
+
+    y = torch.randn(3, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    gate, up = y.chunk(2, dim=-1)
+    h = act(gate) * up
+    grad = torch.randn_like(h)
+    (want,) = torch.autograd.grad(half_rule(linear_rule(act, gate), up), y, grad)
+    (got,) = torch.autograd.grad(gated_half(y, h, act), y, grad)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
+    assert torch.equal(gated_half(y, h, act), h)

@@ -245,9 +245,6 @@ BAD_CONFIGURATIONS = [
     ("actor_rollout_ref.actor.strategy=megatron algorithm.oar.mode=fisher "
      "actor_rollout_ref.model.use_fused_kernels=True",
      "use_fused_kernels=True (actor_rollout_ref.model.use_fused_kernels)"),
-    # the default mode needs the propagation rules, which the Megatron engine lacks: refused, naming what to set
-    ("actor_rollout_ref.actor.strategy=megatron",
-     "algorithm.oar.mode=conservative is not available on the Megatron engine yet (the key's default)"),
     ("actor_rollout_ref.actor.strategy=dtensor_magic",
      "strategy='dtensor_magic' is not a registered actor strategy OAR can attribute with; registered: fsdp, fsdp2, megatron"),
     ("trainer.v1.trainer_mode=dreamy", "trainer.v1.trainer_mode='dreamy' has no OAR trainer; choose one of: sync"),

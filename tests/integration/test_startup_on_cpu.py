@@ -32,6 +32,25 @@ def test_megatron_runs_every_method_and_refuses_unsupported_layouts():
     assert validate_oar_setup(config("megatron", mode="fisher", recompute="auto")).recompute == "auto"
 
 
+def test_megatron_runs_the_default_on_dense_models_and_refuses_it_on_experts(tmp_path):
+    """conservative (the default) has Megatron rules for dense layers: a dense model's config.json (or none) passes,
+    a mixture of experts is refused before Ray starts, naming the key and what to set."""
+    import json
+
+    assert validate_oar_setup(config("megatron")).mode == "conservative"
+    for name, model in (("dense", {"model_type": "qwen2"}), ("moe", {"model_type": "qwen3_moe", "num_experts": 8})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(model))
+    dense, moe = config("megatron"), config("megatron")
+    dense.actor_rollout_ref.model.path, moe.actor_rollout_ref.model.path = str(tmp_path / "dense"), str(tmp_path / "moe")
+    assert validate_oar_setup(dense).mode == "conservative"
+    with pytest.raises(OARSetupError, match=r"algorithm\.oar\.mode=conservative \(the key's default\) on the Megatron "
+                                            r"engine: .* mixture of 8 experts; set algorithm\.oar\.mode to one of"):
+        validate_oar_setup(moe)
+    moe.algorithm.oar.mode = "fisher"
+    assert validate_oar_setup(moe).mode == "fisher"
+
+
 def test_an_unsafe_mask_token_of_the_model_dir_is_refused(tmp_path):
     """mask=pad / mask=token: the model's tokenizer and generation config are read at start-up (docs/method.md §3)."""
     from transformers import GenerationConfig

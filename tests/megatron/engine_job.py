@@ -115,6 +115,7 @@ def main(spec_path: str) -> None:
 
     results, seconds = {}, {}
     for case in spec["cases"]:
+        restore = fuse_norms(engine) if case.get("fuse_norms") else None
         cfg = OARConfig.from_mapping(case["oar"])
         kinds = probe_kinds(cfg, 0, len(rows))
         batch = with_segments(build_attribution_batch(sel["prompts"], sel["prompt_mask"], sel["responses"],
@@ -127,6 +128,8 @@ def main(spec_path: str) -> None:
                                   mask_token_id=mask_id, seeds=sel["seeds"])
         seconds[case["name"]] = time.perf_counter() - t0
         results[case["name"]] = res.importance if engine.is_mp_src_rank_with_outputs() else None
+        if restore is not None:
+            restore()
 
     if rec is not None:
         rec.remove()
@@ -174,6 +177,48 @@ def main(spec_path: str) -> None:
     print(f"rank {rank}: done", flush=True)
 
 
+class FusedNormLinear(torch.nn.Module):
+    """TEST-ONLY: an RMSNorm and the column-parallel linear after it as one module, with the attributes of
+    TransformerEngine's ``TELayerNormColumnParallelLinear`` that OAR's rules read (``layer_norm_weight``, ``eps``,
+    ``normalization``, ``bias``): how the TransformerEngine spec GPU runs use lays out a layer's norms, which CPU
+    megatron-core (local spec) cannot build. The same maths as the local modules it wraps."""
+
+    def __init__(self, norm, linear):
+        super().__init__()
+        object.__setattr__(self, "norm", norm)  # not a submodule: TransformerEngine's fused module has none
+        self.linear, self.layer_norm_weight, self.eps, self.normalization = linear, norm.weight, norm.eps, "RMSNorm"
+
+    @property
+    def bias(self):
+        return self.linear.bias
+
+    def forward(self, x):
+        return self.linear(self.norm(x))
+
+
+def fuse_norms(engine):
+    """Fuse every layer's input and pre-MLP norms into the next linear (:class:`FusedNormLinear`, the
+    TransformerEngine layout); returns the function that restores the local layout."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from verl.utils.megatron_utils import unwrap_model
+
+    undo = []
+    for layer in unwrap_model(engine.module[0]).decoder.layers:
+        for norm_name, owner, linear_name in (("input_layernorm", layer.self_attention, "linear_qkv"),
+                                               ("pre_mlp_layernorm", layer.mlp, "linear_fc1")):
+            norm, linear = getattr(layer, norm_name), getattr(owner, linear_name)
+            setattr(owner, linear_name, FusedNormLinear(norm, linear))
+            setattr(layer, norm_name, IdentityOp())
+            undo.append(lambda layer=layer, owner=owner, n=norm_name, norm=norm, ln=linear_name, linear=linear: (
+                setattr(layer, n, norm), setattr(owner, ln, linear)))
+
+    def restore():
+        for step in undo:
+            step()
+
+    return restore
+
+
 def log_prob_batch(ids: list, *, micro_batch_size: int, temperature: float = 1.0, entropy: bool = False,
                    rows: bool = False):
     """verl's ``compute_log_prob`` inputs for token-id rows (nested, unpadded), as its actor worker hands them to the
@@ -196,13 +241,14 @@ SHARED = [  # fisher with one loss column (Megatron's schedule runs one backward
     {"mode": "fisher", "probe": "as_mean", "mask": "mean"},
     {"mode": "fisher", "probe": "as_joint", "mask": "pad"},
     {"mode": "fisher", "probe": "lt_logits", "mask": "zero"},
+    {"mode": "conservative", "probe": "as_mean"},  # the pass under the propagation rules: log-probs unchanged
 ]
 
 
 def shared_pass(engine, sel, rows, mask_id: int) -> dict:
     """verl's old-log-prob call (the engine's own training layout, entropies, a rollout temperature of 0.7) with
-    fisher read from it: the log-probs and entropies against the plain call's, the scores against the backend's own
-    fisher passes (on the collecting rank)."""
+    fisher or conservative read from it: the log-probs and entropies against the plain call's, the scores against the
+    backend's own passes of the method (on the collecting rank)."""
     from oar_verl.core.batch.layout import build_attribution_batch
     from oar_verl.core.config import OARConfig
     from oar_verl.core.methods.attribution import pass_limits, probe_kinds, run_attribution

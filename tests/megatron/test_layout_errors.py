@@ -15,19 +15,23 @@ def test_layout_errors_name_the_setting():
     assert "mtp" in megatron_layout_error({}, mtp_enabled=True)
 
 
-def test_conservative_is_refused_at_startup_on_megatron():
+def test_conservative_is_refused_at_startup_on_a_mixture_of_experts():
+    """The rules know dense layers: on Megatron a propagation-rules method passes start-up on a dense model (or an
+    unread config) and is refused on a mixture of experts, naming the key and what to set."""
+    from oar_verl.core.config import OARConfig
     from oar_verl.integration.megatron.layout_checks import megatron_mode_error
 
-    assert megatron_mode_error({"mode": "gradient"}) is None
-    assert "mode=conservative is not available on the Megatron engine" in megatron_mode_error({"mode": "conservative"})
-    assert "(the key's default)" in megatron_mode_error({"mode": "conservative"})
-    assert megatron_mode_error({"mode": "auto", "auto_candidates": ["fisher", "conservative"]}) is not None
-    assert megatron_mode_error({"mode": "auto", "auto_candidates": ["fisher"], "auto_default": "fisher"}) is None
+    dense, moe = {"model_type": "qwen2", "hidden_size": 64}, {"model_type": "qwen3_moe", "num_experts": 8}
+    assert megatron_mode_error({"mode": "conservative"}) is None
+    assert megatron_mode_error({"mode": "conservative"}, dense) is None
+    assert megatron_mode_error({"mode": "gradient"}, moe) is None
+    assert "mixture of 8 experts" in megatron_mode_error({"mode": "conservative"}, moe)
+    assert "(the key's default)" in megatron_mode_error({"mode": "conservative"}, moe)
+    assert megatron_mode_error({"mode": "auto", "auto_candidates": ["fisher", "conservative"]}, moe) is not None
+    assert megatron_mode_error({"mode": "auto", "auto_candidates": ["fisher"], "auto_default": "fisher"}, moe) is None
     # the mode auto attributes with before its first decision is checked too
     assert "auto_default" in megatron_mode_error({"mode": "auto", "auto_candidates": ["fisher"],
-                                                  "auto_default": "conservative"})
-    # the defaults (mode=conservative) are refused naming the key and what to set on Megatron
-    from oar_verl.core.config import OARConfig
-
-    assert "set algorithm.oar.mode to one of" in megatron_mode_error(OARConfig().to_dict())
-    assert "auto_candidates=[fisher,gradient]" in megatron_mode_error({**OARConfig().to_dict(), "mode": "auto"})
+                                                  "auto_default": "conservative"}, {"n_routed_experts": 64})
+    assert "set algorithm.oar.mode to one of" in megatron_mode_error(OARConfig().to_dict(), moe)
+    assert "auto_candidates=[fisher,gradient]" in megatron_mode_error({**OARConfig().to_dict(), "mode": "auto"},
+                                                                      {"num_local_experts": 8})

@@ -72,6 +72,13 @@ CASES = [  # chunk / micro-batch sizes that do not divide the row and copy count
     # the unbiased estimator: top 2 exact, the rest in 2 Rademacher sketches summed over the vocabulary shards
     {"name": "f_sketch", "oar": {"mode": "fisher", "probe": "lt_logits", "fisher_outcomes": 2, "fisher_sketches": 2,
                                  "seed": 3, "micro_batch_size": 3}},
+    # conservative propagation (the default): the rules as hooks on megatron-core's layers, both attention rules; and
+    # with each layer's norms fused into the next linear, as TransformerEngine's spec lays them out (engine_job's
+    # FusedNormLinear): the norm rule then works through the fused module's output, summed over the TP group
+    {"name": "c_values", "oar": {"mode": "conservative", "probe": "as_mean", "micro_batch_size": 3}},
+    {"name": "c_uniform", "oar": {"mode": "conservative", "probe": "lt_logits", "attention_rule": "uniform"}},
+    {"name": "c_fused", "oar": {"mode": "conservative", "probe": "as_joint", "micro_batch_size": 2},
+     "fuse_norms": True},
 ]
 B = 4
 # rows of each data-parallel rank; DP=2 gets one long-reasoning pair and one short one (unequal copy counts)

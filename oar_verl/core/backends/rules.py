@@ -85,6 +85,68 @@ def half_rule(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return _HalfProduct.apply(a, u)
 
 
+class _ScaleHeld(torch.autograd.Function):
+    """``out`` = L(N(x)) of an RMSNorm N (L linear: the identity, or a linear layer the norm is fused into) whose
+    backward, added to the module's own, holds the norm's scale constant. With s = rsqrt(mean x² + ε) and g the
+    gradient at ``out``, the rule's input gradient is the module's plus x · s² ⟨out − b, g⟩ / H: the norm's own
+    backward removes exactly that component, and ⟨out − b, g⟩ is ⟨N(x), Lᵀg⟩, so neither the norm's weight nor L is
+    needed (derivation: docs/method.md §13). ``reduce`` completes the per-token dot where ``out`` holds a shard of
+    L's outputs (tensor parallelism), matching x's tokens."""
+
+    @staticmethod
+    def forward(ctx, x, out, bias, eps, reduce):
+        ctx.save_for_backward(x, out, bias)
+        ctx.eps, ctx.reduce = eps, reduce
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, out, bias = ctx.saved_tensors
+        wide = torch.promote_types(x.dtype, torch.float32)
+        y = out.to(wide) if bias is None else out.to(wide) - bias.to(wide)
+        dot = (y * grad.to(wide)).sum(-1, keepdim=True)
+        if ctx.reduce is not None:
+            dot = ctx.reduce(dot)
+        xf = x.to(wide, copy=True)
+        scale = dot.div_((xf.pow(2).mean(-1, keepdim=True) + ctx.eps) * x.shape[-1])
+        return xf.mul_(scale).to(x.dtype), grad, None, None, None
+
+
+def norm_scale_held(x: torch.Tensor, out: torch.Tensor, eps: float, bias: torch.Tensor | None = None,
+                    reduce=None) -> torch.Tensor:
+    """``out`` (an RMSNorm of x, or a linear map of it computed by one fused module, ``bias`` included in ``out``
+    or None) with the norm rule's gradient: the scale rsqrt(mean x² + ε) constant. The forward is the module's own
+    (values bitwise unchanged); only its backward gains a term. ``reduce``: (dot over this rank's output features,
+    [..., 1] per output token) -> the complete dot per token of x (None: ``out`` holds every feature)."""
+    return _ScaleHeld.apply(x, out, bias, eps, reduce)
+
+
+class _GatedHalf(torch.autograd.Function):
+    """``h`` = act(g) ⊙ u of a gated MLP whose first layer outputs ``y`` = [g, u] (concatenated on the last
+    dimension, Megatron's layout), with the identity rule on act and the half rule on the product: ∂g = ½ ∂h ⊙ u ⊙
+    act(g) / g, ∂u = ½ ∂h ⊙ act(g). ``h`` is the model's own value; act is recomputed in fp32 in the backward."""
+
+    @staticmethod
+    def forward(ctx, y, h, act):
+        ctx.save_for_backward(y)
+        ctx.act = act
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        wide = torch.promote_types(y.dtype, torch.float32)
+        g, u = y.to(wide).chunk(2, dim=-1)
+        a = ctx.act(g)
+        half = 0.5 * grad.to(wide)
+        return torch.cat([ratio_times(half * u, a, g), half * a], dim=-1).to(y.dtype), None, None
+
+
+def gated_half(y: torch.Tensor, h: torch.Tensor, act) -> torch.Tensor:
+    """``h`` = act(g) ⊙ u (its value, detached) with the gated MLP's rules' gradient to ``y`` = [g, u]."""
+    return _GatedHalf.apply(y, h.detach(), act)
+
+
 class _GradScale(torch.autograd.Function):
     """x itself, with its gradient times a constant."""
 
@@ -115,13 +177,14 @@ def _values_attention(query, key, value):
     return query.detach(), key.detach(), value
 
 
-_ATTENTION = {"values": _values_attention, "uniform": uniform_attention}
+# each attention rule as (query, key, value) -> the kernel's inputs: the values unchanged, the gradients ruled
+ATTENTION_RULE_INPUTS = {"values": _values_attention, "uniform": uniform_attention}
 
 
 def _attention_rule(fn, rule: str):
     @functools.wraps(fn)
     def attention(module, query, key, value, *args, **kwargs):
-        return fn(module, *_ATTENTION[rule](query, key, value), *args, **kwargs)
+        return fn(module, *ATTENTION_RULE_INPUTS[rule](query, key, value), *args, **kwargs)
 
     return attention
 
@@ -152,7 +215,7 @@ def conservative_rules(model: torch.nn.Module, attention_rule: str = "values") -
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if attention_rule not in _ATTENTION:
+    if attention_rule not in ATTENTION_RULE_INPUTS:
         raise ValueError(f"attention_rule must be one of {ATTENTION_RULES}, got {attention_rule!r}")
     modules = list(model.modules())
     attention = [m for m in modules if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "v_proj")]

@@ -10,11 +10,10 @@ from the model directory's ``config.json`` alone (no model or transformers impor
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Mapping
 
+from oar_verl.core.checks.model_config import local_model_config
 from oar_verl.core.checks.registries import method_of
 
 __all__ = ["check_model_sliding_window", "sliding_window", "sliding_window_warning"]
@@ -64,13 +63,8 @@ def check_model_sliding_window(cfg, model_path: str | None, max_tokens: int | No
                                ) -> str | None:
     """Log :func:`sliding_window_warning` for a local model directory and return it (None: nothing to warn of, or a
     path that is not a local directory with a ``config.json``)."""
-    path = os.path.join(str(model_path), "config.json") if model_path else ""
-    try:
-        with open(path) as f:
-            model_config = json.load(f)
-    except (OSError, ValueError):  # no local config (a hub id, a remote path) or an unreadable one: a warning only
-        return None
-    if not isinstance(model_config, dict):
+    model_config = local_model_config(model_path)
+    if model_config is None:  # no local config (a hub id, a remote path) or an unreadable one: a warning only
         return None
     message = sliding_window_warning(cfg, model_config, max_tokens, check)
     if message is not None:

@@ -1,5 +1,6 @@
 """The attribution backend of verl's Megatron engine (:mod:`oar_verl.core.backends.base`): every method of the core
--- OAR-P under every perturbation policy, OAR-G with K noise draws, fisher -- runs through it unchanged.
+-- OAR-P under every perturbation policy, OAR-G with K noise draws, fisher, conservative (its rules: :mod:`.rules`) --
+runs through it unchanged.
 
 A pass is one engine micro-batch (rows of :class:`.engine.EngineRows`, planned under the token budget as rows × the
 longest sequence of any rank); all passes of a ``run`` go through ONE engine call with an all-reduced micro-batch size,
@@ -22,7 +23,7 @@ from oar_verl.core.batch.layout import AttributionBatch
 from oar_verl.core.backends.collectives import max_over_ranks
 from oar_verl.integration.megatron.engine import (CleanTable, EngineRows, ProbeHook, engine_batch, engine_rows,
                                                   full_recompute, micro_batch_rows, no_param_grads, run_engine)
-from oar_verl.integration.megatron.layout_checks import RULES_UNSUPPORTED, check_megatron_layout
+from oar_verl.integration.megatron.layout_checks import check_megatron_layout
 from oar_verl.integration.megatron.vocab_parallel import VPProbe, vp_outcome_shift
 
 
@@ -92,10 +93,11 @@ class MegatronBackend:
         return buf.to(x.device)
 
     def propagation_rules(self, attention_rule: str):
-        """The conservative propagation rules are written for Hugging Face modules (FSDP, Ulysses); start-up refuses
-        the methods that need them on this engine (:func:`~.layout_checks.megatron_mode_error`), so reaching here is a
-        bug."""
-        raise NotImplementedError(RULES_UNSUPPORTED)
+        """The conservative propagation rules as hooks on the engine's layers (:mod:`.rules`; local and
+        TransformerEngine specs)."""
+        from oar_verl.integration.megatron.rules import megatron_rules
+
+        return megatron_rules(self.engine.module, attention_rule)
 
     def embedding(self, token_id: int) -> torch.Tensor | None:
         """(H,) the token's word embedding on the first pipeline stage (None on the others, which never project)."""

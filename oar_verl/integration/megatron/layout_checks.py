@@ -5,39 +5,44 @@ No megatron-core import: the start-up check runs in the driver, which may not ha
 
 from __future__ import annotations
 
-__all__ = ["RULES_UNSUPPORTED", "MegatronLayoutError", "check_megatron_layout", "megatron_layout_error",
+__all__ = ["MegatronLayoutError", "check_megatron_layout", "megatron_layout_error",
            "megatron_mode_error"]
 
-RULES_UNSUPPORTED = ("conservative propagation rules are written for Hugging Face modules "
-                     "(actor_rollout_ref.actor.strategy=fsdp / fsdp2, with or without Ulysses), not for the Megatron "
-                     "engine")
+# keys of a Hugging Face config.json that give a mixture of experts its expert count
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
-def megatron_mode_error(oar) -> str | None:
-    """Why the Megatron engine cannot run the configured method(s), or None: ``oar`` the ``algorithm.oar`` mapping
-    (``mode``, and with ``mode=auto`` its ``auto_candidates`` and ``auto_default``); a registered method that needs the
-    backend's propagation rules (``Method.propagation_rules``) is refused."""
+def megatron_mode_error(oar, model_config=None) -> str | None:
+    """Why the Megatron engine cannot run the configured method(s) on this model, or None: ``oar`` the
+    ``algorithm.oar`` mapping (``mode``, and with ``mode=auto`` its ``auto_candidates`` and ``auto_default``),
+    ``model_config`` the policy's ``config.json`` (None: unread, the engine's rules check the layers at the first
+    attribution). A method that needs the propagation rules (``Method.propagation_rules``) is refused on a mixture of
+    experts, whose layers the rules do not know (:mod:`.rules`)."""
     from oar_verl.core.checks.registries import METHODS
-    from oar_verl.core.config import OARConfig
+    from oar_verl.core.config import AUTO_MODE, OARConfig
 
-    oar = oar or {}
-    auto = oar.get("mode") == "auto"
-    modes = [oar.get("mode")] + ([*(oar.get("auto_candidates") or ()), oar.get("auto_default")] if auto else [])
+    model_config = model_config or {}
+    experts = max((int(model_config.get(k) or 0) for k in _EXPERT_KEYS), default=0)
+    if experts == 0:
+        return None
+    cfg = OARConfig.from_mapping(oar)  # the keys' defaults where unset
+    auto = cfg.mode == AUTO_MODE
+    modes = [cfg.mode] + ([*cfg.auto_candidates, cfg.auto_default] if auto else [])
     needs = [m for m in modes if m in METHODS.names() and METHODS.get(m).propagation_rules]
     if not needs:
         return None
     others = [n for n in METHODS.names() if not METHODS.get(n).propagation_rules]
     if auto:
         where, fix = " (in algorithm.oar.auto_candidates / auto_default)", (
-            f"on Megatron list only {', '.join(others)} (e.g. algorithm.oar.auto_candidates=[fisher,gradient] "
+            f"list only {', '.join(others)} (e.g. algorithm.oar.auto_candidates=[fisher,gradient] "
             "algorithm.oar.auto_default=fisher)")
     else:
         default = needs[0] == OARConfig.__dataclass_fields__["mode"].default
         where, fix = " (the key's default)" if default else "", (
-            f"on Megatron set algorithm.oar.mode to one of {', '.join(others)} (fisher: the same clean "
-            "input-gradient pass without the rules)")
-    return f"algorithm.oar.mode={needs[0]} is not available on the Megatron engine yet{where}: its " \
-           f"{RULES_UNSUPPORTED}; {fix}"
+            f"set algorithm.oar.mode to one of {', '.join(others)} (fisher: the same clean input-gradient pass "
+            "without the rules)")
+    return (f"algorithm.oar.mode={needs[0]}{where} on the Megatron engine: the conservative propagation rules know "
+            f"dense layers, and this model is a mixture of {experts} experts; {fix}")
 
 
 class MegatronLayoutError(NotImplementedError):

@@ -15,7 +15,8 @@ backend's own backward passes run), so the schedule carries one backward per mic
 Positions are mapped by laying each row's batch positions out with verl's own ``preprocess_thd_engine`` /
 ``preprocess_bshd_engine`` (the packed or padded layout the engine runs), checked against the embedding's input ids.
 A method with several loss columns (fisher with ``fisher_outcomes + fisher_sketches > 1``) needs as many backwards and
-keeps the separate path (:func:`megatron_shared_error`).
+keeps the separate path (:func:`megatron_shared_error`). Conservative's pass runs under its propagation rules
+(:mod:`.rules`: hooks that keep every forward value, so verl's log-probs are unchanged).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from oar_verl.core.methods.contract import MethodInputs
 from oar_verl.integration.fields import ROW_FIELD
 from oar_verl.integration.megatron.backend import MegatronBackend, embedding_module
 from oar_verl.integration.megatron.engine import full_recompute, no_param_grads
+from oar_verl.integration.megatron.rules import megatron_rules
 from oar_verl.integration.megatron.vocab_parallel import probe_from_vp_logits
 
 
@@ -180,20 +182,20 @@ class MegatronSharedAttribution:
         verl gets the logits [s, b, V/tp] detached (its log-probs: the same values, no graph)."""
         logits = out[0] if isinstance(out, tuple) else out
         rows, codes = self._micro_batch
-        batch = self.batch
+        spec = self.target.batch.probe  # the probe the method reads (conservative: every row's as φ)
         at = codes.reshape(-1)  # flat [b·s] order: each sequence's positions together (probe_index needs it)
         flat = (at > 0).nonzero().squeeze(1)
         pos = at[flat] - 1
-        slot_of = torch.full((batch.input_ids.shape[0],), -1, dtype=torch.long)
+        slot_of = torch.full((self.batch.input_ids.shape[0],), -1, dtype=torch.long)
         slot_of[rows] = torch.arange(rows.shape[0])
         layout = ForwardLayout(rows, flat, slot_of[pos // self.L], pos // self.L, pos % self.L)
-        index, w = probe_index(layout, batch.probe.logit_weight.cpu())
-        targets = batch.probe.target_ids.cpu()[rows[:, None], batch_columns(layout, index)]
+        index, w = probe_index(layout, spec.logit_weight.cpu())
+        targets = spec.target_ids.cpu()[rows[:, None], batch_columns(layout, index)]
         device = logits.device
         b, n_pos = codes.shape
         index = (index % n_pos) * b + index // n_pos  # into the logits' [s·b] order
         kept = logits.reshape(-1, logits.shape[-1])[index.to(device)]  # (n, K, V/tp): a copy, before verl's div_
-        probe = probe_from_vp_logits(kept, w.to(device), targets.to(device), batch.probe.joint.cpu()[rows].to(device),
+        probe = probe_from_vp_logits(kept, w.to(device), targets.to(device), spec.joint.cpu()[rows].to(device),
                                      self.true_vocab)
         losses, weights = self.target.losses(probe, rows)
         self.weights[rows] = weights.reshape(rows.shape[0], 1).float().cpu()
@@ -232,8 +234,10 @@ class MegatronSharedAttribution:
             if loss_function is not None:
                 raise RuntimeError("oar: the shared Megatron pass serves compute_log_prob (no loss function)")
             maybe_fix_3d_position_ids(data)
+            rule = self.target.rules  # conservative: its propagation rules, hooks that keep every forward value
+            ruled = megatron_rules(engine.module, rule) if rule else contextlib.nullcontext()
             # inside verl's eval_mode: the recompute flags set after its module.eval()
-            with torch.enable_grad(), no_param_grads(engine), full_recompute(engine):
+            with torch.enable_grad(), no_param_grads(engine), full_recompute(engine), ruled:
                 return engine.forward_backward_batch(data, self.loss, forward_only=False)
 
         emb = embedding_module(engine)
