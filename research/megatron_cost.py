@@ -1,22 +1,24 @@
-"""What ``fisher`` read from verl's Megatron old-log-prob pass adds (issue #45), measured side by side in one process
-on verl 0.9.1's real Megatron engine (CPU, gloo, one rank; the tests' CPU shims), on the same model and rows.
+"""What ``fisher`` or ``conservative`` read from verl's Megatron old-log-prob pass adds (issue #45), measured side by
+side in one process on verl 0.9.1's real Megatron engine (CPU, gloo, one rank; the tests' CPU shims), on the same
+model and rows.
 
 For each response length (one row of 128 prompt + T response tokens, random weights at the shape asked for, fp32):
 
 * **train**: the engine's training micro-step: ``forward_backward_batch`` with a log-prob loss, parameter gradients
   (the engine's recompute settings);
 * **log_prob**: verl's old-log-prob call alone (``infer_batch``, no entropies);
-* **shared**: the same call with ``fisher`` read from it (:mod:`oar_verl.integration.megatron.shared`);
-* **own**: ``fisher``'s own passes (the Megatron backend), today's fallback after the call.
+* **shared**: the same call with the method read from it (:mod:`oar_verl.integration.megatron.shared`;
+  conservative under its rules' hooks, :mod:`oar_verl.integration.megatron.rules`);
+* **own**: the method's own passes (the Megatron backend), the fallback after the call.
 
-Reported: (call with fisher − call alone) ÷ train and own ÷ train, each call's peak (resident-memory rise) ÷ train's,
+Reported per method (``--modes``): (call with the method − call alone) ÷ train and own ÷ train, each call's peak (resident-memory rise) ÷ train's,
 with the cost model in forward units (train 4F
 with recompute, 3F without; the shared backward F, its recompute another F; own passes forward + backward (+
 recompute)). Each ``--recompute`` setting is the engine's own (``none``: activations kept; ``full``: every layer
 recomputed) and runs in its own process.
 
 usage (the Megatron environment ``.venv-mcore`` must exist: ``bash scripts/setup_mcore_env.sh``):
-    python -m research.megatron_cost --lengths 1024,2048 --recompute none,full
+    python -m research.megatron_cost --lengths 1024,2048 --recompute none,full --modes fisher,conservative
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def job(spec_path: str) -> None:
                                 optimizer_config=McoreOptimizerConfig(lr=1e-5, total_training_steps=10),
                                 checkpoint_config=CheckpointConfig())
     engine.initialize()
-    cfg = OARConfig(mode="fisher", mask="token", mask_token_id=MASK)
+    configs = {m: OARConfig(mode=m, mask="token", mask_token_id=MASK) for m in spec["modes"]}
     out = []
     for length in spec["lengths"]:
         batch = make_rows(1, length, spec["vocab"], "cpu")
@@ -99,20 +101,23 @@ def job(spec_path: str) -> None:
             with engine.eval_mode():
                 engine.infer_batch(td())
 
-        def shared():
+        def shared(cfg):
             prepared = SimpleNamespace(batch=batch, mask_token_id=MASK, seeds=None)
             with ENGINE_BACKENDS.get("megatron").shared_pass(engine, cfg, prepared, None, False) as made:
                 with engine.eval_mode():
                     engine.infer_batch(td(attributed=True))
             made[0].result()
 
-        def own():
+        def own(cfg):
             with engine.eval_mode():
                 run_attribution(MegatronBackend(engine, pass_limits(cfg, 1 + length + 128)), batch, cfg,
                                 mask_token_id=MASK)
 
         row = {"length": length, "tokens": int(batch.input_ids.shape[1]), "recompute": spec["recompute"]}
-        for name, fn in (("train", train), ("log_prob", log_prob), ("shared", shared), ("own", own)):
+        variants = [("train", train), ("log_prob", log_prob)]
+        for mode, cfg in configs.items():
+            variants += [(f"shared_{mode}", lambda cfg=cfg: shared(cfg)), (f"own_{mode}", lambda cfg=cfg: own(cfg))]
+        for name, fn in variants:
             fn()  # warm-up
             got = [measure(fn, "cpu") for _ in range(spec["repeats"])]
             row[f"{name}_s"] = statistics.median(s for s, _ in got)
@@ -136,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="cpu-quick")
     ap.add_argument("--lengths", default="1024", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--recompute", default="none,full", type=lambda s: s.split(","))
+    ap.add_argument("--modes", default="fisher", type=lambda s: s.split(","))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--job", help=argparse.SUPPRESS)
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         model.save_pretrained(model_dir)
         for recompute in args.recompute:
             spec = {"model_dir": str(model_dir), "lengths": args.lengths, "recompute": recompute,
-                    "repeats": args.repeats, "threads": args.threads, "vocab": SHAPES[args.shape][6],
+                    "repeats": args.repeats, "threads": args.threads, "modes": args.modes, "vocab": SHAPES[args.shape][6],
                     "out": str(Path(tmp) / f"{recompute}.json")}
             (Path(tmp) / "spec.json").write_text(json.dumps(spec))
             with socket.socket() as s:
@@ -176,18 +182,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
                 return proc.returncode
             rows += json.loads(Path(spec["out"]).read_text())
-    print(f"\nfisher and verl's Megatron old-log-prob pass, {args.shape}, fp32, CPU ({args.threads} threads), "
-          f"{date.today()}: time ÷ the engine's training micro-step on the same tokens (cost model)")
-    print("| T | engine recompute | the pass itself | fisher read from it adds | fisher's own passes | peak × train's: "
-          "pass / pass with fisher / own |")
-    print("|---|---|---:|---:|---:|---|")
+    print(f"\n{', '.join(args.modes)} and verl's Megatron old-log-prob pass, {args.shape}, fp32, CPU ({args.threads} "
+          f"threads), {date.today()}: time ÷ the engine's training micro-step on the same tokens (cost model)")
+    print("| T | engine recompute | method | the pass itself | read from it adds | its own passes | peak × train's: "
+          "pass / pass with the method / own |")
+    print("|---|---|---|---:|---:|---:|---|")
     for r in rows:
         full = r["recompute"] == "full"
-        added = (r["shared_s"] - r["log_prob_s"]) / r["train_s"]
-        print(f"| {r['length']} | {r['recompute']} | {r['log_prob_s'] / r['train_s']:.2f} "
-              f"({1 / (4 if full else 3):.2f}) | {added:.2f} ({model_x_train('shared', full):.2f}) | "
-              f"{r['own_s'] / r['train_s']:.2f} ({model_x_train('own', full):.2f}) | "
-              + " / ".join(f"{r[k + '_mib'] / r['train_mib']:.2f}" for k in ("log_prob", "shared", "own")) + " |")
+        for mode in args.modes:
+            added = (r[f"shared_{mode}_s"] - r["log_prob_s"]) / r["train_s"]
+            print(f"| {r['length']} | {r['recompute']} | {mode} | {r['log_prob_s'] / r['train_s']:.2f} "
+                  f"({1 / (4 if full else 3):.2f}) | {added:.2f} ({model_x_train('shared', full):.2f}) | "
+                  f"{r[f'own_{mode}_s'] / r['train_s']:.2f} ({model_x_train('own', full):.2f}) | "
+                  + " / ".join(f"{r[k + '_mib'] / r['train_mib']:.2f}"
+                               for k in ("log_prob", f"shared_{mode}", f"own_{mode}")) + " |")
     return 0
 
 
