@@ -11,10 +11,9 @@ For each response length (one row of 128 prompt + T response tokens, random weig
   conservative under its rules' hooks, :mod:`oar_verl.integration.megatron.rules`);
 * **own**: the method's own passes (the Megatron backend), the fallback after the call.
 
-Reported per method (``--modes``): (call with the method − call alone) ÷ train and own ÷ train, each call's peak (resident-memory rise) ÷ train's,
-with the cost model in forward units (train 4F
-with recompute, 3F without; the shared backward F, its recompute another F; own passes forward + backward (+
-recompute)). Each ``--recompute`` setting is the engine's own (``none``: activations kept; ``full``: every layer
+Reported per method (``--modes``): (call with the method − call alone) ÷ train and own ÷ train, each call's peak
+(resident-memory rise) ÷ train's, with the cost model in forward units (train 4F with recompute, 3F without; the
+shared backward F, its recompute another F; own passes forward + backward (+ recompute)). Each ``--recompute`` setting is the engine's own (``none``: activations kept; ``full``: every layer
 recomputed) and runs in its own process.
 
 usage (the Megatron environment ``.venv-mcore`` must exist: ``bash scripts/setup_mcore_env.sh``):
@@ -164,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         model.save_pretrained(model_dir)
         for recompute in args.recompute:
             spec = {"model_dir": str(model_dir), "lengths": args.lengths, "recompute": recompute,
-                    "repeats": args.repeats, "threads": args.threads, "modes": args.modes, "vocab": SHAPES[args.shape][6],
+                    "repeats": args.repeats, "threads": args.threads, "modes": args.modes,
+                    "vocab": SHAPES[args.shape][6],
                     "out": str(Path(tmp) / f"{recompute}.json")}
             (Path(tmp) / "spec.json").write_text(json.dumps(spec))
             with socket.socket() as s:

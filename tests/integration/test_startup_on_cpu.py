@@ -42,7 +42,8 @@ def test_megatron_runs_the_default_on_dense_models_and_refuses_it_on_experts(tmp
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(model))
     dense, moe = config("megatron"), config("megatron")
-    dense.actor_rollout_ref.model.path, moe.actor_rollout_ref.model.path = str(tmp_path / "dense"), str(tmp_path / "moe")
+    dense.actor_rollout_ref.model.path = str(tmp_path / "dense")
+    moe.actor_rollout_ref.model.path = str(tmp_path / "moe")
     assert validate_oar_setup(dense).mode == "conservative"
     with pytest.raises(OARSetupError, match=r"algorithm\.oar\.mode=conservative \(the key's default\) on the Megatron "
                                             r"engine: .* mixture of 8 experts; set algorithm\.oar\.mode to one of"):
