@@ -57,6 +57,7 @@ def main(spec_path: str) -> None:
     from oar_verl.integration import megatron as ma
     from oar_verl.integration.megatron import engine as mengine
     from oar_verl.integration.megatron.backend import MegatronBackend, embedding_module
+    from verl.utils.megatron_utils import unwrap_model
 
     tp, pp, sp = spec["tp"], spec["pp"], bool(spec.get("sp", False))
     rmpad = bool(spec.get("remove_padding", False))
@@ -133,6 +134,18 @@ def main(spec_path: str) -> None:
 
     if rec is not None:
         rec.remove()
+    bypass_error = None
+    if spec.get("check_bypass"):  # an MLP whose forward never calls its linears (as a fused implementation would)
+        mlp = unwrap_model(engine.module[0]).decoder.layers[0].mlp
+        mlp.forward = lambda hidden, *a, **k: (torch.zeros_like(hidden), None)
+        try:
+            with engine.eval_mode():
+                run_attribution(MegatronBackend(engine, pass_limits(cfg)), batch,
+                                OARConfig.from_mapping({"mode": "conservative"}), mask_token_id=mask_id)
+        except RuntimeError as e:
+            bypass_error = str(e)
+        finally:
+            del mlp.forward
     # the in-step fidelity metric of a fixed ranking through the engine's backend (ranks aligned by fillers)
     fcfg = OARConfig(probe="as_mean")
     fbatch = build_attribution_batch(sel["prompts"], sel["prompt_mask"], sel["responses"], sel["response_mask"],
@@ -154,6 +167,7 @@ def main(spec_path: str) -> None:
         "log_probs_unchanged": (lp_before is None and lp_after is None) or
                                all(torch.equal(a, b) for a, b in zip(lp_before, lp_after)),
         "has_log_probs": lp_before is not None,
+        "bypass_error": bypass_error,
     }
     for g in grads:
         g.zero_()

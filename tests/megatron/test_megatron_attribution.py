@@ -122,12 +122,12 @@ def _free_port() -> int:
 
 
 def run_layout(assets, name, *, nproc=1, tp=1, pp=1, sp=False, dtype="float32", remove_padding=False,
-               distopt=False, recompute="none", dp_rows=ONE_RANK, cases=CASES):
+               distopt=False, recompute="none", dp_rows=ONE_RANK, cases=CASES, check_bypass=False):
     out_dir = assets["root"] / name
     out_dir.mkdir(exist_ok=True)
     spec = {"model_dir": str(assets["model_dir"]), "inputs": str(assets["root"] / "inputs.pt"), "tp": tp, "pp": pp,
             "sp": sp, "dtype": dtype, "remove_padding": remove_padding, "distopt": distopt, "recompute": recompute,
-            "dp_rows": dp_rows,
+            "dp_rows": dp_rows, "check_bypass": check_bypass,
             "cases": cases, "out_dir": str(out_dir), "mask_token_id": assets["pad"]}
     (out_dir / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_PLATFORM": "cpu", "OMP_NUM_THREADS": "1",
@@ -260,10 +260,13 @@ FP32_RTOL = 2e-3  # fp32 engine vs fp32 HF: different kernels and summation orde
 
 
 def test_tp1_pp1(assets):
-    ranks = run_layout(assets, "tp1pp1")
+    ranks = run_layout(assets, "tp1pp1", check_bypass=True)
     assert compare(assets, ranks, FP32_RTOL, "TP=1 PP=1 fp32") == {0}
     check_side_effects(ranks)
     assert ranks[0]["checks"]["has_log_probs"]
+    # conservative's rules are hooks on submodules: an MLP whose forward bypasses them (a fused implementation) is
+    # refused, not scored without its rule
+    assert "ran without calling its" in ranks[0]["checks"]["bypass_error"], ranks[0]["checks"]["bypass_error"]
 
 
 def test_tp2(assets):

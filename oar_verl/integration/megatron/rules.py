@@ -15,7 +15,9 @@ the engine's own, on megatron-core's local layer spec and on TransformerEngine's
   activation kernel ran (fused swiglu, TransformerEngine's, plain).
 
 A layer the rules do not know (LayerNorm, a mixture of experts, an MLP without a gate) raises instead of running
-plain gradient × input under the method's name; so does a model with no attention, norm or MLP the rules found.
+plain gradient × input under the method's name; so does a model with no attention, norm or MLP the rules found, and
+an attention or MLP whose forward bypasses the submodule its rule is hooked on (TransformerEngine's operation fuser,
+``use_te_op_fuser``).
 """
 
 from __future__ import annotations
@@ -58,9 +60,7 @@ def _tp_dot(x_tokens: int):
 
 
 def _eps(module: torch.nn.Module, x: torch.Tensor) -> float:
-    eps = getattr(module, "eps", None)
-    if eps is None:  # torch.nn.RMSNorm's default
-        eps = getattr(getattr(module, "config", None), "layernorm_epsilon", None)
+    eps = module.eps  # checked to exist when the rules are applied; None: torch.nn.RMSNorm's default
     return float(torch.finfo(x.dtype).eps if eps is None else eps)
 
 
@@ -108,14 +108,37 @@ def _layers(models) -> tuple[list, list, list, list, list[str]]:
                 (unknown.append(f"{problem} ({name})") if problem else mlps.append(module))
             elif "MoE" in name or name.endswith("Experts"):
                 unknown.append(f"a mixture of experts ({name})")
-            elif _is_fused_norm(module):
+            elif _is_fused_norm(module) or name.endswith("RMSNorm"):
                 norm = getattr(module, "normalization", "RMSNorm")
-                (fused.append(module) if norm == "RMSNorm" else unknown.append(f"{norm} fused in {name}"))
-            elif name.endswith("RMSNorm"):
-                norms.append(module)
+                if norm != "RMSNorm":
+                    unknown.append(f"{norm} fused in {name}")
+                elif not hasattr(module, "eps"):
+                    unknown.append(f"an RMSNorm without an eps attribute ({name})")
+                else:
+                    (fused if _is_fused_norm(module) else norms).append(module)
             elif name.endswith("LayerNorm") or isinstance(module, torch.nn.LayerNorm):
                 unknown.append(f"LayerNorm ({name})")
     return attention, mlps, norms, fused, unknown
+
+
+def _must_reach(outer: torch.nn.Module, inner: torch.nn.Module, handles: list) -> None:
+    """Raise after ``outer``'s forward if it did not call ``inner`` (a fused implementation, TransformerEngine's
+    operation fuser for one, that bypasses the submodule a rule is hooked on: the rule would silently not apply)."""
+    state = {"reached": True}
+
+    def start(module, args):
+        state["reached"] = False
+
+    def reached(module, args):
+        state["reached"] = True
+
+    def check(module, args, output):
+        if not state["reached"]:
+            raise RuntimeError(f"{_UNKNOWN}{type(module).__name__} ran without calling its {type(inner).__name__} "
+                               "(a fused implementation the rules cannot reach); use algorithm.oar.mode=fisher")
+
+    handles += [outer.register_forward_pre_hook(start), inner.register_forward_pre_hook(reached),
+                outer.register_forward_hook(check)]
 
 
 @contextlib.contextmanager
@@ -141,6 +164,7 @@ def megatron_rules(models, attention_rule: str = "values") -> Iterator[None]:
         for layer in attention:
             handles.append(layer.core_attention.register_forward_pre_hook(_attention_hook(attention_rule),
                                                                           with_kwargs=True))
+            _must_reach(layer, layer.core_attention, handles)
         for norm in norms:
             handles.append(norm.register_forward_hook(_norm_hook))
         for module in fused:
@@ -158,6 +182,8 @@ def megatron_rules(models, attention_rule: str = "values") -> Iterator[None]:
 
             handles.append(mlp.linear_fc1.register_forward_hook(keep))
             handles.append(mlp.linear_fc2.register_forward_pre_hook(replace))
+            _must_reach(mlp, mlp.linear_fc1, handles)
+            _must_reach(mlp, mlp.linear_fc2, handles)
         yield
     finally:
         for handle in handles:
