@@ -62,6 +62,7 @@ METHODS = {
     "oar_g": {"mode": "gradient", "noise_std_low_precision": None},
     "fisher_k1": {"mode": "fisher", "fisher_outcomes": 1},
     "fisher_k4": {"mode": "fisher", "fisher_outcomes": 4},
+    "oar_p": {"mode": "perturbation"},  # exact: every reasoning token masked on its own (the mean embedding)
     "oar_p_segment": {"mode": "perturbation", "perturbation": "segment"},
     "oar_p_hier": {"mode": "perturbation", "perturbation": "hierarchical", "refine_share": 0.1},
     # the mask operator and the unbiased fisher (the rows above mask with the model's plain mask token)
