@@ -82,6 +82,9 @@ def _attention_hook(rule: str):
     fn = ATTENTION_RULE_INPUTS[rule]
 
     def hook(module, args, kwargs):  # megatron-core calls core attention with query, key, value positional
+        if len(args) < 3:
+            raise RuntimeError(f"{_UNKNOWN}{type(module).__name__} was called without its query, key and value as "
+                               "the first three arguments; use algorithm.oar.mode=fisher")
         return (*fn(*args[:3]), *args[3:]), kwargs
 
     return hook
