@@ -104,7 +104,7 @@ def _layers(models) -> tuple[list, list, list, list, list[str]]:
     for model in models:
         for module in model.modules():
             name = type(module).__name__
-            if hasattr(module, "core_attention") and hasattr(module, "linear_qkv"):
+            if hasattr(module, "core_attention"):
                 attention.append(module)
             elif hasattr(module, "linear_fc1") and hasattr(module, "linear_fc2"):
                 problem = _check_mlp(module)
