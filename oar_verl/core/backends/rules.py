@@ -16,6 +16,9 @@ Generic over the model family: attention through transformers' attention interfa
 the model uses, and ``eager_attention_forward`` of its modelling module), norms by class name (``*RMSNorm``), MLPs by
 their ``gate_proj`` / ``up_proj`` / ``down_proj`` / ``act_fn``. Checked on Qwen2 and Gemma 3 modules
 (tests/core/test_conservative.py); a model with none of these raises instead of running plain gradient × input.
+The rules as functions of tensors (:data:`ATTENTION_RULE_INPUTS`, :func:`norm_scale_held` for a norm whether or not
+it is fused into the next linear, :func:`gated_half` for a concatenated gated layer) serve the Megatron engine's hooks
+too (:mod:`oar_verl.integration.megatron.rules`).
 """
 
 from __future__ import annotations
