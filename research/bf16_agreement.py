@@ -7,7 +7,7 @@ per row and method in the study directory, so a run resumes.
 
 usage:
     OMP_NUM_THREADS=2 python -m research.bf16_agreement --model smollm2 --rows 4 --tokens 1024 \\
-        --methods oar_p,path_m2 --out /work/studies/lf
+        --methods oar_p,path_m2 --out outputs/long_fidelity
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.methods.attribution import module_backend, run_attribution
+from research import REPO
 from research.common import measure, study_dir
 from research.long_fidelity import METHODS, agreement, load, make_rows, method_config, prepared
 
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=1024, help="the most reasoning tokens a row may have")
     ap.add_argument("--methods", default="oar_p,path_m2")
     ap.add_argument("--max-tokens", type=int, default=8192, help="token budget of one pass")
-    ap.add_argument("--out", required=True, help="the long-row studies' directory (its <model>_<tokens> rows)")
+    ap.add_argument("--out", default=str(REPO / "outputs" / "long_fidelity"),
+                    help="the long-row studies' directory (its <model>_<tokens> rows)")
     a = ap.parse_args(argv)
     methods = [x for x in a.methods.split(",") if x]
     unknown = sorted(set(methods) - set(METHODS))
