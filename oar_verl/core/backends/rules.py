@@ -184,6 +184,12 @@ def _values_attention(query, key, value):
 ATTENTION_RULE_INPUTS = {"values": _values_attention, "uniform": uniform_attention}
 
 
+def check_attention_rule(attention_rule: str) -> None:
+    """Raise ValueError naming the allowed values unless ``attention_rule`` is one of :data:`ATTENTION_RULES`."""
+    if attention_rule not in ATTENTION_RULE_INPUTS:
+        raise ValueError(f"attention_rule must be one of {ATTENTION_RULES}, got {attention_rule!r}")
+
+
 def _attention_rule(fn, rule: str):
     @functools.wraps(fn)
     def attention(module, query, key, value, *args, **kwargs):
@@ -218,8 +224,7 @@ def conservative_rules(model: torch.nn.Module, attention_rule: str = "values") -
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if attention_rule not in ATTENTION_RULE_INPUTS:
-        raise ValueError(f"attention_rule must be one of {ATTENTION_RULES}, got {attention_rule!r}")
+    check_attention_rule(attention_rule)
     modules = list(model.modules())
     attention = [m for m in modules if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "v_proj")]
     norms = [m for m in modules if _is_rmsnorm(m)]

@@ -27,8 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from oar_verl.core.backends.rules import ATTENTION_RULE_INPUTS, gated_half, norm_scale_held
-from oar_verl.core.config import ATTENTION_RULES
+from oar_verl.core.backends.rules import ATTENTION_RULE_INPUTS, check_attention_rule, gated_half, norm_scale_held
 
 _UNKNOWN = ("mode=conservative on the Megatron engine: the propagation rules know dense GPT layers with RMSNorm and "
             "a gated MLP; ")
@@ -154,8 +153,7 @@ def megatron_rules(models, attention_rule: str = "values") -> Iterator[None]:
     """
     from verl.utils.megatron_utils import unwrap_model
 
-    if attention_rule not in ATTENTION_RULE_INPUTS:
-        raise ValueError(f"attention_rule must be one of {ATTENTION_RULES}, got {attention_rule!r}")
+    check_attention_rule(attention_rule)
     attention, mlps, norms, fused, unknown = _layers([unwrap_model(m) for m in models])
     if unknown:
         raise ValueError(_UNKNOWN + "this model has " + "; ".join(sorted(set(unknown))) +
