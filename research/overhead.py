@@ -5,7 +5,8 @@ for ``--steps`` steps. Reported per method, from verl's file-logger metrics: the
 step (the first includes lazy start-up), its ratio to GRPO, and ``timing_s/oar`` as a share of the step and of the
 training compute (old log-prob + actor update), and what OAR adds to the old-log-prob pass (attribution inside it
 when read from it, ``fisher-shared`` / ``conservative-shared``; after it otherwise) × GRPO's actor update. Also the
-share of sequences attributed (zero-advantage groups are skipped; a shared pass attributes every row).
+share of sequences attributed (zero-advantage groups are skipped; a shared pass attributes every row, except OAR-G's,
+whose noisy passes after the pass skip them too).
 
 usage: python -m research.overhead [--steps 8] [--rollout-n 4] [--batch 8] [--trainer-mode sync|colocate_async]
                                     [--out outputs/benchmarks]
@@ -44,6 +45,9 @@ METHODS = {
     # the default mode, likewise
     "conservative-separate": ["algorithm.oar.mode=conservative", "algorithm.oar.shared_forward=false"],
     "conservative-shared": ["algorithm.oar.mode=conservative", "algorithm.oar.shared_forward=true"],
+    # OAR-G with its own teacher passes, and with its clean teachers read from the pass (its noisy passes after it)
+    "OAR-G-separate": ["algorithm.oar.mode=gradient", "algorithm.oar.shared_forward=false"],
+    "OAR-G-shared": ["algorithm.oar.mode=gradient", "algorithm.oar.shared_forward=true"],
 }
 
 

@@ -8,12 +8,15 @@ For each response length (one row of 128 prompt + T response tokens, random weig
   (:mod:`oar_verl.core.backends.shared`), the backward recomputing each layer, keeping every layer's activations, or
   keeping as many as ``algorithm.oar.recompute=auto`` lets fit under train's measured peak (where that is neither);
 * **separate fisher**: today's path, its own forward + recomputed input-gradient pass, after the log-prob pass;
+* **gradient own / from pass** (``--modes`` with ``gradient``): OAR-G after the log-prob pass, with its own clean
+  teacher pass, or with the teachers read from the pass (``SharedTeacher``); its noisy pass recomputing, keeping or
+  ``auto`` as above;
 * **peer OAR-G** (``--peer``): OAR-G built the way GRAIL's is, full logits and no recompute (:func:`peer_oar_g`);
 * **train**: the actor's training forward + backward with gradient checkpointing (parameter gradients).
 
 Reported: (pass with attribution − pass alone) ÷ train, with the cost model's prediction in forward units (train
 4F: forward, recompute, two backward matmuls; a shared backward adds F, its recompute another F for the share of
-layers recomputed), and each peak
+layers recomputed; OAR-G's noisy pass a forward and a backward, its own teacher pass another F), and each peak
 (allocator peak over the state before on CUDA, resident-memory rise on CPU) ÷ train's.
 
 usage:
@@ -59,6 +62,24 @@ def shared_pass(model, batch, cfg, recompute: float) -> torch.Tensor:
     with shared.forward(ForwardLayout.padded(rows, batch.attention_mask, 0)):
         out = log_prob_pass(model, batch)
     shared.result()
+    return out
+
+
+def oar_g_after_pass(model, batch, cfg, share: float, from_pass: bool) -> torch.Tensor:
+    """The old-log-prob pass, then OAR-G on the same rows (its noisy passes recomputing ``share`` of the layers), with
+    its clean teachers read from the pass (``from_pass``) or from its own teacher passes; returns the log-probs."""
+    rows = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
+    seeds = rows * 7919 + 1
+    teachers = None
+    if from_pass:
+        shared = shared_attribution(model, batch, cfg, True, seeds=seeds)
+        with shared.forward(ForwardLayout.padded(rows, batch.attention_mask, 0)):
+            out = log_prob_pass(model, batch)
+        teachers = shared.teachers()
+    else:
+        out = log_prob_pass(model, batch)
+    backend = ModuleBackend(model, PassLimits(int(batch.attention_mask.sum())), checkpointing=lambda tokens: share)
+    run_attribution(backend, batch, cfg, seeds=seeds, teachers=teachers)
     return out
 
 
@@ -129,17 +150,23 @@ def run(args) -> list[dict]:
         for mode in args.modes:
             cfg = OARConfig(mode=mode, mask="token", mask_token_id=MASK)
             for name, share in (("recompute", 1.0), ("keep", 0.0), ("auto", auto)):
-                key = f"{mode}_{name}"
                 if name == "auto" and share in (0.0, 1.0):
                     continue  # the same as one of the two above
                 if share < 1 and need(tokens, round(shape.layers * (1 - share))) / 1.5 > (
                         free if free is not None else float("inf")):
-                    row[key] = "skipped: the kept activations exceed the free memory"
+                    row[f"{mode}_{name}"] = "skipped: the kept activations exceed the free memory"
                     continue
-                s, mib = timed(lambda: shared_pass(model, batch, cfg, share), device, args.repeats)
-                row[key] = {"added_x_train": (s - row["log_prob_s"]) / row["train_s"],
-                            "model_x_train": predicted(1, share), "peak_x_train": mib / row["train_mib"],
-                            "seconds": s, "peak_mib": mib, "recomputed_share": share}
+                # OAR-G: its teachers read from the pass, and (for the comparison) its own teacher passes
+                variants = ([(f"{mode}_{name}", lambda: oar_g_after_pass(model, batch, cfg, share, True), 0.0),
+                             (f"{mode}_own_{name}", lambda: oar_g_after_pass(model, batch, cfg, share, False), 0.25)]
+                            if mode == "gradient" else
+                            [(f"{mode}_{name}", lambda: shared_pass(model, batch, cfg, share), None)])
+                for key, fn, teacher in variants:
+                    s, mib = timed(fn, device, args.repeats)
+                    model_x = predicted(1, share) if teacher is None else teacher + (2.0 + share) / 4.0
+                    row[key] = {"added_x_train": (s - row["log_prob_s"]) / row["train_s"], "model_x_train": model_x,
+                                "peak_x_train": mib / row["train_mib"], "seconds": s, "peak_mib": mib,
+                                "recomputed_share": share}
         if args.separate:
             cfg = OARConfig(mode="fisher", mask="token", mask_token_id=MASK)
             backend = ModuleBackend(model, PassLimits(tokens), checkpointing=True)
@@ -160,8 +187,8 @@ def table(rows: list[dict], modes: list[str]) -> str:
     for r in rows:
         lines.append(f"| {r['length']} | log-prob pass alone | {r['log_prob_s'] / r['train_s']:.2f} (0.25) | "
                      f"{r['log_prob_mib'] / r['train_mib']:.2f} |")
-        for key in [f"{m}_{v}" for m in modes for v in ("recompute", "keep", "auto")] + ["fisher_separate",
-                                                                                                 "peer_oar_g"]:
+        variants = [f"{m}{own}_{v}" for m in modes for own in ("", "_own") for v in ("recompute", "keep", "auto")]
+        for key in variants + ["fisher_separate", "peer_oar_g"]:
             v = r.get(key)
             if isinstance(v, dict):
                 lines.append(f"| {r['length']} | {key.replace('_', ' ')} | {v['added_x_train']:.2f} "

@@ -163,7 +163,9 @@ class OARConfig:
                                 "backward per row: `fisher` at its default `fisher_outcomes`, `conservative`; not "
                                 "with fused kernels; elsewhere right after the pass, in the same call), in the V1 and "
                                 "legacy trainers and "
-                                "OpenRLHF's experience maker; under `mode=auto` on the steps that do not calibrate, "
+                                "OpenRLHF's experience maker; `gradient` (OAR-G) reads its clean teachers from that "
+                                "forward on FSDP (its noisy passes follow in the same call, on the rows the step "
+                                "reads); under `mode=auto` on the steps that do not calibrate, "
                                 "when every band runs one such method; never with `target=reference` (its rows end in "
                                 "the ground truth, which that forward does not hold); with false, their own passes.")
     recompute: str = _key("auto", "budgets",

@@ -28,6 +28,10 @@ AUTO_FIELDS = (tuple(f"aopc_c{i}" for i in range(AUTO_SLOTS)) + tuple(f"aopc_{k}
 SHARED_KEY = "oar_shared_forward"
 # a (B,) field the worker adds to its shard so that each of verl's micro-batches names its rows
 ROW_FIELD = "oar_row"
+# a (B,) 0/1 field the trainer adds to the old-log-prob call's rows when the method reads only its clean teachers
+# from the pass (OAR-G): the rows the step will read, whose noisy passes the worker runs after the pass; absent:
+# every row
+ATTRIBUTE_FIELD = "oar_attribute"
 
 # what compute_token_importance returns: per row (nested, response-aligned) and per sequence
 OUTPUT_FIELDS = ("token_importance", "oar_reasoning_mask", "oar_answer_mask", "oar_span_found", "oar_answer_probe",

@@ -29,7 +29,7 @@ from oar_verl.core.checks.startup import require_resolved
 from oar_verl.core.config import AUTO_MODE, OARConfig
 from oar_verl.core.fidelity.step import due as fidelity_due
 from oar_verl.core.fidelity.step import step_metrics
-from oar_verl.core.methods.attribution import shared_mode
+from oar_verl.core.methods.attribution import METHODS, shared_mode
 from oar_verl.core.reshaping.reshape import attribution_rows
 from oar_verl.core.reshaping.metrics import flat_warning
 from oar_verl.integration import dumps, handoff
@@ -149,6 +149,17 @@ class OARStep:
         holds every row). A fidelity step measures right after the pass, in the same call."""
         steady = None if self.selector is None else self.selector.steady_mode(global_step)
         return shared_mode(self.cfg, steady)
+
+    def teacher_rows(self, io: TrainerIO, global_step: int) -> torch.Tensor | None:
+        """(B,) bool the rows this step will read, when its shared mode reads only its clean teachers from the
+        old-log-prob forward (OAR-G, ``Method.shared_teacher``): the worker runs the method's noisy passes on these
+        rows alone (:data:`~oar_verl.integration.fields.ATTRIBUTE_FIELD`), so zero-advantage rows cost nothing, as
+        in the step's own call; None for every other mode (a method read from the forward scores every row of it)."""
+        mode = self.shared_mode(global_step)
+        if mode is None or not METHODS.get(mode).shared_teacher:
+            return None
+        batch = io.rows(with_responses=False)
+        return self.wanted(batch, self.base_advantage(batch)).cpu()
 
     def shared_options(self, global_step: int) -> dict[str, Any] | None:
         """The options that ask verl's ``compute_log_prob`` call for the step's scores (:meth:`shared_mode`; the

@@ -28,7 +28,7 @@ from oar_verl.integration.guard import uses_oar
 from oar_verl.integration.rows import BatchRows
 from oar_verl.integration.startup import validate_mask_token, validate_oar_setup
 from oar_verl.integration.step import UPDATE_TIMER, OARStep, checkpoint_folder, model_window
-from oar_verl.integration.fields import OUTPUT_FIELDS, SHARED_KEY
+from oar_verl.integration.fields import ATTRIBUTE_FIELD, OUTPUT_FIELDS, SHARED_KEY
 from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
 
 
@@ -72,11 +72,14 @@ def padded_fields(out) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def log_prob_outputs(trainer: RayPPOTrainer, options: dict[str, Any] | None) -> Iterator[list]:
+def log_prob_outputs(trainer: RayPPOTrainer, options: dict[str, Any] | None,
+                     rows: torch.Tensor | None = None) -> Iterator[list]:
     """For the duration, verl's ``compute_log_prob`` calls on the actor worker group carry ``options`` (the step's
     :meth:`~oar_verl.integration.step.OARStep.shared_options`, added to the call's non-tensor fields under
-    :data:`~oar_verl.integration.fields.SHARED_KEY`) and their outputs are kept in the yielded list: verl's legacy
-    ``_compute_old_log_prob`` reads only its own fields from the output. With ``options`` None, nothing changes."""
+    :data:`~oar_verl.integration.fields.SHARED_KEY`) and, given, the (B,) bool ``rows`` to attribute after the pass
+    (:meth:`~oar_verl.integration.step.OARStep.teacher_rows`, as :data:`~oar_verl.integration.fields.
+    ATTRIBUTE_FIELD`), and their outputs are kept in the yielded list: verl's legacy ``_compute_old_log_prob`` reads
+    only its own fields from the output. With ``options`` None, nothing changes."""
     outputs: list = []
     if options is None:
         yield outputs
@@ -87,6 +90,8 @@ def log_prob_outputs(trainer: RayPPOTrainer, options: dict[str, Any] | None) -> 
 
     def compute_log_prob(data, *args, **kwargs):
         tu.assign_non_tensor(data, **{SHARED_KEY: options})
+        if rows is not None:  # the batch's rows, in its order
+            data[ATTRIBUTE_FIELD] = rows.float()
         out = original(data, *args, **kwargs)
         outputs.append(out)
         return out
@@ -121,7 +126,8 @@ class OARRayPPOTrainer(RayPPOTrainer):
     def _compute_old_log_prob(self, batch):
         # docs/method.md §14: where the method can, the workers read its scores from this very forward
         options = None if self.oar_step is None else self.oar_step.shared_options(self.global_steps)
-        with log_prob_outputs(self, options) as outputs:
+        rows = None if options is None else self.oar_step.teacher_rows(LegacyIO(self, batch), self.global_steps)
+        with log_prob_outputs(self, options, rows) as outputs:
             result = super()._compute_old_log_prob(batch)
         if options is not None and len(outputs) != 1:
             raise RuntimeError(f"oar: verl's old-log-prob step made {len(outputs)} compute_log_prob calls, not one")

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 import transfer_queue as tq
+from tensordict import TensorDict
 from omegaconf import open_dict
 from verl.trainer.ppo.v1 import PPOTrainer, register_trainer
 from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
@@ -24,7 +25,7 @@ from oar_verl.integration.guard import uses_oar
 from oar_verl.integration.rows import BatchRows
 from oar_verl.integration.startup import validate_mask_token, validate_oar_setup
 from oar_verl.integration.step import OARStep, checkpoint_folder, model_window
-from oar_verl.integration.fields import OUTPUT_FIELDS, SHARED_KEY
+from oar_verl.integration.fields import ATTRIBUTE_FIELD, OUTPUT_FIELDS, SHARED_KEY
 from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
 
 # verl's V1 trainer modes OAR runs on, and the OAR trainer mode registered for each
@@ -83,12 +84,20 @@ class OARStepLayer(PPOTrainer):
         # docs/method.md §14: where the method can, the workers read its scores from this very forward
         options = None if self.oar_step is None or _bypass(self) else self.oar_step.shared_options(self.global_steps)
         shared = options is not None
+        fields = batch.fields
         if shared:
             batch.extra_info[SHARED_KEY] = options
+            rows = self.oar_step.teacher_rows(V1IO(self, batch), self.global_steps)
+            if rows is not None:  # OAR-G: the rows its noisy passes run on after the pass, beside the batch's rows
+                put = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                                      fields=TensorDict({ATTRIBUTE_FIELD: rows.float()}, batch_size=[len(rows)]))
+                if fields is not None:  # the call reads the fields its meta names (None: every one stored)
+                    batch.fields = list(dict.fromkeys([*fields, *(put.fields or [ATTRIBUTE_FIELD])]))
         try:
             out = super()._compute_old_log_prob(batch, metrics)
         finally:
             batch.extra_info.pop(SHARED_KEY, None)  # extra_info persists: no later RPC may see it
+            batch.fields = fields
         (out.extra_info or {}).pop(SHARED_KEY, None)
         if self.oar_step is not None:
             self._oar_attribution = self.oar_step.attribute(V1IO(self, out, shared), self.global_steps,

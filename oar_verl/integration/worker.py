@@ -28,14 +28,16 @@ from oar_verl.core.checks.startup import require_resolved
 from oar_verl.core.config import OARConfig
 from oar_verl.core.fidelity.summary import default_min_gap
 from oar_verl.core.fidelity.step import due
+from oar_verl.core.backends.shared import SharedTeacher
+from oar_verl.core.methods.attribution import run_attribution
 from oar_verl.core.methods.contract import AttributionResult
-from oar_verl.core.pipeline import attribute, row_attribution
+from oar_verl.core.pipeline import RowAttribution, attribute, row_attribution
 from oar_verl.core.preprocess import PreparedAttribution, prepare_attribution
 from oar_verl.integration.actor_budget import actor_token_budget
 from oar_verl.integration.backends import ENGINE_BACKENDS
 from oar_verl.core.backends.collectives import max_over_ranks
-from oar_verl.integration.fields import (AUTO_CONTROLS, AUTO_FIELDS, AUTO_KEY, AUTO_SLOTS, CONFIG_KEY, FIDELITY_FIELDS,
-                                         GROUND_TRUTH_KEY, ROW_FIELD, SHARED_KEY, STEP_KEY)
+from oar_verl.integration.fields import (ATTRIBUTE_FIELD, AUTO_CONTROLS, AUTO_FIELDS, AUTO_KEY, AUTO_SLOTS, CONFIG_KEY,
+                                         FIDELITY_FIELDS, GROUND_TRUTH_KEY, ROW_FIELD, SHARED_KEY, STEP_KEY)
 
 logger = logging.getLogger("oar_verl")
 
@@ -210,23 +212,62 @@ class TokenImportanceMixin:
         if not made:
             raise RuntimeError("oar: verl's old-log-prob pass ran no micro-batch on this rank")
         shared = made[0]
-        result = AttributionResult(shared.result(), len(shared.choices))
-        att = row_attribution(prepared, result)
+
+        def make_backend():
+            return kind.make(engine, cfg, tokens, pad_id=tokenizer.pad_token_id or 0, checkpointing=recompute,
+                             align=lambda n: max_over_ranks(n, device))
+
+        rows = None  # the shard's rows the attribution's batch holds (None: all)
+        if isinstance(shared, SharedTeacher):  # OAR-G: its clean teachers from the pass, its noisy passes now
+            att, rows = self._after_teachers(data, cfg, step, prepared, shared, make_backend())
+            choices = getattr(att.backend, "recomputed", None) or []
+            recomputed = sum(choices) / len(choices) if choices else float("nan")
+        else:
+            att = row_attribution(prepared, AttributionResult(shared.result(), len(shared.choices)))
+            recomputed = sum(c for _, c in shared.choices) / max(len(shared.choices), 1)
         fidelity = None
         if due(cfg, step):  # the step's fidelity on the method's backend, every rank alike, the weights unchanged
-            pad_id = tokenizer.pad_token_id or 0
-            backend = kind.make(engine, cfg, tokens, pad_id=pad_id, checkpointing=recompute,
-                                align=lambda n: max_over_ranks(n, device))
-            att = dataclasses.replace(att, backend=backend)
+            if att.backend is None:
+                att = dataclasses.replace(att, backend=make_backend())
+            entropies = pass_entropies(out, responses)
+            if entropies is not None and rows is not None:
+                entropies = [entropies[i] for i in rows.tolist()]
             with engine.eval_mode():
                 kind.eval_numerics(engine)
                 fidelity = att.fidelity(cfg, step, min_gap=default_min_gap(_first_module(engine)),
-                                        entropies=pass_entropies(out, responses))
+                                        entropies=entropies)
+            if rows is not None:  # measured on the attributed rows: placed among the shard's
+                fidelity = {k: torch.full((len(responses),), float("nan"), dtype=v.dtype).index_copy(0, rows, v)
+                            for k, v in fidelity.items()}
         if out is None:
             return None
-        recomputed = sum(c for _, c in shared.choices) / max(len(shared.choices), 1)
         return _merged(out, importance_output(att, cfg, step, fingerprint, fingerprint, recomputed, fidelity=fidelity,
                                               shared=True))
+
+    def _after_teachers(self, data: TensorDict, cfg: OARConfig, step: int, prepared: PreparedAttribution,
+                        shared: SharedTeacher, backend) -> tuple[RowAttribution, torch.Tensor | None]:
+        """OAR-G's noisy passes right after the old-log-prob pass, with the clean teachers read from it, on the rows
+        the trainer marked (:data:`~oar_verl.integration.fields.ATTRIBUTE_FIELD`: the rows the step reads; absent:
+        every row). A rank with none marked attributes its first row, so that every rank runs the same passes.
+        Returns the shard's attribution and the rows its batch holds (None: all)."""
+        flags = tu.get(data, ATTRIBUTE_FIELD)
+        B = prepared.response_mask.shape[0]
+        marked = torch.arange(B) if flags is None else torch.as_tensor(flags).flatten().cpu().bool().nonzero().flatten()
+        rows = marked if marked.numel() or B == 0 else torch.zeros(1, dtype=torch.long)
+        if rows.numel() == B:
+            sub = prepared
+        else:
+            prompts, responses = unpack_rows(data)
+            sub = prepare_attribution([prompts[i] for i in rows.tolist()], [responses[i] for i in rows.tolist()],
+                                      self.actor.model_config.tokenizer, cfg, step,
+                                      device=prepared.batch.input_ids.device)
+        engine = self.actor.engine
+        with engine.eval_mode():
+            ENGINE_BACKENDS.get(self.actor.engine_config.strategy).eval_numerics(engine)
+            result = run_attribution(backend, sub.batch, cfg, mask_token_id=sub.mask_token_id, seeds=sub.seeds,
+                                     teachers=shared.teachers(None if sub is prepared else rows))
+        att = row_attribution(sub, result, backend)
+        return (att, None) if sub is prepared else (att.placed(rows, prepared.response_mask.cpu()), rows)
 
     def _oar_checkpointing(self) -> bool:
         """The actor's own gradient checkpointing (attribution's backwards recompute alike unless told otherwise)."""

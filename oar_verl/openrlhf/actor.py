@@ -77,7 +77,7 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
         if fidelity_due(cfg, step):
             return None
         steady = self._auto(cfg, self._oar_model()).selector.steady_mode(step) if AutoStep.wanted(cfg) else None
-        return shared_mode(cfg, steady)
+        return shared_mode(cfg, steady, teacher=False)  # its scores only: fit runs OAR-G's passes on its own rows
 
     def forward(self, sequences, action_mask=None, attention_mask=None, packed_seq_lens=None,
                 mm_train_inputs_list=None):

@@ -97,9 +97,51 @@ def test_rows_the_caller_did_not_run_score_zero(lm64, make_batch):
 
 def test_methods_with_their_own_passes_are_refused_by_name(lm64, make_batch):
     assert set(shared_modes()) == {"fisher", "conservative"}
-    for mode in ("gradient", "perturbation", "path"):
-        with pytest.raises(ValueError, match=rf"mode={mode} cannot read .* the modes that can: conservative, fisher"):
+    assert set(shared_modes(teacher=True)) == {"fisher", "conservative", "gradient"}
+    for mode in ("perturbation", "path"):
+        with pytest.raises(ValueError, match=rf"mode={mode} cannot read .* the modes that can: gradient, "
+                                             "conservative, fisher"):
             shared_attribution(lm64, mixed_batch(make_batch), OARConfig(mode=mode), lambda tokens: True)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("samples", [1, 3])
+def test_oar_g_with_teachers_read_from_the_forward_equals_its_own_passes(lm64, make_batch, layout, samples):
+    """OAR-G's clean teachers read from the caller's forward (``SharedTeacher``): the same scores as its own teacher
+    passes, with one and several noise draws; the forward's logits and the parameters untouched."""
+    cfg = OARConfig(mode="gradient", noise_samples=samples)
+    batch = mixed_batch(make_batch)
+    seeds = torch.arange(5, dtype=torch.long) * 7919 + 11
+    own = run_attribution(module_backend(lm64, cfg), batch, cfg, seeds=seeds).importance
+    shared = shared_attribution(lm64, batch, cfg, lambda tokens: True, seeds=seeds)
+    with torch.no_grad():
+        if layout == "padded":
+            logits = padded_forwards(lm64, batch, shared)
+            plain = torch.cat([lm64(**batch.model_inputs(r), use_cache=False).logits
+                               for r in torch.arange(5).split(2)])
+            assert torch.equal(logits, plain)
+        else:
+            packed_forward(lm64, batch, shared, torch.tensor([3, 0, 4, 1, 2]))
+    assert shared.choices == []  # nothing recomputed: no backward ran through the caller's forward
+    got = run_attribution(module_backend(lm64, cfg), batch, cfg, seeds=seeds, teachers=shared.teachers()).importance
+    torch.testing.assert_close(got, own, rtol=1e-9, atol=1e-12)
+    assert int((own != 0).sum()) > 10
+    assert all(p.grad is None and p.requires_grad for p in lm64.parameters())
+
+
+def test_oar_g_teachers_of_rows_the_caller_did_not_run_are_an_error(lm64, make_batch):
+    cfg = OARConfig(mode="gradient")
+    batch = mixed_batch(make_batch)
+    shared = shared_attribution(lm64, batch, cfg, lambda tokens: True)
+    r = torch.tensor([1, 3])
+    inputs = batch.model_inputs(r)
+    with torch.no_grad(), shared.forward(ForwardLayout.padded(r, inputs["attention_mask"], 0)):
+        lm64(**inputs, use_cache=False)
+    with pytest.raises(RuntimeError, match=r"held no forward of rows \[0, 2, 4\] whose clean teacher OAR-G"):
+        shared.teachers()
+    with pytest.raises(RuntimeError, match="ran no forward"):
+        with shared.forward(ForwardLayout.padded(r, inputs["attention_mask"], 0)):
+            pass
 
 
 @pytest.mark.parametrize("keys", [{"mode": "fisher"}, {"mode": "fisher", "fisher_outcomes": 2, "fisher_sketches": 1},

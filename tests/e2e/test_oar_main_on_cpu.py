@@ -2,8 +2,9 @@
 
 ``python -m oar_verl.main`` runs, for 3 steps each, OAR-P (auto policy: hierarchical on long rows, exact on short
 ones) on the V1 sync trainer in rollout-correction bypass mode (old log-probs from the rollout) with verl's FSDP1
-engine (``strategy=fsdp``, verl's default; ``devtools/fsdp1_cpu.py`` on CPU ranks), fisher on verl's
-``colocate_async`` trainer (read from the old-log-prob forward, the actor in bf16) and ``mode=auto`` with its default
+engine (``strategy=fsdp``, verl's default; ``devtools/fsdp1_cpu.py`` on CPU ranks), OAR-G on verl's
+``colocate_async`` trainer (its clean teachers read from the old-log-prob forward, the actor in bf16) and ``mode=auto``
+with its default
 candidates on the legacy ``RayPPOTrainer`` with a LoRA actor (read from that forward once decided); and OAR-G on the
 V1 trainer at scale settings -- 2 data-parallel ranks, dynamic batch sizes, a bf16 actor with gradient checkpointing
 and a token budget that needs several attribution passes per rank -- saved at step 2 and resumed to step 4. From
@@ -104,12 +105,14 @@ def _check_oar_run(name, run, steps, dump_dir=None):
                               "algorithm.oar.segment_min_tokens=1", "algorithm.oar.segment_max_tokens=4",
                               "algorithm.oar.refine_share=0.3", "algorithm.rollout_correction.bypass_mode=true",
                               "actor_rollout_ref.rollout.calculate_log_probs=true", *FSDP1]),
-    # fisher on verl's colocate_async trainer, read from the old-log-prob forward (docs/method.md §14), and the
-    # fidelity of its attribution measured on step 2 right after that pass (docs/fidelity.md, "Logged while training");
-    # the actor in bf16 (verl's default), so that attribution with frozen parameters is the FSDP2 module's first
-    # forward and the update after it must still get fp32 gradients
-    ("fisher_colocate_async", ["algorithm.oar.mode=fisher", "trainer.v1.trainer_mode=colocate_async",
-                               "algorithm.oar.fidelity_every=2", BF16_ACTOR]),
+    # OAR-G on verl's colocate_async trainer, its clean teachers read from the old-log-prob forward and its noisy
+    # passes right after it on the rows the step marked in TransferQueue (docs/method.md §14; fisher's and
+    # conservative's scores read from it: the worker-group tests and auto_legacy's step 2), and the fidelity of its
+    # attribution measured on step 2 right after that pass (docs/fidelity.md, "Logged while training"); the actor in
+    # bf16 (verl's default), so that attribution with frozen parameters is the FSDP2 module's first forward and the
+    # update after it must still get fp32 gradients
+    ("oar_g_colocate_async", ["algorithm.oar.mode=gradient", "trainer.v1.trainer_mode=colocate_async",
+                              "algorithm.oar.fidelity_every=2", BF16_ACTOR]),
     # mode=auto (docs/auto.md) with its default candidates on the legacy trainer: conservative (auto_default) until
     # the first decision at step 1, the decision's mode after (step 2 read from the old-log-prob forward: both
     # candidates can), a re-check at step 3, the selector's state saved beside the step-3 checkpoint
@@ -147,7 +150,7 @@ def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
     else:
         assert not fidelity and not any("timing_s/oar_fidelity" in m for m in run.metrics)
     shared = {m["step"]: m["oar/shared_forward"] for m in attributed}
-    if "algorithm.oar.mode=fisher" in extra:  # read from the old-log-prob forward, the fidelity step included
+    if "algorithm.oar.mode=gradient" in extra:  # its teachers read from the old-log-prob forward, fidelity step too
         assert set(shared.values()) == {1.0}, shared
         assert all(0.0 <= m["oar/recomputed_share"] <= 1.0 for m in attributed)  # the choice is logged
     elif "algorithm.oar.mode=auto" in extra:  # only the step that does not calibrate: its one mode can share

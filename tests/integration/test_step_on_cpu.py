@@ -226,8 +226,8 @@ def test_mode_auto_calibrates_decides_rechecks_and_resumes(setup, tmp_path, caps
     # the next step attributes with the decision and measures nothing; the re-check comes auto_every steps later.
     # Only that step reads its scores from the old-log-prob pass, when the decision can (docs/method.md §14)
     assert step.shared_mode(3) is None  # the re-check scores every candidate
-    assert step.shared_mode(2) == (chosen if chosen == "fisher" else None)
-    assert (step.shared_options(2) or {CONFIG_KEY: {"mode": chosen}})[CONFIG_KEY]["mode"] == chosen
+    assert step.shared_mode(2) == chosen  # fisher its scores, OAR-G its clean teachers
+    assert step.shared_options(2)[CONFIG_KEY]["mode"] == chosen
     _, _, _, metrics = run_step(step, io, global_step=2)
     assert io.calls[1][1][CONFIG_KEY]["mode"] == chosen and KEY not in io.calls[1][1]
     assert metrics["oar/auto/calibrating"] == 0
@@ -295,7 +295,8 @@ def test_which_steps_read_attribution_from_the_old_log_prob_pass(setup):
         return step_of(**oar).shared_mode(step)
 
     assert shares(mode="fisher") == "fisher" and shares(mode="conservative") == "conservative"
-    assert shares(mode="gradient") is shares(mode="perturbation") is shares(mode="path") is None
+    assert shares(mode="gradient") == "gradient"  # its clean teachers (Method.shared_teacher)
+    assert shares(mode="perturbation") is shares(mode="path") is None
     assert shares(mode="fisher", shared_forward=False) is None
     # target=reference attributes rows ending in the ground truth, which the pass of the model's rows does not hold
     assert shares(mode="fisher", target="reference") is shares(mode="conservative", target="reference") is None
@@ -317,6 +318,25 @@ def test_which_steps_read_attribution_from_the_old_log_prob_pass(setup):
     assert windowed.shared_mode(2) == "fisher"
     next(iter(windowed.selector._bands.values())).update(mode=UNIFORM)  # a band on the plain-GRPO fallback
     assert windowed.shared_mode(2) is None
+
+
+def test_oar_g_marks_the_rows_the_step_reads_for_its_passes_after_the_pass(setup):
+    """OAR-G reads only its clean teachers from the old-log-prob pass: the step marks the rows it will read (the
+    zero-advantage group left out) for the worker's noisy passes; a method read whole from the pass marks none (it
+    scores every row of the pass); without the base advantage (a KL penalty in the reward) every eligible row."""
+    tok, model, prompts, responses = setup
+    io = InProcessIO(tok, model, prompts, responses, SCORES)
+
+    def step_of(kl=False, **oar):
+        alg = algorithm(**oar)
+        alg.use_kl_in_reward = kl
+        return OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None)
+
+    assert step_of(mode="gradient").teacher_rows(io, 3).tolist() == [True, True, False, False]
+    assert step_of(mode="gradient", skip_zero_advantage=False).teacher_rows(io, 3).tolist() == [True] * 4
+    assert step_of(kl=True, mode="gradient").teacher_rows(io, 3).tolist() == [True] * 4
+    assert step_of(mode="fisher").teacher_rows(io, 3) is None
+    assert step_of(mode="gradient", shared_forward=False).teacher_rows(io, 3) is None
 
 
 def test_an_engine_that_cannot_carry_attribution_in_its_pass_says_why():
@@ -350,3 +370,8 @@ def test_an_engine_that_cannot_carry_attribution_in_its_pass_says_why():
                                                                                 packed=True, tokens=(4096, 2048))
     assert megatron.shared_error(full, cfg, fused_kernels=False, packed=True, tokens=(4096, 2048)) is None
     assert megatron.shared_error(plain, cfg, fused_kernels=False, packed=True, tokens=(2048, 2048)) is None
+    # OAR-G's clean teachers are read from FSDP's pass only; on Megatron its passes follow the pass in the same call
+    oar_g = OARConfig(mode="gradient")
+    assert fsdp.shared_error(Engine(), oar_g, fused_kernels=False, packed=True, tokens=(8, 8)) is None
+    assert "reads only its clean teachers" in megatron.shared_error(plain, oar_g, fused_kernels=False, packed=True,
+                                                                    tokens=(8, 8))

@@ -100,13 +100,28 @@ def padded(rows):
 
 def check_shared(res):
     """fisher read from verl's old-log-prob pass (the job's gradient run): every row read from it, verl's log-probs
-    bitwise, the scores of fisher's own call."""
+    bitwise, the scores of fisher's own call. OAR-G with its clean teachers read from the pass: verl's log-probs
+    bitwise, on the marked rows the scores of OAR-G's own call (same seeds; the teacher from verl's layout), nothing
+    on a rank's unmarked rows (a rank with none marked runs its first row, unread, so that the ranks' passes align)."""
     assert res["shared"].tolist() == [1.0] * 4
     for a, b in zip(res["log_probs_before"], res["shared_log_probs"]):
         assert torch.equal(a, b)
     own = padded(res["fisher_importance"])
     assert int((own != 0).sum()) > 10
     torch.testing.assert_close(padded(res["shared_importance"]), own, rtol=1e-4, atol=1e-5 * float(own.abs().max()))
+    assert res["teacher_shared"].tolist() == [1.0] * 4
+    for a, b in zip(res["log_probs_before"], res["teacher_log_probs"]):
+        assert torch.equal(a, b)
+    marked = res["teacher_rows"].bool()
+    oar_g, taught = padded(res["token_importance"]), padded(res["teacher_importance"])
+    torch.testing.assert_close(taught[marked], oar_g[marked], rtol=2e-3, atol=5e-5 * float(oar_g.abs().max()))
+    assert int((taught[marked] != 0).sum()) > 10
+    fillers = [2 * r for r in range(len(marked) // 2) if not marked[2 * r: 2 * r + 2].any()]
+    assert all(not bool(taught[i].any()) for i in range(len(marked)) if not marked[i] and i not in fillers)
+    if res["config"].get("fidelity_every") == 1:  # measured on each rank's first marked row
+        width = len(marked) // res["ranks"]  # data-parallel ranks (a sequence-parallel group holds the same rows)
+        first = [r * width + int(marked[r * width:(r + 1) * width].nonzero()[0]) for r in range(res["ranks"])]
+        assert (~res["teacher_fidelity"].isnan()).nonzero().flatten().tolist() == first
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ SP > 1: Ulysses sequence parallelism of that size, so the ranks form sequence-pa
 ranks. PACKED (1; implied by SP > 1): verl's remove-padding layout (rows packed end to end, the CPU stand-in
 attention ``ulysses_sdpa``). STRATEGY: fsdp2 (default) or fsdp (FSDP1, verl's default; :mod:`devtools.fsdp1_cpu`).
 With MODE gradient or gradient_k3, also fisher read from verl's old-log-prob pass (docs/method.md §14; the ranks'
-micro-batches of different lengths, sharded under SP) and fisher's own call.
+micro-batches of different lengths, sharded under SP) and fisher's own call, and OAR-G with its clean teachers read
+from that pass and its noisy passes on the marked rows after it.
 
 The actor runs with gradient checkpointing, and attribution with a token budget of 100 tokens per pass, so that the
 two ranks need different numbers of passes (short rows share passes on rank 0, long rows run alone on rank 1).
@@ -28,7 +29,7 @@ import torch
 from verl.utils import tensordict_utils as tu
 
 from oar_verl.core.config import OARConfig
-from oar_verl.integration.fields import CONFIG_KEY, FIDELITY_FIELDS, SHARED_KEY, STEP_KEY
+from oar_verl.integration.fields import ATTRIBUTE_FIELD, CONFIG_KEY, FIDELITY_FIELDS, SHARED_KEY, STEP_KEY
 from oar_verl.integration.worker import OARActorRolloutRefWorker
 from devtools.verl_group import rows_tensordict
 from job_support import actor_group, saved, tokenized, trainer_config
@@ -39,6 +40,8 @@ RESPONSES = ["The answer is 7.", "12 plus 30 is 42. The answer is 42.",
              "Seven and eight make fifteen, so #### 15"]
 GROUND_TRUTHS = ["7", "42", "14", "15"]
 BUDGET = 100
+# the rows marked for OAR-G's noisy passes after the pass (ATTRIBUTE_FIELD): rank 0 holds rows 0-1, rank 1 rows 2-3
+TEACHER_ROWS = {"gradient": [0, 1, 1, 1], "gradient_k3": [0, 0, 1, 1]}
 
 
 def main() -> None:
@@ -82,6 +85,17 @@ def main() -> None:
             extra = {"shared_log_probs": saved(shared["log_probs"]), "shared": shared["oar_shared"].clone(),
                      "shared_importance": saved(shared["token_importance"]),
                      "fisher_importance": saved(wg.compute_token_importance(own)["token_importance"])}
+            # OAR-G's clean teachers read from the pass, its noisy passes after it on the marked rows only (with K = 3
+            # none of rank 0's rows: that rank still runs the passes the other needs)
+            teacher_data = logp_data.clone()
+            marked = torch.tensor(TEACHER_ROWS[mode], dtype=torch.float32)
+            teacher_data[ATTRIBUTE_FIELD] = marked
+            tu.assign_non_tensor(teacher_data, **{SHARED_KEY: {CONFIG_KEY: oar.to_dict(), STEP_KEY: 3}})
+            taught = wg.compute_log_prob(teacher_data)
+            extra.update({"teacher_log_probs": saved(taught["log_probs"]),
+                          "teacher_shared": taught["oar_shared"].clone(),
+                          "teacher_importance": saved(taught["token_importance"]), "teacher_rows": marked,
+                          "teacher_fidelity": taught["oar_fidelity_aopc"].clone(), "ranks": n_ranks // sp})
         torch.save({**extra, "prompts": prompts, "responses": responses, "config": oar.to_dict(), "truths": GROUND_TRUTHS,
                     "token_importance": saved(out["token_importance"]), "reasoning": saved(out["oar_reasoning_mask"]),
                     "answer": saved(out["oar_answer_mask"]),

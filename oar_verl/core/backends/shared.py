@@ -21,6 +21,10 @@ partial sums at its own positions, the group sums them (differentiably: every ra
 through the attention's all-to-alls) and each rank stores the projections of its own positions; ``result`` sums the
 ranks' parts. ``recompute`` chooses per forward which share of the decoder layers keep only their inputs (their
 backward recomputes them: about two forwards) while the others keep their activations (about one).
+
+OAR-G differentiates at noisy points, so only its clean teacher can come from such a forward:
+:class:`SharedTeacher` reads each row's probe from the head's output and keeps it for the method's noisy passes,
+leaving the forward untouched (no grad, no backward).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from oar_verl.core.backends.base import frozen_parameters
+from oar_verl.core.backends.base import DenseProbeTable, frozen_parameters
 from oar_verl.core.backends.collectives import sum_over_group
 from oar_verl.core.backends.hf import layer_checkpointing
 from oar_verl.core.backends.ulysses import SequenceShards
@@ -174,23 +178,14 @@ class SharedAttribution:
             clean = out.detach()
             leaf = clean.clone().requires_grad_(True)
             captured["clean"], captured["leaf"] = clean, leaf
-            captured["lo"] = self._shard_start(out, tokens)
+            captured["lo"] = shard_start(self.shards, out, tokens)
             return leaf
-
-        def at_head(module, args, out):
-            # the probe positions' logits (n, K, V), read from the head's own output so that a sharding wrapper's
-            # backward hooks (FSDP regathering the head's weight) run as in any backward; the output is unchanged.
-            # A shard reads its own positions (the others: index 0, weight 0 here)
-            flat = out.reshape(-1, out.shape[-1])
-            lo = captured["lo"]
-            here = (index >= lo) & (index < lo + flat.shape[0])
-            captured["here"] = here
-            captured["logits"] = flat[torch.where(here, index - lo, 0)]
 
         handles = [self.model.register_forward_pre_hook(enter), self.model.register_forward_hook(leave,
                                                                                                   always_call=True),
                    self.model.get_input_embeddings().register_forward_hook(at_embedding),
-                   self.model.get_output_embeddings().register_forward_hook(at_head)]
+                   self.model.get_output_embeddings().register_forward_hook(functools.partial(_at_head, index,
+                                                                                              captured))]
         rules = _rules(self.model, self.target.rules) if self.target.rules else contextlib.nullcontext()
         try:
             with frozen_parameters(self.model), layer_checkpointing(self.model, recompute), rules:
@@ -209,12 +204,8 @@ class SharedAttribution:
     def _backward(self, layout: ForwardLayout, index: torch.Tensor, w: torch.Tensor, captured: dict) -> None:
         """Read the probe from the kept logits, back-propagate the method's losses, store the projections."""
         t = self.target
-        spec = t.batch.probe
         rows = layout.rows
-        targets = spec.target_ids[rows[:, None], batch_columns(layout, index)]
-        group = None if self.shards is None else self.shards.group
-        combine = None if group is None else functools.partial(sum_over_group, group=group)
-        probe = probe_from_logits(captured["logits"], w * captured["here"], targets, spec.joint[rows], combine)
+        probe = read_probe(t.batch, layout, index, w, captured, self.shards)
         losses, weights = t.losses(probe, rows)
         losses = losses.reshape(rows.shape[0], t.columns)
         leaf, clean, lo = captured["leaf"], captured["clean"], captured["lo"]
@@ -228,18 +219,6 @@ class SharedAttribution:
         self.weights[rows] = weights.to(self.weights.device)
         self.covered[rows] = True
 
-    def _shard_start(self, embedded: torch.Tensor, tokens: int) -> int:
-        """The first flat position of the forward this rank's embedding output (b, s, H) holds: 0, or under Ulysses
-        its shard's (rank × s of a (1, s) shard; verl pads the packed tokens to a multiple of the group)."""
-        if self.shards is None:
-            return 0
-        n = embedded.shape[0] * embedded.shape[1]
-        if embedded.shape[0] != 1 or n * self.shards.size < tokens or n > tokens:
-            raise RuntimeError(f"oar: a sequence-parallel forward of {tokens} packed tokens reached the embedding as "
-                               f"{tuple(embedded.shape[:2])} on one of {self.shards.size} ranks (expected one shard of "
-                               "the packed row)")
-        return self.shards.rank * n
-
     def result(self) -> torch.Tensor:
         """(B, L) float32 scores at reasoning positions of the rows attributed so far, 0 elsewhere (under Ulysses
         the same on every rank of the group: call it on all of them)."""
@@ -250,6 +229,107 @@ class SharedAttribution:
         scores = self.target.finish(projections, self.weights)
         keep = self.target.batch.reasoning_mask & self.covered[:, None]
         return torch.where(keep, scores, 0.0)
+
+
+class SharedTeacher:
+    """OAR-G's clean teacher probes read from the forwards run inside :meth:`forward` (docs/method.md §14): each
+    row's probe is read from the LM head's output at its probe positions and kept in :attr:`table` for the method's
+    noisy passes (``MethodInputs.teachers``). The forward itself is left as it is: no grad, no leaf, no backward.
+
+    Args:
+        model: the Hugging Face causal LM (or its FSDP wrapper) the caller runs.
+        batch: the rows whose probes are read.
+        shards: the Ulysses sequence-parallel group the forwards are sharded over, or None.
+    """
+
+    def __init__(self, model: torch.nn.Module, batch: AttributionBatch, shards: SequenceShards | None = None):
+        self.model, self.batch = model, batch
+        self.shards = shards if shards is not None and shards.size > 1 else None
+        B = batch.input_ids.shape[0]
+        self.table = DenseProbeTable(B)
+        self.covered = torch.zeros(B, dtype=torch.bool, device=batch.input_ids.device)
+        self.choices: list[tuple[int, float]] = []  # no backward here: the noisy passes choose their recompute
+
+    @contextlib.contextmanager
+    def forward(self, layout: ForwardLayout) -> Iterator[None]:
+        """Run the model's forward(s) of ``layout``'s rows inside: their probes are read on the way out."""
+        tokens = int(layout.flat.shape[0])
+        index, weights = probe_index(layout, self.batch.probe.logit_weight)
+        captured: dict[str, torch.Tensor] = {}
+
+        def at_embedding(module, args, out):
+            captured["lo"] = shard_start(self.shards, out, tokens)
+
+        handles = [self.model.get_input_embeddings().register_forward_hook(at_embedding),
+                   self.model.get_output_embeddings().register_forward_hook(functools.partial(_at_head, index,
+                                                                                              captured))]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        if "logits" not in captured:
+            raise RuntimeError("a shared teacher forward ran no forward of the model")
+        with torch.no_grad():
+            probe = read_probe(self.batch, layout, index, weights, captured, self.shards)
+        self.table.put(layout.rows.to(self.covered.device), probe)
+        self.covered[layout.rows.to(self.covered.device)] = True
+
+    def teachers(self, rows: torch.Tensor | None = None) -> DenseProbeTable:
+        """The table of every row's clean probe, or of ``rows`` (n,) long only, renumbered 0..n-1 in that order (a
+        batch of those rows); under Ulysses the same on every rank of the group.
+
+        Raises:
+            RuntimeError: a row with reasoning tokens was not in any forward run inside :meth:`forward`.
+        """
+        device = self.covered.device
+        picked = torch.arange(self.covered.shape[0], device=device) if rows is None else rows.to(device).long()
+        missing = picked[self.batch.reasoning_mask.any(-1).to(device)[picked] & ~self.covered[picked]]
+        if missing.numel():
+            raise RuntimeError(f"oar: the old-log-prob pass held no forward of rows {missing.tolist()} whose clean "
+                               "teacher OAR-G reads from it")
+        if rows is None:
+            return self.table
+        table = DenseProbeTable(picked.shape[0])
+        if self.table.logp is not None and picked.numel():
+            table.put(torch.arange(picked.shape[0], device=device), self.table.get(picked))
+        return table
+
+
+def _at_head(index: torch.Tensor, captured: dict, module, args, out) -> None:
+    """Forward hook on the LM head: keep the probe positions' logits (n, K, V), read from the head's own output so
+    that a sharding wrapper's backward hooks (FSDP regathering the head's weight) run as in any backward; the output
+    is unchanged. A shard reads its own positions (the others: index 0, ``captured["here"]`` False)."""
+    flat = out.reshape(-1, out.shape[-1])
+    lo = captured["lo"]
+    here = (index >= lo) & (index < lo + flat.shape[0])
+    captured["here"] = here
+    captured["logits"] = flat[torch.where(here, index - lo, 0)]
+
+
+def read_probe(batch: AttributionBatch, layout: ForwardLayout, index: torch.Tensor, weights: torch.Tensor,
+               captured: dict, shards: SequenceShards | None):
+    """The :class:`~oar_verl.core.batch.probes.ProbeOutput` of the forward's n sequences from the kept logits
+    (``index``, ``weights`` (n, K): :func:`probe_index`), the shards' partial sums summed over the group."""
+    spec = batch.probe
+    rows = layout.rows
+    targets = spec.target_ids[rows[:, None], batch_columns(layout, index)]
+    combine = None if shards is None else functools.partial(sum_over_group, group=shards.group)
+    return probe_from_logits(captured["logits"], weights * captured["here"], targets, spec.joint[rows], combine)
+
+
+def shard_start(shards: SequenceShards | None, embedded: torch.Tensor, tokens: int) -> int:
+    """The first flat position of a forward of ``tokens`` that this rank's embedding output (b, s, H) holds: 0, or
+    under Ulysses (``shards``) its shard's (rank × s of a (1, s) shard; verl pads the packed tokens to a multiple of
+    the group)."""
+    if shards is None:
+        return 0
+    n = embedded.shape[0] * embedded.shape[1]
+    if embedded.shape[0] != 1 or n * shards.size < tokens or n > tokens:
+        raise RuntimeError(f"oar: a sequence-parallel forward of {tokens} packed tokens reached the embedding as "
+                           f"{tuple(embedded.shape[:2])} on one of {shards.size} ranks (expected one shard of the "
+                           "packed row)")
+    return shards.rank * n
 
 
 def batch_columns(layout: ForwardLayout, index: torch.Tensor) -> torch.Tensor:

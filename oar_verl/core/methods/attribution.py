@@ -19,11 +19,11 @@ import oar_verl.core.methods.fisher  # noqa: F401
 import oar_verl.core.methods.gradient  # noqa: F401
 import oar_verl.core.methods.path  # noqa: F401
 import oar_verl.core.methods.policies  # noqa: F401
-from oar_verl.core.backends.base import AttributionBackend
+from oar_verl.core.backends.base import AttributionBackend, ProbeTable
 from oar_verl.core.backends.hf import ModuleBackend
 from oar_verl.core.backends.ulysses import SequenceShards, UlyssesBackend
 from oar_verl.core.backends.budget import Fits, PassLimits
-from oar_verl.core.backends.shared import SharedAttribution
+from oar_verl.core.backends.shared import SharedAttribution, SharedTeacher
 from oar_verl.core.checks.startup import check_config, require_resolved
 from oar_verl.core.config import AUTO_MODE, OARConfig
 from oar_verl.core.batch.layout import AttributionBatch, build_attribution_batch, with_segments
@@ -92,7 +92,8 @@ def module_backend(model: torch.nn.Module | None, cfg: OARConfig, *, limits: Pas
 
 
 def run_attribution(backend: AttributionBackend, batch: AttributionBatch, cfg: OARConfig, *,
-                    mask_token_id: int | None = None, seeds: torch.Tensor | None = None) -> AttributionResult:
+                    mask_token_id: int | None = None, seeds: torch.Tensor | None = None,
+                    teachers: ProbeTable | None = None) -> AttributionResult:
     """Importance of the batch's reasoning tokens with the configured method, on any backend.
 
     Args:
@@ -102,45 +103,54 @@ def run_attribution(backend: AttributionBackend, batch: AttributionBatch, cfg: O
         cfg: OARConfig; ``cfg.mode`` names the method.
         mask_token_id: the mask token (OAR-P, fisher).
         seeds: (B,) int64 noise seeds (OAR-G).
+        teachers: every row's clean probe read from a forward that ran anyway (:meth:`SharedTeacher.teachers`, a
+            method with ``shared_teacher``); None: the method runs its own clean passes.
 
     Returns:
         AttributionResult: (B, L) float32 importance (0 off the reasoning tokens) and what ran.
     """
     check_config(require_resolved(cfg))  # the names and their combinations (core-only users have no start-up)
-    return METHODS.get(cfg.mode).run(backend, batch, cfg, MethodInputs(mask_token_id, seeds))
+    return METHODS.get(cfg.mode).run(backend, batch, cfg, MethodInputs(mask_token_id, seeds, teachers))
 
 
-def shared_modes() -> tuple[str, ...]:
-    """The registered methods that can read their scores from a forward the trainer runs anyway."""
-    return tuple(name for name in METHODS.names() if METHODS.get(name).shared is not None)
+def shared_modes(teacher: bool = False) -> tuple[str, ...]:
+    """The registered methods that can read their scores from a forward the trainer runs anyway, and with
+    ``teacher`` those that read their clean teachers from it (``Method.shared_teacher``)."""
+    return tuple(name for name in METHODS.names()
+                 if METHODS.get(name).shared is not None or (teacher and METHODS.get(name).shared_teacher))
 
 
-def shared_mode(cfg: OARConfig, steady: str | None = None) -> str | None:
-    """The mode whose scores a step reads from a forward the trainer runs anyway (``shared_forward``;
-    docs/method.md §14), or None: ``cfg.mode`` when it can share; under ``mode=auto`` the selector's ``steady`` mode
-    of the step (:meth:`~oar_verl.core.auto.AutoSelector.steady_mode`: no calibration, one mode for every band) when
-    it can. Never with ``target=reference``: its rows end in the ground truth, which the trainer's forward of the
-    model's own rows does not hold."""
+def shared_mode(cfg: OARConfig, steady: str | None = None, *, teacher: bool = True) -> str | None:
+    """The mode that reads its scores (or, with ``teacher``, its clean teachers) from a forward the trainer runs
+    anyway (``shared_forward``; docs/method.md §14), or None: ``cfg.mode`` when it can share; under ``mode=auto`` the
+    selector's ``steady`` mode of the step (:meth:`~oar_verl.core.auto.AutoSelector.steady_mode`: no calibration,
+    one mode for every band) when it can. Never with ``target=reference``: its rows end in the ground truth, which
+    the trainer's forward of the model's own rows does not hold."""
     if not cfg.shared_forward or cfg.target == "reference":
         return None
     mode = steady if cfg.mode == AUTO_MODE else cfg.mode
-    return mode if mode in shared_modes() else None
+    return mode if mode in shared_modes(teacher) else None
 
 
 def shared_attribution(model: torch.nn.Module, batch: AttributionBatch, cfg: OARConfig,
                        recompute: Callable[[int], float] | bool, *, mask_token_id: int | None = None,
-                       seeds: torch.Tensor | None = None, shards: SequenceShards | None = None) -> SharedAttribution:
-    """The configured method's :class:`~oar_verl.core.backends.shared.SharedAttribution` on ``model`` (a Hugging
-    Face causal LM, plain or FSDP-wrapped): run the caller's forwards of ``batch``'s rows inside its ``forward``
-    (under Ulysses, ``shards``: each rank's forward one shard of the packed rows).
+                       seeds: torch.Tensor | None = None, shards: SequenceShards | None = None
+                       ) -> SharedAttribution | SharedTeacher:
+    """What the configured method reads from the caller's forwards of ``batch``'s rows on ``model`` (a Hugging Face
+    causal LM, plain or FSDP-wrapped), run inside its ``forward`` (under Ulysses, ``shards``: each rank's forward one
+    shard of the packed rows): its scores (:class:`~oar_verl.core.backends.shared.SharedAttribution`), or its clean
+    teachers (:class:`~oar_verl.core.backends.shared.SharedTeacher`, a method with ``shared_teacher``; pass
+    :meth:`~oar_verl.core.backends.shared.SharedTeacher.teachers` to :func:`run_attribution`).
 
     Raises:
-        ValueError: ``cfg.mode`` runs its own passes (naming the modes that share).
+        ValueError: ``cfg.mode`` runs all its own passes (naming the modes that share).
     """
     entry = METHODS.get(require_resolved(cfg).mode)
+    if entry.shared_teacher:
+        return SharedTeacher(model, batch, shards)
     if entry.shared is None:
-        raise ValueError(f"{cfg.prefix}.mode={cfg.mode} cannot read its scores from the old-log-prob forward (it "
-                         f"runs its own passes); the modes that can: {', '.join(shared_modes())}")
+        raise ValueError(f"{cfg.prefix}.mode={cfg.mode} cannot read its scores or its teachers from the old-log-prob "
+                         f"forward (it runs its own passes); the modes that can: {', '.join(shared_modes(True))}")
     target = entry.shared(module_backend(model, cfg), batch, cfg, MethodInputs(mask_token_id, seeds))
     return SharedAttribution(model, target, recompute, shards)
 

@@ -25,10 +25,13 @@ class MethodInputs:
     Attributes:
         mask_token_id: the token that replaces a masked token (OAR-P) or whose embedding the swap moves to (fisher).
         seeds: (B,) int64 per-sequence noise seeds (OAR-G; :func:`oar_verl.core.methods.gradient.sequence_seeds`).
+        teachers: every row's clean probe read from a forward that ran anyway (a method with ``shared_teacher``;
+            :class:`~oar_verl.core.backends.shared.SharedTeacher`), or None: the method runs its clean passes.
     """
 
     mask_token_id: int | None = None
     seeds: torch.Tensor | None = None
+    teachers: object | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,9 @@ class Method:
             old-log-prob pass); None: it runs its own passes.
         shared_columns: cfg -> the loss columns of its shared target (backwards from one forward; an engine whose
             schedule runs one backward per forward, Megatron's, shares only at 1).
+        shared_teacher: it differentiates at points off the clean one (OAR-G's noise), so only its clean teacher
+            probes can be read from a forward the trainer runs anyway (``MethodInputs.teachers``); its other passes
+            run after that forward.
         ranks_past_window: a gradient method measured to rank well above random on rows longer than a sliding
             window (conservative on Gemma 3: research/docs/faithfulness.md §17), so the sliding-window warning, whose
             premise is a random ranking there, does not name it.
@@ -95,6 +101,7 @@ class Method:
     shared: Callable[..., object] | None = None
     ranks_past_window: bool = False
     shared_columns: Callable[[object], int] = _one
+    shared_teacher: bool = False
 
 
 METHODS: Registry[Method] = Registry("attribution method", "algorithm.oar.mode")
@@ -103,14 +110,15 @@ METHODS: Registry[Method] = Registry("attribution method", "algorithm.oar.mode")
 def method(name: str, *, forward_only: bool, reads_gradients: bool, uses_mask_token: bool,
            linearises_mask: bool = False, segments: Callable[[object], bool] | None = None,
            propagation_rules: bool = False, shared: Callable[..., object] | None = None,
-           ranks_past_window: bool = False, shared_columns: Callable[[object], int] | None = None):
+           ranks_past_window: bool = False, shared_columns: Callable[[object], int] | None = None,
+           shared_teacher: bool = False):
     """Decorator: register the decorated ``run`` function as the method ``name`` (``algorithm.oar.mode``) with its
     traits (:class:`Method`; the first three have no default: every method declares them)."""
 
     def add(run: Callable[..., AttributionResult]) -> Callable[..., AttributionResult]:
         METHODS.register(name)(Method(run, forward_only, reads_gradients, uses_mask_token, linearises_mask,
                                       segments or _never, propagation_rules, shared, ranks_past_window,
-                                      shared_columns or _one))
+                                      shared_columns or _one, shared_teacher))
         return run
 
     return add

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from oar_verl.core.backends.base import (AttributionBackend, EmbeddingHook, Pass, collect, first_row, plan_draws,
-                                   with_fillers)
+from oar_verl.core.backends.base import (AttributionBackend, EmbeddingHook, Pass, ProbeTable, collect, first_row,
+                                         plan_draws, with_fillers)
 from oar_verl.core.batch.layout import AttributionBatch
 from oar_verl.core.backends.memory import PassKind
 from oar_verl.core.methods.contract import AttributionResult, MethodInputs, method, require
@@ -132,17 +132,21 @@ class DrawPlan:
         return collect(scores, self.packs, (B * draws, L), batch.input_ids.device).view(B, draws, L)
 
 
-def draw_plan(backend: AttributionBackend, batch: AttributionBatch, draws: int) -> DrawPlan:
-    """:class:`DrawPlan` of ``draws`` K >= 1 draw rows per row; runs the teacher passes."""
+def draw_plan(backend: AttributionBackend, batch: AttributionBatch, draws: int, teachers: ProbeTable | None = None
+              ) -> DrawPlan:
+    """:class:`DrawPlan` of ``draws`` K >= 1 draw rows per row; runs the teacher passes, unless ``teachers`` holds
+    every row's clean probe already (read from a forward that ran anyway: docs/method.md §14; every rank alike)."""
     B = batch.input_ids.shape[0]
     draw_rows, packs = plan_draws(backend, batch, draws, PassKind.INPUT_GRADIENT)
     count = backend.align(len(packs))
     row = first_row(batch)
     students = with_fillers([Pass(draw_rows[p]) for p in packs], count, Pass(row, filler=True), batch)
-    teachers = with_fillers([Pass(torch.unique_consecutive(draw_rows[p])) for p in packs], count,
-                            Pass(row, filler=True), batch)
+    if teachers is not None:
+        return DrawPlan(draw_rows, packs, students, teachers)
+    clean = with_fillers([Pass(torch.unique_consecutive(draw_rows[p])) for p in packs], count,
+                         Pass(row, filler=True), batch)
     table = backend.table(B)
-    backend.run(batch, teachers, lambda i, probe: None if teachers[i].filler else table.put(teachers[i].rows, probe))
+    backend.run(batch, clean, lambda i, probe: None if clean[i].filler else table.put(clean[i].rows, probe))
     return DrawPlan(draw_rows, packs, students, table)
 
 
@@ -154,7 +158,8 @@ def noise_scale(noise_std: float, low_precision: float | None, dtype: torch.dtyp
 
 
 def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Tensor, noise_std: float,
-          samples: int = 1, noise_std_low_precision: float | None = None) -> tuple[torch.Tensor, int]:
+          samples: int = 1, noise_std_low_precision: float | None = None, teachers: ProbeTable | None = None
+          ) -> tuple[torch.Tensor, int]:
     """OAR-G importance of every reasoning token, on any backend: the mean over ``samples`` noise draws of the
     single-draw score |⟨∂J/∂e_t, e_t⟩|.
 
@@ -166,13 +171,15 @@ def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Ten
         noise_std: σ of the Gaussian embedding noise (absolute).
         samples: K >= 1 noise draws per row (``algorithm.oar.noise_samples``); K = 1 is the single-draw method.
         noise_std_low_precision: σ where the embedding output is bf16 or fp16 (:func:`noise_scale`); None: σ.
+        teachers: every row's clean probe, read from a forward that ran anyway
+            (:class:`~oar_verl.core.backends.shared.SharedTeacher`); None: the teacher passes run here.
 
     Returns:
         ((B, L) float32 mean over the K draws of |⟨∂J/∂e_t, e_t⟩| at reasoning positions, 0 elsewhere; the student
         passes this rank needed before alignment). No parameter has a gradient or a changed requires_grad flag
         afterwards.
     """
-    plan = draw_plan(backend, batch, samples)
+    plan = draw_plan(backend, batch, samples, teachers)
     student_seeds = plan.per_pass(draw_seeds(seeds.to(plan.rows.device), samples).reshape(-1))
     counts = batch.reasoning_mask.sum(-1)
 
@@ -186,11 +193,11 @@ def oar_g(backend: AttributionBackend, batch: AttributionBatch, seeds: torch.Ten
     return torch.where(batch.reasoning_mask, mean, 0.0), len(plan.packs)
 
 
-@method("gradient", forward_only=False, reads_gradients=True, uses_mask_token=False)
+@method("gradient", forward_only=False, reads_gradients=True, uses_mask_token=False, shared_teacher=True)
 def run_oar_g(backend: AttributionBackend, batch: AttributionBatch, cfg, inputs: MethodInputs) -> AttributionResult:
     """``mode=gradient``: :func:`oar_g` with ``noise_std``, ``noise_std_low_precision`` and ``noise_samples`` of the
-    configuration."""
+    configuration (and the clean teachers of ``inputs.teachers`` when a shared forward read them)."""
     seeds = require(inputs.seeds, "OAR-G needs per-sequence noise seeds",
                     "see oar_verl.core.methods.gradient.sequence_seeds (prepare_attribution computes them)")
     return AttributionResult(*oar_g(backend, batch, seeds, cfg.noise_std, cfg.noise_samples,
-                                    cfg.noise_std_low_precision))
+                                    cfg.noise_std_low_precision, inputs.teachers))

@@ -50,6 +50,9 @@ def megatron_shared_error(cfg, *, fused_kernels: bool = False, recomputes: bool 
     """
     if fused_kernels:
         return "use_fused_kernels=true (the fused forward computes no logits)"
+    if METHODS.get(cfg.mode).shared is None:
+        return (f"{cfg.prefix}.mode={cfg.mode} reads only its clean teachers from the pass, which this engine's "
+                "schedule does not hand over")
     columns = METHODS.get(cfg.mode).shared_columns(cfg)
     if columns > 1:
         return (f"{cfg.prefix}.mode={cfg.mode} reads {columns} backwards per row here (fisher: fisher_outcomes + "
