@@ -89,10 +89,10 @@ class OARStepLayer(PPOTrainer):
             batch.extra_info[SHARED_KEY] = options
             rows = self.oar_step.teacher_rows(V1IO(self, batch), self.global_steps)
             if rows is not None:  # OAR-G: the rows its noisy passes run on after the pass, beside the batch's rows
-                put = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                                      fields=TensorDict({ATTRIBUTE_FIELD: rows.float()}, batch_size=[len(rows)]))
-                if fields is not None:  # the call reads the fields its meta names (None: every one stored)
-                    batch.fields = list(dict.fromkeys([*fields, *(put.fields or [ATTRIBUTE_FIELD])]))
+                tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                                fields=TensorDict({ATTRIBUTE_FIELD: rows.float()}, batch_size=[len(rows)]))
+                if fields is not None and ATTRIBUTE_FIELD not in fields:  # the call reads the fields its meta names
+                    batch.fields = [*fields, ATTRIBUTE_FIELD]  # (None: every field stored)
         try:
             out = super()._compute_old_log_prob(batch, metrics)
         finally:
