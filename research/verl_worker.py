@@ -10,8 +10,9 @@ precision (``bf16``: what users train with; ``fp32``: the exactness check) on on
 2. the group built as verl's trainers build it (:mod:`devtools.verl_group`): gradient checkpointing, dynamic batch
    sizes (one token budget for training, log-probs and attribution), sdpa attention;
 3. what one training step runs: old log-probs -> ``compute_token_importance`` for ``gradient``, ``fisher`` and the
-   ``segment`` policy of ``perturbation`` -> the old-log-prob pass again with fisher read from it
-   (``algorithm.oar.shared_forward``: verl's log-probs unchanged, the separate call's scores) -> the ``oar`` estimator
+   ``segment`` policy of ``perturbation`` -> the old-log-prob pass again with fisher, conservative and OAR-G's
+   teachers read from it (``algorithm.oar.shared_forward``: verl's log-probs unchanged, the separate call's scores;
+   OAR-G in bf16 at Spearman >= 0.9, its teachers from another layout) -> the ``oar`` estimator
    (Σw = R, finite weights) -> ``update_actor`` with the reshaped advantages;
 4. per call, in the worker process: seconds (device synchronised), peak device memory above the call's start, and in
    attribution every host synchronisation (CUDA's sync debug mode), by the line of ours that caused it;
@@ -41,7 +42,9 @@ import numpy as np
 import torch
 
 MODES = ("gradient", "fisher", "conservative", "segment")  # the attribution calls of the step, in order
-SHARED_MODES = ("fisher", "conservative")  # read from the old-log-prob pass (algorithm.oar.shared_forward), in order
+# read from the old-log-prob pass (algorithm.oar.shared_forward), in order: fisher's and conservative's scores, OAR-G's
+# clean teachers (its noisy passes right after the pass, in the same call)
+SHARED_MODES = ("fisher", "conservative", "gradient")
 # non-tensor flag: the worker takes its fallback for this call (an engine that cannot carry attribution in the pass:
 # attribution right after it, in the same call), as Megatron, Ulysses or fused kernels would make it
 FALLBACK_KEY = "probe_fallback"
@@ -54,6 +57,9 @@ def shared_call(mode: str) -> str:
 COUNT_SYNCS_KEY = "probe_count_syncs"  # non-tensor flag: count this attribution call's host syncs (slower: untimed)
 FP32_TOLERANCE = 1e-3  # per row: max |worker - core| / max |core|
 BF16_SPEARMAN = 0.98  # per row, over the reasoning tokens
+# OAR-G with its teachers read from another layout than its own passes', against its own call: in bf16 the layout's
+# rounding adds to the student-teacher shift it differentiates (0.97 on SmolLM2's rows: docs/method.md §14)
+BF16_TEACHER_SPEARMAN = 0.9
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -453,8 +459,8 @@ def run_variant(plan: Plan, param_dtype: str, device: str, work: Path, log=print
         point["fallback"] = {"log_probs_equal": all(torch.equal(a, b) for a, b in zip(
             log_probs.unbind(), fallback["log_probs"].unbind())), "shared": fallback["oar_shared"].tolist()}
         fallback_imp = [r.float() for r in fallback["token_importance"].unbind()]
-        log("[verl-worker %s] fisher and conservative read from the old-log-prob pass (and the fallback) done"
-            % param_dtype)
+        log("[verl-worker %s] fisher, conservative and OAR-G's teachers read from the old-log-prob pass (and the "
+            "fallback) done" % param_dtype)
         after = wg.compute_log_prob(logp_data.clone())["log_probs"]
         point["log_probs_unchanged"] = all(torch.equal(a, b) for a, b in zip(log_probs.unbind(), after.unbind()))
         checks = {mode: estimator_checks(worker_imp[mode], masks[mode], responses) for mode in MODES}
@@ -523,6 +529,7 @@ def summarise_calls(calls: list[dict]) -> dict:
 
 def verdicts(point: dict) -> dict:
     """Each target of the part as pass / fail with its figure."""
+    from oar_verl.core.methods.attribution import METHODS
     bf16 = point["param_dtype"] == "bf16"
     out = {}
     for mode, a in point["agreement"].items():
@@ -547,7 +554,8 @@ def verdicts(point: dict) -> dict:
                 sh["log_probs_max_abs_diff"] <= 1e-2, sh["log_probs_max_abs_diff"])
             rho = [r if r == r else (1.0 if d <= 1e-2 else 0.0)
                    for r, d in zip(sh["agreement"]["spearman"], sh["agreement"]["max_rel_diff"])]
-            out[f"{name} = {mode} (Spearman >= {BF16_SPEARMAN} per row)"] = (min(rho) >= BF16_SPEARMAN, min(rho))
+            bar = BF16_TEACHER_SPEARMAN if METHODS.get(mode).shared_teacher else BF16_SPEARMAN
+            out[f"{name} = {mode} (Spearman >= {bar} per row)"] = (min(rho) >= bar, min(rho))
         else:
             out[f"{name}: log-probs = the pass alone (bitwise)"] = (sh["log_probs_equal"], sh["log_probs_max_abs_diff"])
             worst = max(sh["agreement"]["max_rel_diff"])

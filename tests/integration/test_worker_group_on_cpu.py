@@ -229,10 +229,10 @@ def test_gpu_check_verl_worker_part_on_cpu(tmp_path):
     assert p["param_dtype"] == "fp32" and p["device_name"] == "cpu"
     assert {k for k, c in p["checks"].items() if not c["ok"]} == set(), p["checks"]
     # per mode: agreement and Σw = R; log-probs unchanged; the update's KL; fisher and conservative read from the
-    # old-log-prob pass: its log-probs bitwise verl's, its scores the method call's (no peaks on CPU); the fallback's
-    # (after the pass)
-    assert len(p["checks"]) == 4 * 2 + 2 + 2 * 2 + 1
-    for mode in ("fisher", "conservative"):
+    # old-log-prob pass, and OAR-G's teachers: its log-probs bitwise verl's, its scores the method call's (no peaks on
+    # CPU); the fallback's (after the pass)
+    assert len(p["checks"]) == 4 * 2 + 2 + 3 * 2 + 1
+    for mode in ("fisher", "conservative", "gradient"):
         shared = p["shared"][mode]
         assert shared["log_probs_equal"] and set(shared["shared"]) == {1.0}, (mode, shared)
         assert shared["agreement"]["nonzero"] > 50 and max(shared["agreement"]["max_rel_diff"]) <= 1e-3, mode
