@@ -8,6 +8,8 @@ one shard of the packed rows, which the shared attribution reads as such). For t
 ForwardLayout` of its rows (each micro-batch carries its rows' indices in :data:`~oar_verl.integration.fields.
 ROW_FIELD`): through verl's per-micro-batch contexts where the engine has them (patches/0005), else by a wrapper in
 front of ``forward_step`` on the engine instance. verl computes its log-probs from the same logits as without it.
+For OAR-G the forward runs inside a :class:`~oar_verl.core.backends.shared.SharedTeacher` instead (its clean teachers
+only; the worker runs its noisy passes after the pass).
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from collections.abc import Callable, Iterator
 import torch
 
 from oar_verl.core.backends.budget import row_spans
-from oar_verl.core.backends.shared import ForwardLayout, SharedAttribution
+from oar_verl.core.backends.shared import ForwardLayout, SharedAttribution, SharedTeacher
 from oar_verl.core.methods.attribution import shared_attribution
 from oar_verl.core.preprocess import PreparedAttribution
 from oar_verl.core.backends.ulysses import SequenceShards
 from oar_verl.integration.fields import ROW_FIELD
+
+# what a forward is read by: the method's scores, or OAR-G's clean teachers
+SharedReader = SharedAttribution | SharedTeacher
 
 
 def fsdp_shared_error(shards: SequenceShards | None, *, fused_kernels: bool, packed: bool = True) -> str | None:
@@ -37,7 +42,7 @@ def fsdp_shared_error(shards: SequenceShards | None, *, fused_kernels: bool, pac
 
 
 def fsdp_log_prob(engine, cfg, prepared: PreparedAttribution, recompute, packed: bool,
-                  shards: SequenceShards | None) -> contextlib.AbstractContextManager[list[SharedAttribution]]:
+                  shards: SequenceShards | None) -> contextlib.AbstractContextManager[list[SharedReader]]:
     """verl's FSDP old-log-prob pass (the duration of the block) with ``cfg.mode`` read from every micro-batch of
     ``prepared``'s rows (``recompute``: the share of layers each pass recomputes; ``packed``: verl's remove-padding
     layout; ``shards``: the engine's Ulysses group): :func:`attributed_log_prob` with the core's
@@ -53,8 +58,8 @@ def fsdp_log_prob(engine, cfg, prepared: PreparedAttribution, recompute, packed:
 
 
 @contextlib.contextmanager
-def attributed_log_prob(engine, make: Callable[[], SharedAttribution], spans: tuple[torch.Tensor, torch.Tensor],
-                        input_ids: torch.Tensor, packed: bool) -> Iterator[list[SharedAttribution]]:
+def attributed_log_prob(engine, make: Callable[[], SharedReader], spans: tuple[torch.Tensor, torch.Tensor],
+                        input_ids: torch.Tensor, packed: bool) -> Iterator[list[SharedReader]]:
     """For the duration, every micro-batch of ``engine``'s forwards is attributed as it runs: through verl's
     per-micro-batch contexts where the engine has them (patches/0005), else around ``forward_step`` wrapped on the
     instance (restored on the way out).
@@ -68,9 +73,9 @@ def attributed_log_prob(engine, make: Callable[[], SharedAttribution], spans: tu
         packed: verl's remove-padding layout (a micro-batch's rows end to end); else right-padded to its longest.
 
     Yields:
-        a list that holds the :class:`SharedAttribution` once a micro-batch ran.
+        a list that holds the reader (:data:`SharedReader`) once a micro-batch ran.
     """
-    made: list[SharedAttribution] = []
+    made: list[SharedReader] = []
 
     def attributed(micro_batch, forward_only=True) -> contextlib.AbstractContextManager:
         if not made:
