@@ -219,7 +219,7 @@ class TokenImportanceMixin:
 
         rows = None  # the shard's rows the attribution's batch holds (None: all)
         if isinstance(shared, SharedTeacher):  # OAR-G: its clean teachers from the pass, its noisy passes now
-            att, rows = self._after_teachers(data, cfg, step, prepared, shared, make_backend())
+            att, rows = self._after_teachers(data, cfg, step, prepared, shared, make_backend(), kind)
             choices = getattr(att.backend, "recomputed", None) or []
             recomputed = sum(choices) / len(choices) if choices else float("nan")
         else:
@@ -245,11 +245,12 @@ class TokenImportanceMixin:
                                               shared=True))
 
     def _after_teachers(self, data: TensorDict, cfg: OARConfig, step: int, prepared: PreparedAttribution,
-                        shared: SharedTeacher, backend) -> tuple[RowAttribution, torch.Tensor | None]:
+                        shared: SharedTeacher, backend, kind) -> tuple[RowAttribution, torch.Tensor | None]:
         """OAR-G's noisy passes right after the old-log-prob pass, with the clean teachers read from it, on the rows
         the trainer marked (:data:`~oar_verl.integration.fields.ATTRIBUTE_FIELD`: the rows the step reads; absent:
         every row). A rank with none marked attributes its first row, so that every rank runs the same passes.
-        Returns the shard's attribution and the rows its batch holds (None: all)."""
+        ``backend`` runs them on the engine of ``kind`` (its ``ENGINE_BACKENDS`` entry). Returns the shard's
+        attribution and the rows its batch holds (None: all)."""
         flags = tu.get(data, ATTRIBUTE_FIELD)
         B = prepared.response_mask.shape[0]
         marked = torch.arange(B) if flags is None else torch.as_tensor(flags).flatten().cpu().bool().nonzero().flatten()
@@ -263,7 +264,7 @@ class TokenImportanceMixin:
                                       device=prepared.batch.input_ids.device)
         engine = self.actor.engine
         with engine.eval_mode():
-            ENGINE_BACKENDS.get(self.actor.engine_config.strategy).eval_numerics(engine)
+            kind.eval_numerics(engine)
             result = run_attribution(backend, sub.batch, cfg, mask_token_id=sub.mask_token_id, seeds=sub.seeds,
                                      teachers=shared.teachers(None if sub is prepared else rows))
         att = row_attribution(sub, result, backend)
