@@ -100,7 +100,7 @@ def sequence_shards(engine) -> SequenceShards | None:
 def _fsdp_shared_error(engine, cfg: OARConfig, *, fused_kernels: bool, packed: bool, tokens: tuple[int, int]
                        ) -> str | None:
     """(``tokens`` unused: ``recompute=auto`` sizes each micro-batch's backward under the update's peak.)"""
-    return fsdp_shared_error(sequence_shards(engine), fused_kernels=fused_kernels, packed=packed)
+    return fsdp_shared_error(sequence_shards(engine), fused_kernels=fused_kernels, packed=packed, model=engine.module)
 
 
 def _fsdp_shared_pass(engine, cfg: OARConfig, prepared, recompute, packed: bool):

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from oar_verl.core.backends.budget import row_spans
+from oar_verl.core.backends.families import model_config, post_head_error
+from oar_verl.core.backends.patching import patched_attributes
 from oar_verl.core.backends.shared import ForwardLayout, SharedAttribution, SharedTeacher
 from oar_verl.core.methods.attribution import shared_attribution
 from oar_verl.core.preprocess import PreparedAttribution
@@ -30,10 +32,15 @@ from oar_verl.integration.fields import ROW_FIELD
 SharedReader = SharedAttribution | SharedTeacher
 
 
-def fsdp_shared_error(shards: SequenceShards | None, *, fused_kernels: bool, packed: bool = True) -> str | None:
+def fsdp_shared_error(shards: SequenceShards | None, *, fused_kernels: bool, packed: bool = True,
+                      model: torch.nn.Module | None = None) -> str | None:
     """Why verl's FSDP old-log-prob pass cannot carry attribution (the worker then attributes after it, in the same
     call), or None. Under Ulysses (``shards``: the engine's group) the pass is sharded like verl's (remove-padding,
-    which verl requires there)."""
+    which verl requires there); ``model``'s logits must be its head's output or a transform OAR knows
+    (:func:`~oar_verl.core.backends.families.post_head_error`)."""
+    transform = post_head_error(model_config(model)) if model is not None else None
+    if transform is not None:
+        return transform
     if shards is not None and not packed:
         return "Ulysses sequence parallelism without use_remove_padding"
     if fused_kernels:
@@ -109,8 +116,5 @@ def attributed_log_prob(engine, make: Callable[[], SharedReader], spans: tuple[t
         with attributed(micro_batch):
             return original(micro_batch, loss_function, forward_only)
 
-    engine.forward_step = forward_step
-    try:
+    with patched_attributes(engine, forward_step=forward_step):  # whatever was on the instance, restored after
         yield made
-    finally:
-        del engine.forward_step  # the class's method again

@@ -24,6 +24,7 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
+from oar_verl.core.backends.patching import patched_attributes
 from oar_verl.integration.guard import uses_oar
 from oar_verl.integration.rows import BatchRows
 from oar_verl.integration.startup import validate_mask_token, validate_oar_setup
@@ -85,8 +86,7 @@ def log_prob_outputs(trainer: RayPPOTrainer, options: dict[str, Any] | None,
         yield outputs
         return
     group = trainer.actor_rollout_wg
-    owned = "compute_log_prob" in vars(group)  # verl binds the worker methods on the instance
-    original = group.compute_log_prob
+    original = group.compute_log_prob  # verl binds the worker methods on the instance
 
     def compute_log_prob(data, *args, **kwargs):
         tu.assign_non_tensor(data, **{SHARED_KEY: options})
@@ -96,14 +96,8 @@ def log_prob_outputs(trainer: RayPPOTrainer, options: dict[str, Any] | None,
         outputs.append(out)
         return out
 
-    group.compute_log_prob = compute_log_prob
-    try:
+    with patched_attributes(group, compute_log_prob=compute_log_prob):
         yield outputs
-    finally:
-        if owned:
-            group.compute_log_prob = original
-        else:
-            del group.compute_log_prob
 
 
 class OARRayPPOTrainer(RayPPOTrainer):

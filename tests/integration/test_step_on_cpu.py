@@ -346,14 +346,14 @@ def test_an_engine_that_cannot_carry_attribution_in_its_pass_says_why():
     cfg = OARConfig(mode="fisher")
 
     class Engine:  # verl's FSDP engine without sequence parallelism has no Ulysses group
-        ulysses_sequence_parallel_size = 1
+        ulysses_sequence_parallel_size, module = 1, None
 
     assert fsdp.shared_error(Engine(), cfg, fused_kernels=False, packed=True, tokens=(8, 8)) is None
     assert "use_fused_kernels=true" in fsdp.shared_error(Engine(), cfg, fused_kernels=True, packed=True,
                                                          tokens=(8, 8))
 
     class Sharded:  # under Ulysses (verl requires remove-padding there): sharded like verl's own pass
-        ulysses_sequence_parallel_size, ulysses_parallel_group = 2, None
+        ulysses_sequence_parallel_size, ulysses_parallel_group, module = 2, None, None
         ulysses_device_mesh = {"sp": type("Mesh", (), {"get_local_rank": lambda self: 1})()}
 
     assert fsdp.shared_error(Sharded(), cfg, fused_kernels=False, packed=True, tokens=(8, 8)) is None

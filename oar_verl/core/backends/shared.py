@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from oar_verl.core.backends.base import DenseProbeTable, frozen_parameters
 from oar_verl.core.backends.collectives import sum_over_group
+from oar_verl.core.backends.families import Transform, model_config, post_head_transform
 from oar_verl.core.backends.hf import layer_checkpointing
 from oar_verl.core.backends.ulysses import SequenceShards
 from oar_verl.core.batch.layout import AttributionBatch
@@ -154,6 +155,7 @@ class SharedAttribution:
         self.weights = torch.zeros(B, target.columns, dtype=torch.float32, device=device)
         self.covered = torch.zeros(B, dtype=torch.bool, device=device)
         self.choices: list[tuple[int, float]] = []  # (tokens, share of layers recomputed) per forward, for the log
+        self.transform = post_head_transform(model_config(model))  # the model's own soft-cap / scaling, or None
 
     @contextlib.contextmanager
     def forward(self, layout: ForwardLayout) -> Iterator[None]:
@@ -184,8 +186,8 @@ class SharedAttribution:
         handles = [self.model.register_forward_pre_hook(enter), self.model.register_forward_hook(leave,
                                                                                                   always_call=True),
                    self.model.get_input_embeddings().register_forward_hook(at_embedding),
-                   self.model.get_output_embeddings().register_forward_hook(functools.partial(_at_head, index,
-                                                                                              captured))]
+                   self.model.get_output_embeddings().register_forward_hook(
+                       functools.partial(_at_head, index, captured, self.transform))]
         rules = _rules(self.model, self.target.rules) if self.target.rules else contextlib.nullcontext()
         try:
             with frozen_parameters(self.model), layer_checkpointing(self.model, recompute), rules:
@@ -249,6 +251,7 @@ class SharedTeacher:
         self.table = DenseProbeTable(B)
         self.covered = torch.zeros(B, dtype=torch.bool, device=batch.input_ids.device)
         self.choices: list[tuple[int, float]] = []  # no backward here: the noisy passes choose their recompute
+        self.transform = post_head_transform(model_config(model))  # the model's own soft-cap / scaling, or None
 
     @contextlib.contextmanager
     def forward(self, layout: ForwardLayout) -> Iterator[None]:
@@ -261,8 +264,8 @@ class SharedTeacher:
             captured["lo"] = shard_start(self.shards, out, tokens)
 
         handles = [self.model.get_input_embeddings().register_forward_hook(at_embedding),
-                   self.model.get_output_embeddings().register_forward_hook(functools.partial(_at_head, index,
-                                                                                              captured))]
+                   self.model.get_output_embeddings().register_forward_hook(
+                       functools.partial(_at_head, index, captured, self.transform))]
         try:
             yield
         finally:
@@ -296,15 +299,19 @@ class SharedTeacher:
         return table
 
 
-def _at_head(index: torch.Tensor, captured: dict, module, args, out) -> None:
+def _at_head(index: torch.Tensor, captured: dict, transform: Transform | None, module, args, out) -> None:
     """Forward hook on the LM head: keep the probe positions' logits (n, K, V), read from the head's own output so
     that a sharding wrapper's backward hooks (FSDP regathering the head's weight) run as in any backward; the output
-    is unchanged. A shard reads its own positions (the others: index 0, ``captured["here"]`` False)."""
+    is unchanged. ``transform``: what the model does to the head's output before returning it as logits (a soft-cap,
+    a scale: :func:`~oar_verl.core.backends.families.post_head_transform`), applied to the kept positions, so that the
+    probe reads the logits the caller and the method's own passes read. A shard reads its own positions (the others:
+    index 0, ``captured["here"]`` False)."""
     flat = out.reshape(-1, out.shape[-1])
     lo = captured["lo"]
     here = (index >= lo) & (index < lo + flat.shape[0])
     captured["here"] = here
-    captured["logits"] = flat[torch.where(here, index - lo, 0)]
+    kept = flat[torch.where(here, index - lo, 0)]
+    captured["logits"] = kept if transform is None else transform(kept)
 
 
 def read_probe(batch: AttributionBatch, layout: ForwardLayout, index: torch.Tensor, weights: torch.Tensor,

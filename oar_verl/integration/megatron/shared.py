@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from oar_verl.core.backends.patching import patched_attributes
 from oar_verl.core.backends.shared import ForwardLayout, SharedTarget, batch_columns, probe_index
 from oar_verl.core.batch.layout import AttributionBatch
 from oar_verl.core.methods.attribution import METHODS, pass_limits
@@ -251,14 +252,12 @@ class MegatronSharedAttribution:
                 handles.append(emb.register_forward_hook(self._at_embedding, with_kwargs=True))
             if head is not None:
                 handles.append(head.register_forward_hook(self._at_output))
-            engine.forward_step = forward_step
-            engine.infer_batch = infer_batch
-            yield
+            # whatever the instance held before (verl's own methods, another wrapper) is restored after
+            with patched_attributes(engine, forward_step=forward_step, infer_batch=infer_batch):
+                yield
         finally:
             for h in handles:
                 h.remove()
-            for name in ("forward_step", "infer_batch"):
-                engine.__dict__.pop(name, None)  # the class's methods again
 
     def result(self) -> torch.Tensor:
         """(B, L) float32 scores at reasoning positions of the rows attributed, 0 elsewhere, on every rank of the
