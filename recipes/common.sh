@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Shared defaults of the GPU recipes (recipes/{gsm8k,math}/run_{grpo,oar_g,oar_p}.sh); sourced by them, never run.
+# Shared defaults of the GPU recipes (recipes/{gsm8k,math}/run_{grpo,oar_conservative,oar_g,oar_p}[_megatron].sh);
+# sourced by them, never run.
 #
 # Every setting below is an environment variable with a default, so any recipe can be changed from the command line:
 #   MODEL=qwen2.5-7b GPUS_PER_NODE=4 ROLLOUT_N=16 bash recipes/math/run_oar_g.sh trainer.total_training_steps=200
@@ -54,6 +55,11 @@ LOSS_AGG_MODE=${LOSS_AGG_MODE:-seq-mean-token-mean}
 CLIP_RATIO_C=${CLIP_RATIO_C:-1e9}                  # dual-clip off
 PARAM_OFFLOAD=${PARAM_OFFLOAD:-False}
 OPTIMIZER_OFFLOAD=${OPTIMIZER_OFFLOAD:-False}
+# Liger kernels on the FSDP actor (actor_rollout_ref.model.use_liger; verl's default False; needs `pip install
+# liger-kernel`, part of verl's [fsdp] extra). verl 0.9.1 reads the key only in its FSDP engine (it patches the Hugging
+# Face modules); the Megatron engine builds Megatron-Core modules and ignores it, so ENGINE=megatron does not pass it.
+# Same value for every algorithm, so the comparison stays fair (recipes/README.md, "Liger kernels").
+USE_LIGER=${USE_LIGER:-False}
 
 # --- actor engine
 ENGINE=${ENGINE:-fsdp2}
@@ -111,6 +117,7 @@ engine_args() {
     ENGINE_ARGS=(
       actor_rollout_ref.model.use_remove_padding=True
       actor_rollout_ref.model.enable_gradient_checkpointing=True
+      actor_rollout_ref.model.use_liger="$USE_LIGER"
       actor_rollout_ref.actor.strategy=fsdp2
       actor_rollout_ref.actor.fsdp_config.strategy=fsdp2
       actor_rollout_ref.actor.fsdp_config.param_offload="$PARAM_OFFLOAD"
@@ -119,6 +126,9 @@ engine_args() {
     return
   fi
   local mc=actor_rollout_ref.actor.megatron
+  if [[ "${USE_LIGER,,}" != false && "$USE_LIGER" != 0 ]]; then
+    echo "recipes: USE_LIGER=$USE_LIGER ignored with ENGINE=megatron (verl reads use_liger in its FSDP engine only)" >&2
+  fi
   ENGINE_ARGS=(
     model_engine=megatron
     actor_rollout_ref.model.use_fused_kernels=False  # OAR reads its probe through verl's logits processor

@@ -24,6 +24,9 @@ SHELL_SCRIPTS = [*RECIPES, ROOT / "recipes" / "common.sh", ROOT / "recipes" / "q
 MODELS = ["qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-math-7b"]
 MODEL_PATHS = {"qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B",
                "qwen2.5-math-7b": "Qwen/Qwen2.5-Math-7B"}
+# each recipe's algorithm -> its algorithm.oar.mode (grpo: none); oar_conservative is the product's default mode
+OAR_MODES = {"oar_conservative": "conservative", "oar_g": "gradient", "oar_p": "perturbation"}
+ALGOS = ("grpo", *OAR_MODES)
 
 
 def _id(path: Path) -> str:
@@ -32,7 +35,7 @@ def _id(path: Path) -> str:
 
 def test_expected_recipes_exist():
     assert {_id(p) for p in RECIPES} == {f"recipes/{t}/run_{a}{e}.sh" for t in ("gsm8k", "math")
-                                          for a in ("grpo", "oar_g", "oar_p") for e in ("", "_megatron")}
+                                          for a in ALGOS for e in ("", "_megatron")}
 
 
 def _recipe_kind(script: Path) -> tuple[str, str, bool]:
@@ -116,9 +119,10 @@ def test_recipe_composes_and_validates(script, model):
         assert actor.megatron.sequence_parallel is True and actor.megatron.use_distributed_optimizer is True
         assert actor.megatron.override_transformer_config.recompute_granularity == "full"
         assert cfg.actor_rollout_ref.model.use_fused_kernels is False
+    assert cfg.actor_rollout_ref.model.use_liger is False  # verl's default, USE_LIGER's too
     assert cfg.algorithm.adv_estimator == ("grpo" if algo == "grpo" else "oar")
     if algo != "grpo":
-        assert cfg.algorithm.oar.mode == {"oar_g": "gradient", "oar_p": "perturbation"}[algo]
+        assert cfg.algorithm.oar.mode == OAR_MODES[algo]
     val_files = OmegaConf.to_container(cfg.data.val_files) if OmegaConf.is_list(cfg.data.val_files) \
         else [cfg.data.val_files]
     if task == "math":
@@ -148,12 +152,65 @@ def _leaves(cfg) -> dict[str, object]:
 def test_baseline_and_oar_runs_differ_only_in_the_estimator(task, engine):
     configs = {algo: _leaves(compose(dry_run(ROOT / "recipes" / task / f"run_{algo}{engine}.sh", EXPERIMENT="x",
                                               OUTPUT_DIR="/runs/x")))
-               for algo in ("grpo", "oar_g", "oar_p")}
+               for algo in ALGOS}
     base = configs["grpo"]
-    for algo in ("oar_g", "oar_p"):
+    for algo in OAR_MODES:
         differing = {k for k in base.keys() | configs[algo].keys() if base.get(k) != configs[algo].get(k)}
         unexpected = {k for k in differing if k != "algorithm.adv_estimator" and not k.startswith("algorithm.oar.")}
         assert not unexpected, f"{task}: grpo and {algo} differ in {sorted(unexpected)}"
+
+
+@pytest.mark.parametrize("task", ["gsm8k", "math"])
+def test_liger_reaches_every_fsdp_recipe_alike(task):
+    """USE_LIGER=True (verl's actor_rollout_ref.model.use_liger, a key of its config tree) reaches the composed config
+    of every FSDP recipe, which still differ in nothing but the estimator."""
+    configs = {}
+    for algo in ALGOS:
+        cfg = compose(dry_run(ROOT / "recipes" / task / f"run_{algo}.sh", EXPERIMENT="x", OUTPUT_DIR="/runs/x",
+                              USE_LIGER="True"))
+        validate(cfg)
+        assert cfg.actor_rollout_ref.model.use_liger is True, algo
+        configs[algo] = _leaves(cfg)
+    base = configs["grpo"]
+    for algo in OAR_MODES:
+        differing = {k for k in base.keys() | configs[algo].keys() if base.get(k) != configs[algo].get(k)}
+        assert all(k == "algorithm.adv_estimator" or k.startswith("algorithm.oar.") for k in differing), algo
+
+
+@pytest.mark.parametrize("task", ["gsm8k", "math"])
+def test_liger_is_not_passed_to_megatron(task):
+    """verl 0.9.1 reads use_liger in its FSDP engine only (it patches Hugging Face modules; Megatron builds its own):
+    the Megatron recipes leave the key at verl's default and say that USE_LIGER is ignored."""
+    script = ROOT / "recipes" / task / "run_oar_conservative_megatron.sh"
+    overrides = dry_run(script, USE_LIGER="True")
+    assert not any(o.startswith("actor_rollout_ref.model.use_liger=") for o in overrides)
+    cfg = compose(overrides)
+    validate(cfg)
+    assert cfg.actor_rollout_ref.model.use_liger is False
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                          env={**os.environ, "DRY_RUN": "1", "USE_LIGER": "True"})
+    assert proc.returncode == 0 and "USE_LIGER=True ignored with ENGINE=megatron" in proc.stderr
+
+
+@pytest.mark.parametrize("task", ["gsm8k", "math"])
+def test_the_default_mode_recipe_runs_the_default_mode_and_names_it(task):
+    """run_oar_conservative.sh runs OARConfig's default mode and passes it explicitly, so the command shows it."""
+    from oar_verl.core import OARConfig
+
+    for engine in ("", "_megatron"):
+        overrides = dry_run(ROOT / "recipes" / task / f"run_oar_conservative{engine}.sh")
+        assert "algorithm.oar.mode=conservative" in overrides
+        cfg = compose(overrides)
+        assert cfg.algorithm.adv_estimator == "oar"
+        assert cfg.algorithm.oar.mode == "conservative" == OARConfig().mode
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("task", ["gsm8k", "math"])
+def test_megatron_twin_is_the_fsdp_recipe_with_engine_megatron(task, algo):
+    """run_X_megatron.sh is run_X.sh with ENGINE=megatron and Qwen2.5-7B by default, nothing else."""
+    twin = dry_run(ROOT / "recipes" / task / f"run_{algo}_megatron.sh")
+    assert twin == dry_run(ROOT / "recipes" / task / f"run_{algo}.sh", ENGINE="megatron", MODEL="qwen2.5-7b")
 
 
 def test_environment_variables_override_defaults():

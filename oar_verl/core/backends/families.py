@@ -46,6 +46,11 @@ def _softcap(config) -> Transform | None:
     return soft_capped
 
 
+# the config keys that switch a non-linear post-head transform off (the conservative rules apply it themselves, at the
+# head, by the identity rule: docs/method.md §13); a linear transform (a scale) needs no rule
+NONLINEAR_POST_HEAD = {"final_logit_softcapping": None}
+
+
 def _divided(key: str) -> Callable[[object], Transform | None]:
     def make(config) -> Transform | None:
         scale = getattr(_text_config(config), key, None)
@@ -75,13 +80,27 @@ def model_config(model: torch.nn.Module):
     return getattr(model, "config", None)
 
 
-def post_head_transform(config) -> Transform | None:
+def post_head_transform(config, ruled: bool = False) -> Transform | None:
     """The transform the model applies to its LM head's output before returning logits (None: the logits are the
-    head's output). ``config``: a Hugging Face config (or None)."""
+    head's output). ``config``: a Hugging Face config (or None). ``ruled``: with the conservative rules' gradient (the
+    identity rule: the transform taken as linear at its own value; values unchanged)."""
     model_type = getattr(config, "model_type", None)
     if config is None or model_type not in POST_HEAD.names():
         return None
-    return POST_HEAD.get(model_type)(config)
+    transform = POST_HEAD.get(model_type)(config)
+    if transform is None or not ruled:
+        return transform
+    from oar_verl.core.backends.rules import linear_rule
+
+    return lambda z: linear_rule(transform, z)
+
+
+def nonlinear_post_head(config) -> dict:
+    """The config keys (and the values that switch them off) of ``config``'s non-linear post-head transform, {} when it
+    has none: under the conservative rules the model's own is switched off and the rules apply it at the head."""
+    text = _text_config(config) if config is not None else None
+    return {k: v for k, v in NONLINEAR_POST_HEAD.items()
+            if post_head_transform(config) is not None and getattr(text, k, None) is not None}
 
 
 def post_head_error(config) -> str | None:

@@ -155,7 +155,8 @@ class SharedAttribution:
         self.weights = torch.zeros(B, target.columns, dtype=torch.float32, device=device)
         self.covered = torch.zeros(B, dtype=torch.bool, device=device)
         self.choices: list[tuple[int, float]] = []  # (tokens, share of layers recomputed) per forward, for the log
-        self.transform = post_head_transform(model_config(model))  # the model's own soft-cap / scaling, or None
+        # the model's own soft-cap / scaling (or None), by the identity rule under the conservative rules
+        self.transform = post_head_transform(model_config(model), ruled=target.rules is not None)
 
     @contextlib.contextmanager
     def forward(self, layout: ForwardLayout) -> Iterator[None]:
