@@ -170,7 +170,8 @@ def test_a_family_without_the_rules_is_refused():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40)).eval()
-    with pytest.raises(ValueError, match="mode=conservative: GPT2LMHeadModel has no"), conservative_rules(model):
+    with pytest.raises(ValueError, match="mode=conservative: GPT2LMHeadModel is not covered by the conservative rules: "
+                       "LayerNorm .*only RMSNorm.*use mode=fisher"), conservative_rules(model):
         pass
 
 
@@ -229,3 +230,138 @@ def test_the_gated_rule_on_a_concatenated_first_layer_equals_the_module_rules(ac
     (got,) = torch.autograd.grad(gated_half(y, h, act), y, grad)
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
     assert torch.equal(gated_half(y, h, act), h)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# kernels bound on the instances (Liger), post-head transforms, refusals (issue: the default where users train)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _liger_norm_forward(self, hidden_states):
+    """An RMSNorm kernel computing the same function in another order (as Liger's Triton kernel does)."""
+    x = hidden_states.to(torch.float64)
+    return (self.weight * (x / torch.sqrt(x.square().mean(-1, keepdim=True) + self.variance_epsilon))).to(
+        hidden_states.dtype)
+
+
+def _liger_swiglu_forward(self, x):
+    """A fused SwiGLU kernel: silu(g)·u as one expression (Liger's ``LigerSiLUMulFunction``)."""
+    g = self.gate_proj(x)
+    return self.down_proj(g * torch.sigmoid(g) * self.up_proj(x))
+
+
+def bind_liger_like(model) -> dict:
+    """Bind the kernels on the module instances the way Liger's ``_apply_liger_kernel_to_instance`` does
+    (``module.forward = MethodType(kernel, module)``); returns {module: the bound forward}."""
+    import types
+
+    bound = {}
+    for m in model.modules():
+        kernel = (_liger_norm_forward if type(m).__name__.endswith("RMSNorm")
+                  else _liger_swiglu_forward if hasattr(m, "gate_proj") else None)
+        if kernel is not None:
+            m.forward = bound[m] = types.MethodType(kernel, m)
+    return bound
+
+
+def test_kernels_bound_on_the_instances_are_ruled_and_kept(make_lm):
+    """With Liger-style kernels bound on the norm and MLP instances, the forward under the rules is those kernels'
+    (values bitwise), relevance is conserved through them, and afterwards every instance holds exactly the kernel it
+    held before (the update runs Liger's kernels again, not Hugging Face's)."""
+    model = with_biases(make_lm(torch.float64, seed=2))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    ids = torch.randint(1, 50, (14,), generator=torch.Generator().manual_seed(3))
+    plain = _relevance_and_target(model, ids, 11, int(ids[12]))
+    bound = bind_liger_like(model)
+    assert len(bound) >= 6
+    with torch.no_grad():
+        before = model(ids[None]).logits
+        with conservative_rules(model):
+            inside = model(ids[None]).logits
+    assert torch.equal(inside, before)
+    relevance, share, target = _relevance_and_target(model, ids, 11, int(ids[12]))
+    assert relevance + share == pytest.approx(target, rel=1e-9, abs=1e-12)
+    assert relevance == pytest.approx(plain[0], rel=1e-6)  # the same function (rounded otherwise): HF kernels' relevance
+    assert all(m.__dict__["forward"] is f for m, f in bound.items())  # the very objects, still on the instances
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    with pytest.raises(RuntimeError, match="boom"), conservative_rules(model):
+        raise RuntimeError("boom")
+    assert all(m.__dict__["forward"] is f for m, f in bound.items())
+
+
+def gemma2(seed: int = 0, softcap: float | None = 3.0):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, sliding_window=4, final_logit_softcapping=softcap,
+                       attn_logit_softcapping=5.0, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = Gemma2ForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+        model.lm_head.weight.mul_(8.0)  # logits past the cap's linear range: the soft-cap matters
+    return model
+
+
+def test_a_soft_capped_head_is_ruled_and_relevance_conserved():
+    """Gemma 2's final soft-cap c·tanh(z/c) after the head: under the rules it is applied at the head by the identity
+    rule (the model's own switched off for the duration), so the forward's logits are bitwise the model's and the
+    relevance sums to the soft-capped target's linear part; the config is restored after."""
+    model = gemma2()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    ids = torch.randint(1, 50, (14,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = model(ids[None]).logits
+        raw = model.lm_head(model.model(ids[None]).last_hidden_state)
+        assert float((before - raw).abs().max()) > 1.0  # the cap bends these logits
+        with conservative_rules(model):
+            assert model.config.final_logit_softcapping is None
+            inside = model(ids[None]).logits
+    assert torch.equal(inside, before) and model.config.final_logit_softcapping == 3.0
+    relevance, share, target = _relevance_and_target(model, ids, 11, int(ids[12]))
+    assert relevance + share == pytest.approx(target, rel=1e-9, abs=1e-12)
+
+
+def test_an_eager_attention_without_its_function_is_refused(lm, monkeypatch):
+    import transformers.models.qwen2.modeling_qwen2 as qwen2
+
+    lm.set_attn_implementation("eager")
+    try:
+        monkeypatch.delattr(qwen2, "eager_attention_forward")
+        with pytest.raises(ValueError, match="eager attention of .*modeling_qwen2 has no eager_attention_forward"), \
+                conservative_rules(lm):
+            pass
+    finally:
+        lm.set_attn_implementation("sdpa")
+
+
+def test_an_attention_bypassing_the_interface_fails_instead_of_running_unruled(make_lm):
+    """An attention whose forward never calls transformers' attention interface (a custom kernel) would pass plain
+    gradients: the forward raises, naming it."""
+    import types
+
+    model = make_lm(torch.float64, seed=2)
+    attention = next(m for m in model.modules() if type(m).__name__ == "Qwen2Attention")
+
+    def bypass(self, hidden_states, *args, **kwargs):
+        return self.o_proj(self.v_proj(hidden_states).repeat(1, 1, 2)), None
+
+    attention.forward = types.MethodType(bypass, attention)
+    with pytest.raises(RuntimeError, match="Qwen2Attention ran without transformers' attention interface"):
+        with conservative_rules(model), torch.no_grad():
+            model(torch.tensor([[1, 2, 3]]))
+
+
+def test_a_mixture_of_experts_is_refused():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(vocab_size=40, hidden_size=16, intermediate_size=32,
+                                               moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                               num_experts=4, num_experts_per_tok=2))
+    with pytest.raises(ValueError, match="a mixture of 4 experts .*use mode=fisher"), conservative_rules(model):
+        pass

@@ -29,14 +29,14 @@ TRANSFORM_KEYS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
 POST_HEAD: Registry[Callable[[object], Transform | None]] = Registry("post-head logit transform", "model_type")
 
 
-def _text_config(config):
+def text_config(config):
     """The text part of a (possibly multimodal) config: what the causal LM's forward reads."""
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
 
 
 def _softcap(config) -> Transform | None:
-    cap = getattr(_text_config(config), "final_logit_softcapping", None)
+    cap = getattr(text_config(config), "final_logit_softcapping", None)
     if cap is None:
         return None
 
@@ -53,7 +53,7 @@ NONLINEAR_POST_HEAD = {"final_logit_softcapping": None}
 
 def _divided(key: str) -> Callable[[object], Transform | None]:
     def make(config) -> Transform | None:
-        scale = getattr(_text_config(config), key, None)
+        scale = getattr(text_config(config), key, None)
         return None if scale is None else (lambda z: z / scale)
 
     return make
@@ -61,7 +61,7 @@ def _divided(key: str) -> Callable[[object], Transform | None]:
 
 def _multiplied(key: str) -> Callable[[object], Transform | None]:
     def make(config) -> Transform | None:
-        scale = getattr(_text_config(config), key, None)
+        scale = getattr(text_config(config), key, None)
         return None if scale is None else (lambda z: z * scale)
 
     return make
@@ -72,6 +72,21 @@ POST_HEAD.register("gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text",
 POST_HEAD.register("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")(_divided("logits_scaling"))
 POST_HEAD.register("hyperclovax")(_multiplied("logits_scaling"))
 POST_HEAD.register("cohere", "cohere2", "cohere2_moe")(_multiplied("logit_scale"))
+
+
+# keys of a Hugging Face config that give a mixture of experts its expert count
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def expert_count(config) -> int:
+    """The routed experts of a mixture of experts (0: a dense model), from a Hugging Face config object or its
+    ``config.json`` mapping (its text part for a multimodal one)."""
+    if config is None:
+        return 0
+    if not isinstance(config, dict):
+        config = text_config(config)
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    return max((int(get(k) or 0) for k in EXPERT_KEYS), default=0)
 
 
 def model_config(model: torch.nn.Module):
@@ -98,7 +113,7 @@ def post_head_transform(config, ruled: bool = False) -> Transform | None:
 def nonlinear_post_head(config) -> dict:
     """The config keys (and the values that switch them off) of ``config``'s non-linear post-head transform, {} when it
     has none: under the conservative rules the model's own is switched off and the rules apply it at the head."""
-    text = _text_config(config) if config is not None else None
+    text = text_config(config) if config is not None else None
     return {k: v for k, v in NONLINEAR_POST_HEAD.items()
             if post_head_transform(config) is not None and getattr(text, k, None) is not None}
 

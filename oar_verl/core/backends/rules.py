@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
+from oar_verl.core.backends.patching import patched_attributes
 from oar_verl.core.config import ATTENTION_RULES
 
 
@@ -125,29 +126,38 @@ def norm_scale_held(x: torch.Tensor, out: torch.Tensor, eps: float, bias: torch.
 
 
 class _GatedHalf(torch.autograd.Function):
-    """``h`` = act(g) ⊙ u of a gated MLP whose first layer outputs ``y`` = [g, u] (concatenated on the last
-    dimension, Megatron's layout), with the identity rule on act and the half rule on the product: ∂g = ½ ∂h ⊙ u ⊙
-    act(g) / g, ∂u = ½ ∂h ⊙ act(g). ``h`` is the model's own value; act is recomputed in fp32 in the backward."""
+    """``h`` = act(g) ⊙ u of a gated MLP (g, u: its gate and up projections' outputs), with the identity rule on act
+    and the half rule on the product: ∂g = ½ ∂h ⊙ u ⊙ act(g) / g, ∂u = ½ ∂h ⊙ act(g). ``h`` is the model's own value,
+    whichever kernel computed it (Hugging Face's, Liger's fused SwiGLU, Megatron's); act is recomputed in fp32 in the
+    backward."""
 
     @staticmethod
-    def forward(ctx, y, h, act):
-        ctx.save_for_backward(y)
+    def forward(ctx, g, u, h, act):
+        ctx.save_for_backward(g, u)
         ctx.act = act
         return h.view_as(h)
 
     @staticmethod
     def backward(ctx, grad):
-        (y,) = ctx.saved_tensors
-        wide = torch.promote_types(y.dtype, torch.float32)
-        g, u = y.to(wide).chunk(2, dim=-1)
-        a = ctx.act(g)
+        g, u = ctx.saved_tensors
+        wide = torch.promote_types(g.dtype, torch.float32)
+        gw, uw = g.to(wide), u.to(wide)
+        a = ctx.act(gw)
         half = 0.5 * grad.to(wide)
-        return torch.cat([ratio_times(half * u, a, g), half * a], dim=-1).to(y.dtype), None, None
+        return ratio_times(half * uw, a, gw).to(g.dtype), (half * a).to(u.dtype), None, None
+
+
+def gated_half_split(g: torch.Tensor, u: torch.Tensor, h: torch.Tensor, act) -> torch.Tensor:
+    """``h`` = act(g) ⊙ u (its value, detached) with the gated MLP's rules' gradient to the gate and up projections'
+    outputs ``g`` and ``u``."""
+    return _GatedHalf.apply(g, u, h.detach(), act)
 
 
 def gated_half(y: torch.Tensor, h: torch.Tensor, act) -> torch.Tensor:
-    """``h`` = act(g) ⊙ u (its value, detached) with the gated MLP's rules' gradient to ``y`` = [g, u]."""
-    return _GatedHalf.apply(y, h.detach(), act)
+    """``h`` = act(g) ⊙ u (its value, detached) with the gated MLP's rules' gradient to ``y`` = [g, u] (one layer's
+    concatenated output, Megatron's layout)."""
+    g, u = y.chunk(2, dim=-1)
+    return gated_half_split(g, u, h, act)
 
 
 class _GradScale(torch.autograd.Function):
@@ -190,72 +200,169 @@ def check_attention_rule(attention_rule: str) -> None:
         raise ValueError(f"attention_rule must be one of {ATTENTION_RULES}, got {attention_rule!r}")
 
 
-def _attention_rule(fn, rule: str):
+def _attention_rule(fn, rule: str, reached: list[int]):
     @functools.wraps(fn)
     def attention(module, query, key, value, *args, **kwargs):
+        reached[0] += 1
         return fn(module, *ATTENTION_RULE_INPUTS[rule](query, key, value), *args, **kwargs)
 
     return attention
 
 
-def _mlp_forward(mlp):
-    def forward(x):
-        return mlp.down_proj(half_rule(linear_rule(mlp.act_fn, mlp.gate_proj(x)), mlp.up_proj(x)))
-
-    return forward
-
-
 def _is_gated_mlp(module: torch.nn.Module) -> bool:
-    return all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+    return all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj"))
 
 
 def _is_rmsnorm(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm")
 
 
+def _is_attention(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("Attention") or all(hasattr(module, n) for n in ("q_proj", "k_proj"))
+
+
+def _activation(mlp: torch.nn.Module):
+    """The gated MLP's activation: its ``act_fn`` (Hugging Face), else its config's ``hidden_act`` (a class-level
+    Liger SwiGLU MLP keeps only the config), or None."""
+    act = getattr(mlp, "act_fn", None)
+    if act is not None:
+        return act
+    hidden_act = getattr(getattr(mlp, "config", None), "hidden_act", None)
+    if hidden_act is None:
+        return None
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[hidden_act]
+
+
+# leaf modules that compute nothing the rules must know: linear maps, lookups, position tables, dropout (off in eval)
+_PLAIN_LEAVES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Dropout, torch.nn.Identity)
+
+
+def rules_error(model: torch.nn.Module) -> str | None:
+    """Why the conservative rules cannot cover every non-linearity of ``model`` (a Hugging Face causal LM, plain,
+    FSDP- or PEFT-wrapped, or built on the meta device from a config), or None. Covered: attention through
+    transformers' attention interface (separate q/k/v projections), ``*RMSNorm`` norms, gated MLPs (``gate_proj`` /
+    ``up_proj`` / ``down_proj``); every other leaf module must be linear (:data:`_PLAIN_LEAVES`, rotary tables, a
+    gated MLP's activation). A mixture of experts, LayerNorm, an ungated MLP or an unknown module is named."""
+    from oar_verl.core.backends.families import expert_count, model_config
+
+    experts = expert_count(model_config(model))
+    if experts:
+        return f"a mixture of {experts} experts (its router and experts have no rule)"
+    modules = list(model.modules())
+    mlps = [m for m in modules if _is_gated_mlp(m)]
+    activations = {id(_activation(m)) for m in mlps}
+    for m in modules:
+        name = type(m).__name__
+        if _is_attention(m) and not all(hasattr(m, n) for n in ("q_proj", "k_proj", "v_proj")):
+            return f"{name} (an attention without separate q/k/v projections)"
+        if name.endswith("MLP") and not _is_gated_mlp(m):
+            return f"{name} (an MLP without gate_proj / up_proj / down_proj)"
+        if _is_gated_mlp(m) and _activation(m) is None:
+            return f"{name} (a gated MLP without act_fn or config.hidden_act)"
+        if any(True for _ in m.children()):
+            continue
+        if isinstance(m, _PLAIN_LEAVES) or _is_rmsnorm(m) or name.endswith("RotaryEmbedding") or id(m) in activations:
+            continue
+        return f"{name} (a module the rules do not know{'; of the norms only RMSNorm has one' if 'Norm' in name else ''})"
+    if not any(_is_attention(m) for m in modules) or not mlps or not any(_is_rmsnorm(m) for m in modules):
+        return "no attention, RMSNorm or gated MLP module the rules know"
+    return None
+
+
+def _mlp_rule(mlp: torch.nn.Module, act) -> list:
+    """Hooks giving ``mlp`` (any forward of down(act(gate(x)) ⊙ up(x)): Hugging Face's, a kernel bound on the
+    instance) the identity and half rules: the gate's and up projection's outputs are kept, the down projection's
+    input (the forward's own value) replaced by :func:`gated_half_split` of them. Returns the hook handles."""
+    kept: dict[str, torch.Tensor] = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            kept[name] = out
+
+        return hook
+
+    def ruled(module, args):
+        if "g" not in kept or "u" not in kept:
+            raise RuntimeError(f"mode=conservative: {type(mlp).__name__}'s forward reached down_proj without "
+                               "gate_proj and up_proj: its rule cannot apply")
+        return (gated_half_split(kept.pop("g"), kept.pop("u"), args[0], act), *args[1:])
+
+    return [mlp.gate_proj.register_forward_hook(keep("g")), mlp.up_proj.register_forward_hook(keep("u")),
+            mlp.down_proj.register_forward_pre_hook(ruled)]
+
+
+def _reached_check(module: torch.nn.Module, reached: list[int]) -> list:
+    """Hooks that fail a forward of attention ``module`` that never called the ruled attention function (a modelling
+    code or kernel that bypasses transformers' attention interface would run unruled)."""
+    before: list[int] = []
+
+    def pre(m, args):
+        before.append(reached[0])
+
+    def post(m, args, out):
+        if reached[0] == before.pop():
+            raise RuntimeError(f"mode=conservative: {type(m).__name__} ran without transformers' attention interface "
+                               "(its attention rule never applied); use mode=fisher for this model")
+
+    return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+
 @contextlib.contextmanager
 def conservative_rules(model: torch.nn.Module, attention_rule: str = "values") -> Iterator[None]:
     """Apply the rules to ``model`` (plain or FSDP-wrapped) for the forwards and backwards run inside, attention by
-    ``attention_rule`` (one of :data:`ATTENTION_RULES`); everything is restored on the way out, on error too.
+    ``attention_rule`` (one of :data:`ATTENTION_RULES`); everything is restored on the way out, on error too: what was
+    on an instance before (a kernel Liger bound there) is what is there after. Forward values are the model's own,
+    whichever kernels compute them (the norms' and MLPs' forwards run as they are; the rules change backwards only).
 
     Raises:
-        ValueError: the model has no attention, RMSNorm or gated MLP module the rules know (a family they were not
-            written for: the scores would be plain gradient × input under another name).
+        ValueError: a model the rules do not cover (:func:`rules_error`: a mixture of experts, LayerNorm, an ungated
+            MLP, an unknown module), or an eager attention whose modelling module has no ``eager_attention_forward``;
+            the scores would be plain gradient × input under another name.
+        RuntimeError: (in a forward) an attention or MLP whose forward bypasses what its rule is attached to.
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from oar_verl.core.backends.families import model_config, nonlinear_post_head, post_head_transform, text_config
+
     check_attention_rule(attention_rule)
+    reason = rules_error(model)
+    if reason is not None:
+        raise ValueError(f"mode=conservative: {type(model).__name__} is not covered by the conservative rules: {reason}; "
+                         "use mode=fisher (the same clean input-gradient pass without the rules)")
     modules = list(model.modules())
-    attention = [m for m in modules if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "v_proj")]
-    norms = [m for m in modules if _is_rmsnorm(m)]
-    mlps = [m for m in modules if _is_gated_mlp(m)]
-    if not (attention and norms and mlps):
-        raise ValueError(f"mode=conservative: {type(model).__name__} has no {'attention' if not attention else ''}"
-                         f"{' RMSNorm' if not norms else ''}{' gated MLP' if not mlps else ''} module the rules know "
-                         "(q/k/v_proj attention, *RMSNorm, gate/up/down_proj MLP)")
+    attention = [m for m in modules if _is_attention(m)]
     impls = {getattr(getattr(m, "config", None), "_attn_implementation", None) or "eager" for m in attention}
-    undo: list = []
-    try:
+    eager_modules = sorted({type(m).__module__ for m in attention}) if "eager" in impls else []
+    missing = [name for name in eager_modules if not hasattr(sys.modules[name], "eager_attention_forward")]
+    if missing:
+        raise ValueError(f"mode=conservative: eager attention of {', '.join(missing)} has no eager_attention_forward "
+                         "the attention rule can wrap; use attn_implementation=sdpa or mode=fisher")
+    config = model_config(model)
+    reached = [0]
+    with contextlib.ExitStack() as stack:
         for impl in sorted(impls - {"eager"}):  # the registered implementation, wrapped in this interface's map
             had = impl in ALL_ATTENTION_FUNCTIONS._local_mapping
             previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(impl)
-            ALL_ATTENTION_FUNCTIONS[impl] = _attention_rule(ALL_ATTENTION_FUNCTIONS[impl], attention_rule)
-            undo.append(lambda impl=impl, had=had, previous=previous: (
+            ALL_ATTENTION_FUNCTIONS[impl] = _attention_rule(ALL_ATTENTION_FUNCTIONS[impl], attention_rule, reached)
+            stack.callback(lambda impl=impl, had=had, previous=previous: (
                 ALL_ATTENTION_FUNCTIONS.__setitem__(impl, previous) if had else ALL_ATTENTION_FUNCTIONS.__delitem__(impl)))
-        if "eager" in impls:  # the modelling modules' own eager function, looked up at call time
-            for name in sorted({type(m).__module__ for m in attention}):
-                mod = sys.modules[name]
-                if hasattr(mod, "eager_attention_forward"):
-                    original = mod.eager_attention_forward
-                    mod.eager_attention_forward = _attention_rule(original, attention_rule)
-                    undo.append(lambda mod=mod, original=original: setattr(mod, "eager_attention_forward", original))
-        for norm in norms:  # an instance attribute over the class's forward, the norm's own forward without a graph
-            norm.forward = functools.partial(linear_rule, norm.forward)
-            undo.append(lambda norm=norm: delattr(norm, "forward"))
-        for mlp in mlps:
-            mlp.forward = _mlp_forward(mlp)  # an instance attribute over the class's forward
-            undo.append(lambda mlp=mlp: delattr(mlp, "forward"))
+        for name in eager_modules:  # the modelling modules' own eager function, looked up at call time
+            mod = sys.modules[name]
+            stack.enter_context(patched_attributes(mod, eager_attention_forward=_attention_rule(
+                mod.eager_attention_forward, attention_rule, reached)))
+        handles: list = []
+        stack.callback(lambda: [h.remove() for h in handles])
+        for m in attention:
+            handles += _reached_check(m, reached)
+        for norm in (m for m in modules if _is_rmsnorm(m)):  # the norm's own forward (class or instance) without a graph
+            stack.enter_context(patched_attributes(norm, forward=functools.partial(linear_rule, norm.forward)))
+        for mlp in (m for m in modules if _is_gated_mlp(m)):
+            handles += _mlp_rule(mlp, _activation(mlp))
+        switched_off = nonlinear_post_head(config)
+        if switched_off:  # a soft-cap after the head: applied at the head by the identity rule, the model's own off
+            ruled = post_head_transform(config, ruled=True)
+            stack.enter_context(patched_attributes(text_config(config), **switched_off))
+            handles.append(model.get_output_embeddings().register_forward_hook(lambda m, args, out: ruled(out)))
         yield
-    finally:
-        for step in reversed(undo):
-            step()

@@ -8,10 +8,6 @@ from __future__ import annotations
 __all__ = ["MegatronLayoutError", "check_megatron_layout", "megatron_layout_error",
            "megatron_mode_error"]
 
-# keys of a Hugging Face config.json that give a mixture of experts its expert count
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
 def megatron_mode_error(oar, model_config=None) -> str | None:
     """Why the Megatron engine cannot run the configured method(s) on this model, or None: ``oar`` the
     ``algorithm.oar`` mapping (``mode``, and with ``mode=auto`` its ``auto_candidates`` and ``auto_default``),
@@ -21,8 +17,9 @@ def megatron_mode_error(oar, model_config=None) -> str | None:
     from oar_verl.core.checks.registries import METHODS
     from oar_verl.core.config import AUTO_MODE, OARConfig
 
-    model_config = model_config or {}
-    experts = max((int(model_config.get(k) or 0) for k in _EXPERT_KEYS), default=0)
+    from oar_verl.core.backends.families import expert_count
+
+    experts = expert_count(model_config or {})
     if experts == 0:
         return None
     cfg = OARConfig.from_mapping(oar)  # the keys' defaults where unset
