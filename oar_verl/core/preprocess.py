@@ -7,6 +7,7 @@ every integration) and by the tests that check the integrations against the core
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from oar_verl.core.checks.mask_token import check_mask_token
 from oar_verl.core.text.segments import reasoning_segments
 from oar_verl.core.text.spans import AnswerSpans, locate_answer_spans
 
-__all__ = ["PreparedAttribution", "pad_rows", "prepare_attribution", "row_fingerprints"]
+__all__ = ["PreparedAttribution", "pad_rows", "prepare_attribution", "row_fingerprints", "spans_to_weight"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,9 @@ class PreparedAttribution:
         seeds: (B,) int64 OAR-G noise seeds, from (seed, step, the row's content).
         mask_token_id: the replacement token of ``mask=pad`` / ``mask=token`` (:func:`oar_verl.core.checks.mask_token.
             check_mask_token`); None with the other operators.
-        spans: AnswerSpans (B, T) of the responses themselves (what the estimator reshapes and the dumps show).
+        spans: AnswerSpans (B, T) of the responses themselves, after :func:`spans_to_weight` (what the estimator
+            reshapes and the dumps show: with the response's own target, a row without an answer span has no
+            reasoning tokens).
         response_lengths: (B,) tokens of each response.
     """
 
@@ -111,6 +114,27 @@ def row_fingerprints(prompts: torch.Tensor, prompt_mask: torch.Tensor, responses
     return (mask * (ids + 1) * (pos * 0x9E3779B1 + 7)).sum(-1)  # wrapping int64 arithmetic
 
 
+def spans_to_weight(spans: AnswerSpans, target: str) -> AnswerSpans:
+    """The spans whose reasoning tokens OAR weights (docs/method.md §2, "Rows without an answer span").
+
+    With ``target=response`` a row without an answer span has no outcome of its own to read (its probe would explain
+    log p(EOS), or the token after a truncated row's cut): it gets no reasoning tokens, so it is not scored and keeps
+    GRPO's uniform weights (w = 1 on every token). With ``target=reference`` the probe reads the ground truth appended
+    after the reasoning, defined on every row: the spans are returned unchanged.
+
+    Args:
+        spans: AnswerSpans (B, T) of the responses (:func:`~oar_verl.core.text.spans.locate_answer_spans`).
+        target: ``algorithm.oar.target`` (``response`` | ``reference``).
+
+    Returns:
+        AnswerSpans (B, T): ``reasoning_mask`` kept on rows with a span (``found``), empty on the others; the other
+        fields unchanged.
+    """
+    if target == "reference":
+        return spans
+    return dataclasses.replace(spans, reasoning_mask=spans.reasoning_mask & spans.found[:, None])
+
+
 def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], tokenizer,
                         cfg: OARConfig, global_step: int, *, ground_truths: Sequence[str] | None = None,
                         device: torch.device | str | None = None) -> PreparedAttribution:
@@ -138,7 +162,8 @@ def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[tor
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     prompt_ids, prompt_mask = pad_rows(prompts, pad_id, left=True)
     response_ids, response_mask = pad_rows(responses, pad_id, left=False)
-    spans = locate_answer_spans(response_ids, response_mask, tokenizer, cfg.answer_patterns)
+    spans = spans_to_weight(locate_answer_spans(response_ids, response_mask, tokenizer, cfg.answer_patterns),
+                            cfg.target)
     target = (response_ids, response_mask, spans.reasoning_mask, spans.answer_mask)
     if cfg.target == "reference":
         if ground_truths is None or len(ground_truths) != len(responses) or any(t is None for t in ground_truths):

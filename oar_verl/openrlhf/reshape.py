@@ -99,7 +99,8 @@ def _pad_float(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
 
 
 _SUMS = ("adv_mass_before", "adv_mass_after", "reshaped_tokens")
-_PER_ITEM = ("reshaped_seq_frac", "attributed_seq_frac", "fallback_seq_frac", "flat_seq_frac")
+_PER_ITEM = ("reshaped_seq_frac", "attributed_seq_frac", "fallback_seq_frac", "flat_seq_frac",
+             "no_reasoning_seq_frac")
 _PER_ATTRIBUTED = ("span_found_frac", "answer_probe_frac", "shared_forward")
 _EXTREMES = {"weight_min": dist.ReduceOp.MIN, "weight_max": dist.ReduceOp.MAX}
 

@@ -183,3 +183,68 @@ def test_all_equal_scores_give_uniform_weights(n, value, tau, beta):
     mask = torch.ones(1, n, dtype=torch.bool)
     tw = oar_token_weights(imp, mask, mask.long(), tau, beta)
     torch.testing.assert_close(tw.weights, torch.ones(1, n), rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------- rows without a span
+# docs/method.md §2, "Rows without an answer span": preparation gives such a row (target=response) no reasoning token,
+# so the gate leaves it at GRPO's w = 1 and counts it (oar/no_reasoning_seq_frac)
+no_span_rows = st.lists(st.tuples(st.lists(st.floats(0.0, 1e4, allow_nan=False, allow_infinity=False), min_size=1,
+                                           max_size=20),
+                                  st.booleans(),  # the row has an answer span (its reasoning is weighted)
+                                  st.sampled_from([-1.0, 0.0, 0.5])),  # its sequence advantage
+                        min_size=1, max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(no_span_rows, st.floats(0.0, 0.95), st.floats(0.0, 5.0), st.floats(0.01, 1.0))
+def test_rows_without_reasoning_keep_uniform_weights(rows, tau, beta, floor):
+    """Σw = R and w > 0 on every reshaped row; a row with valid tokens but no reasoning token (no answer span) keeps
+    w = 1 and its advantage bit for bit, whatever its advantage; zero-advantage rows are untouched; each row's weights
+    do not depend on the others; the flag marks exactly the rows to reshape that had nothing to weight."""
+    from oar_verl.core import OARConfig
+    from oar_verl.core.reshaping.reshape import reshape_advantages
+
+    T = 24  # every row has 4 more valid tokens than scores: an answer span and EOS, never reasoning
+    imp = torch.zeros(len(rows), T, dtype=torch.float64)
+    reasoning = torch.zeros(len(rows), T, dtype=torch.bool)
+    valid = torch.zeros(len(rows), T, dtype=torch.bool)
+    for i, (scores, found, _) in enumerate(rows):
+        imp[i, :len(scores)] = torch.tensor(scores, dtype=torch.float64)
+        reasoning[i, :len(scores)] = found
+        valid[i, :len(scores) + 4] = True
+    adv = torch.tensor([a for *_, a in rows], dtype=torch.float64)
+    base = torch.where(valid, adv[:, None], 0.0)
+    cfg = OARConfig(tau=tau, beta=beta, floor=floor)
+    out = reshape_advantages(base, imp, reasoning, valid, cfg)
+    tw = out.token_weights
+    w = tw.weights.double()
+    wanted = adv != 0
+    torch.testing.assert_close((w * reasoning).sum(-1), reasoning.sum(-1).double(), rtol=1e-5, atol=1e-5)
+    assert (w[valid] > 0).all() and (w[~valid] == 0).all()
+    untouched = ~reasoning.any(-1) | ~wanted
+    assert (w[untouched][valid[untouched]] == 1).all()
+    assert torch.equal(out.advantages[untouched], base[untouched])
+    assert tw.no_reasoning.tolist() == (wanted & ~reasoning.any(-1)).tolist()
+    assert not tw.reshaped[untouched].any()
+    for i in range(len(rows)):
+        alone = reshape_advantages(base[i:i + 1], imp[i:i + 1], reasoning[i:i + 1], valid[i:i + 1], cfg)
+        assert torch.equal(alone.token_weights.weights[0], tw.weights[i])
+    m = out.metrics()
+    assert m["oar/no_reasoning_seq_frac"] == float((wanted & ~reasoning.any(-1)).sum()) / len(rows)
+    assert m["oar/adv_mass_rel_err"] < 1e-5
+
+
+def test_no_reasoning_metric_counts_rows_to_reshape_only():
+    """oar/no_reasoning_seq_frac: of the batch's rows, those the gate would reshape (non-zero advantage, kept by
+    apply_to, attributed) that kept w = 1 for want of a reasoning token; a row of padding only is not one."""
+    imp = torch.tensor([[0.1, 3.0, 0.0, 0.0], [0.0] * 4, [0.0] * 4, [0.0] * 4, [0.0] * 4])
+    reasoning = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]).bool()
+    valid = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]).bool()
+    rows = torch.tensor([True, True, False, True, True])  # row 2: zero advantage; row 4: no valid token
+    tw = oar_token_weights(imp, reasoning, valid, 0.4, 2.0, reshape_rows=rows)
+    assert tw.no_reasoning.tolist() == [False, True, False, True, False]
+    assert (tw.weights[1:4][valid[1:4]] == 1).all()
+    base = torch.where(valid, 1.0, 0.0)
+    m = oar_metrics(tw, base, base * tw.weights, valid)
+    assert m["oar/no_reasoning_seq_frac"] == 2 / 5 and m["oar/reshaped_seq_frac"] == 1 / 5
+    assert m["oar/flat_seq_frac"] == 0.0  # left alone, not reshaped flat: no flat-score warning for them

@@ -50,9 +50,11 @@ def test_response_target_layout_and_scores_map_back(tok, make_lm):
                                  mask_token_id=prepared.mask_token_id).importance
     per_row = prepared.response_importance(importance)
     assert [len(x) for x in per_row] == prepared.response_lengths
-    for scores, reasoning in zip(per_row, prepared.spans.reasoning_mask):
-        n = len(scores)
-        assert (scores[~reasoning[:n]] == 0).all() and (scores[reasoning[:n]] != 0).any()
+    scores, reasoning = per_row[0], prepared.spans.reasoning_mask[0]
+    n = len(scores)
+    assert (scores[~reasoning[:n]] == 0).all() and (scores[reasoning[:n]] != 0).any()
+    # the row without an answer span has no reasoning token to weight (docs/method.md §2) and no score
+    assert not prepared.spans.reasoning_mask[1].any() and (per_row[1] == 0).all()
 
 
 def test_reference_target_reports_what_the_probe_read(tok):
@@ -87,7 +89,7 @@ def test_segments_follow_the_responses_reasoning(tok, target):
     kw = {"target": target, "conclude_text": "The answer is "}
     truths = ["7", "9"] if target == "reference" else None
     p, r = rows(tok, ["What is 3 plus 4?", "Add."], ["3 plus 4 is 7. so the sum is 9. The answer is 7.",
-                                                     "so the sum is 9. 3 plus 4 is 7."])
+                                                     "so the sum is 9. 3 plus 4 is 7. #### 7"])
     exact = prepare_attribution(p, r, tok, OARConfig(mode="perturbation", **kw), 0, ground_truths=truths)
     assert exact.batch.segments is None
     cfg = OARConfig(mode="perturbation", perturbation="hierarchical", segment_min_tokens=1, **kw)
@@ -197,11 +199,14 @@ def test_reshape_is_the_estimators_reshape_and_takes_sequence_advantages(tok, ma
     assert torch.equal(out.advantages, want.advantages) and torch.equal(reshape(per_token, att, cfg).advantages,
                                                                           want.advantages)
     assert torch.equal(out.token_weights.weights, want.token_weights.weights)
-    # row 2: zero advantage; row 4 ("The answer is 7.") has no reasoning token to reshape
-    assert (out.advantages[2] == 0).all() and out.token_weights.reshaped.any(-1).tolist() == [True, True, False,
+    # row 2: zero advantage; row 1 (no answer span: docs/method.md §2) and row 4 ("The answer is 7.") have no
+    # reasoning token to reshape and keep their advantage
+    assert (out.advantages[2] == 0).all() and out.token_weights.reshaped.any(-1).tolist() == [True, False, False,
                                                                                               True, False]
+    assert torch.equal(out.advantages[[1, 4]], per_token[[1, 4]])
     m = out.metrics()
     assert m["oar/span_found_frac"] == float(att.span_found.float().mean())
+    assert m["oar/no_reasoning_seq_frac"] == 2 / 5
     with pytest.raises(ValueError, match=r"advantages: shape \(4,\)"):
         reshape(seq[:4], att, cfg)
 
@@ -229,7 +234,10 @@ def test_oar_advantages_attributes_only_the_rows_it_reshapes(tok, make_lm):
     assert torch.equal(out.advantages, want.advantages) and out.advantages.shape == mask.shape
     assert (out.advantages[[2, 4]] == 0).all()
     w, gated = out.token_weights.weights.double(), out.token_weights.reshaped
-    assert gated[sel].any(-1).all() and not gated[[2, 4]].any()
+    # row 1 has no answer span: attributed (its advantage is not zero), left at w = 1 (docs/method.md §2)
+    assert gated[[0, 3]].any(-1).all() and not gated[[1, 2, 4]].any()
+    assert torch.equal(out.advantages[1], base[1]) and out.token_weights.no_reasoning.tolist() == [False, True, False,
+                                                                                                 False, False]
     torch.testing.assert_close((w * gated).sum(-1), gated.sum(-1).double(), rtol=0, atol=1e-4)
     empty = oar_advantages(model, p, r, torch.zeros(len(r)), tok, cfg)
     assert (empty.advantages == 0).all() and (empty.token_weights.weights == mask.float()).all()
@@ -245,7 +253,7 @@ def test_the_attributions_fidelity_is_the_step_metric_on_its_own_batch(tok, make
     from oar_verl.core.methods.mask_operator import mask_replacement
 
     cfg = OARConfig(mode="gradient", probe="as_mean", fidelity_every=2, fidelity_rows=3)
-    p, r = rows(tok, PROMPTS[:3], ANSWERS[:3])
+    p, r = rows(tok, [PROMPTS[i] for i in (0, 1, 3)], [ANSWERS[i] for i in (0, 1, 3)])  # row 1: no span, unmeasured
     model = make_lm(torch.float64, vocab=len(tok))
     att = attribute(model, p, r, tok, cfg, 4)
     entropies = [torch.linspace(0.1, 2.0, len(x), dtype=torch.float64) for x in r]
@@ -267,3 +275,62 @@ def test_the_attributions_fidelity_is_the_step_metric_on_its_own_batch(tok, make
         if k != "seconds":
             torch.testing.assert_close(lazy[k], want[k], equal_nan=True)
     assert all(v.isnan().all() for v in att.fidelity(cfg, 3).values())  # not due
+
+
+# ------------------------------------------------------------------------------- rows without an answer span (§2)
+@pytest.mark.parametrize("mode", ["conservative", "gradient", "perturbation", "fisher", "path"])
+def test_rows_without_an_answer_span_keep_grpo_weights(tok, make_lm, mode):
+    """docs/method.md §2, "Rows without an answer span": an EOS-ended row without a span and a truncated one (no EOS)
+    get no reasoning token and no score, keep w = 1 and their advantage bit for bit; a row with a span is prepared and
+    scored exactly as before the rule (the layout the spans alone give: same batch, same scores, bit for bit); a
+    zero-advantage row is untouched; Σw = R on the reshaped row."""
+    from oar_verl.core.batch.layout import build_attribution_batch
+    from oar_verl.core.methods.attribution import probe_kinds
+    from oar_verl.core.text.spans import locate_answer_spans
+
+    cfg = OARConfig(mode=mode, probe="as_mean")
+    enc = (lambda t: tok.encode(t, add_special_tokens=False))
+    p = [torch.tensor(enc(t)) for t in ("What is 3 plus 4?", "Add.", "Add.", "Add.")]
+    r = [torch.tensor(enc(t)) for t in ("3 plus 4 is 7. The answer is 7.", "so the sum is 9", "so the sum is 9 plus",
+                                        "3 plus 4 is 7. #### 7")]
+    r = [r[0], torch.cat([r[1], torch.tensor([tok.eos_token_id])]), r[2], r[3]]  # rows 1 (EOS) and 2 (truncated)
+    prepared = prepare_attribution(p, r, tok, cfg, 20)
+    assert prepared.spans.found.tolist() == [True, False, False, True]
+    assert prepared.batch.reasoning_mask.any(-1).tolist() == [True, False, False, True]
+    # before the rule: the spans' own reasoning (every token but EOS on rows 1, 2) and LT-Logits at its last token
+    ids, mask = (torch.nn.utils.rnn.pad_sequence(x, batch_first=True, padding_value=tok.pad_token_id or 0)
+                 for x in (r, [torch.ones_like(x) for x in r]))
+    spans = locate_answer_spans(ids, mask, tok, cfg.answer_patterns)
+    assert spans.reasoning_mask[[1, 2]].any(-1).all()  # what the rule takes away
+    old = build_attribution_batch(prepared.batch.input_ids[:, :prepared.batch.response_start],
+                                  prepared.batch.attention_mask[:, :prepared.batch.response_start], ids, mask,
+                                  spans.reasoning_mask, spans.answer_mask, probe_kinds(cfg, 20, len(r)))
+    span_rows = torch.tensor([0, 3])
+    for a, b in ((old.input_ids, prepared.batch.input_ids), (old.reasoning_mask, prepared.batch.reasoning_mask),
+                 (old.probe.logit_weight, prepared.batch.probe.logit_weight)):
+        assert torch.equal(a[span_rows], b[span_rows])
+    model = make_lm(torch.float64, vocab=len(tok))
+    att = attribute(model, p, r, tok, cfg, 20)
+    was = run_attribution(module_backend(model, cfg), old, cfg, mask_token_id=prepared.mask_token_id,
+                          seeds=prepared.seeds).importance[:, old.response_start:]
+    assert torch.equal(att.importance[span_rows], was[span_rows].float())
+    assert (att.importance[[1, 2]] == 0).all() and not att.reasoning_mask[[1, 2]].any()
+    seq = torch.tensor([1.0, -1.0, -0.5, 0.0])
+    out = reshape(seq, att, cfg)
+    base = torch.where(att.response_mask, seq[:, None], 0.0)
+    assert torch.equal(out.advantages[1:], base[1:])  # no span (EOS, truncated), zero advantage: untouched
+    assert (out.token_weights.weights[1:3][att.response_mask[1:3]] == 1).all()
+    w0 = out.token_weights.weights[0][att.reasoning_mask[0]].double()
+    assert (w0 > 0).all() and abs(float(w0.sum()) - int(att.reasoning_mask[0].sum())) < 1e-4
+    assert out.metrics()["oar/no_reasoning_seq_frac"] == 2 / 4
+
+
+def test_reference_target_keeps_rows_without_a_span(tok):
+    """With target=reference the probe reads the ground truth after the reasoning on every row, so a row without an
+    answer span keeps its reasoning (every token but EOS) and is weighted as before."""
+    cfg = OARConfig(mode="conservative", probe="as_mean", target="reference", conclude_text="The answer is ")
+    p, r = rows(tok, ["Add.", "Add."], ["so the sum is 9", "3 plus 4 is 7. The answer is 7."])
+    prepared = prepare_attribution(p, r, tok, cfg, 20, ground_truths=["9", "7"])
+    assert prepared.spans.found.tolist() == [False, True]
+    assert int(prepared.spans.reasoning_mask[0].sum()) == len(r[0]) - 1  # every token but EOS
+    assert prepared.batch.reasoning_mask.any(-1).all() and prepared.answer_probe.all()

@@ -75,6 +75,9 @@ class TokenWeights:
         boosted: (B, T) bool, tokens on the boost branch with raw weight > 1.
         fallback: (B,) bool, rows with NaN/inf importance on a reasoning token: kept uniform (a defined fallback,
             never a silent NaN advantage).
+        no_reasoning: (B,) bool, rows to reshape (``reshape_rows``) with valid tokens but no reasoning token to
+            weight: kept uniform (the rows without an answer span, docs/method.md §2, and a response that opens
+            with its answer).
     """
 
     weights: torch.Tensor
@@ -82,6 +85,7 @@ class TokenWeights:
     floored: torch.Tensor
     boosted: torch.Tensor
     fallback: torch.Tensor
+    no_reasoning: torch.Tensor
 
 
 def gate(normalized: torch.Tensor, mask: torch.Tensor, tau: float, beta: float, floor: float):
@@ -129,4 +133,6 @@ def oar_token_weights(importance: torch.Tensor, reasoning_mask: torch.Tensor, re
     safe = torch.where(mask_r, importance.double(), 0.0)
     w, floored, boosted = gate(normalize_scores(safe, mask_r), mask_r, tau, beta, floor)
     weights = torch.where(mask_r, w, valid.double())
-    return TokenWeights(weights.float(), mask_r, floored, boosted, ~finite & mask.any(-1))
+    wanted = torch.ones_like(finite) if reshape_rows is None else reshape_rows.bool()
+    return TokenWeights(weights.float(), mask_r, floored, boosted, ~finite & mask.any(-1),
+                        wanted & valid.any(-1) & ~mask.any(-1))

@@ -53,8 +53,10 @@ def oar_metrics(tw: TokenWeights, base_advantages: torch.Tensor, advantages: tor
 
     Returns:
         dict of python floats: weight mean/std/min/max over reshaped tokens, floor and boost fractions, ESS ratio,
-        top-10 % mass, fractions of reshaped, flat (:func:`flat_rows`) and fallback rows, advantage mass
-        before/after and its relative error.
+        top-10 % mass, fractions of reshaped, flat (:func:`flat_rows`) and fallback rows, of rows to reshape kept
+        uniform for want of a reasoning token (``no_reasoning_seq_frac``: with ``target=response`` every row without
+        an answer span, docs/method.md §2, and a row that opens with its answer), advantage mass before/after and its
+        relative error.
     """
     mask = tw.reshaped
     rows = mask.any(-1)
@@ -78,6 +80,7 @@ def oar_metrics(tw: TokenWeights, base_advantages: torch.Tensor, advantages: tor
         "reshaped_tokens": float(n_tok),
         "fallback_seq_frac": float(tw.fallback.sum()) / B if B else 0.0,
         "flat_seq_frac": float(flat_rows(tw.weights, mask).sum()) / B if B else 0.0,
+        "no_reasoning_seq_frac": float(tw.no_reasoning.sum()) / B if B else 0.0,
         "adv_mass_before": mass_before,
         "adv_mass_after": mass_after,
         "adv_mass_rel_err": abs(mass_after - mass_before) / mass_before if mass_before > 0 else 0.0,
