@@ -334,3 +334,31 @@ def test_reference_target_keeps_rows_without_a_span(tok):
     assert prepared.spans.found.tolist() == [False, True]
     assert int(prepared.spans.reasoning_mask[0].sum()) == len(r[0]) - 1  # every token but EOS
     assert prepared.batch.reasoning_mask.any(-1).all() and prepared.answer_probe.all()
+
+
+def test_openrlhf_reshape_leaves_rows_without_a_span_and_reports_them(tok, make_lm):
+    """The OpenRLHF adapter's reshape (oar_verl.openrlhf.reshape, items read by attribute only) on replay-buffer items,
+    one of them EOS-ended without an answer span: that item keeps its advantages bit for bit, the item with a span is
+    reshaped, and the adapter's ``oar/*`` metrics count it as verl's step does."""
+    from types import SimpleNamespace
+
+    from oar_verl.openrlhf.reshape import reshape_replay_buffer
+
+    cfg = OARConfig(mode="gradient", probe="as_mean")
+    enc = (lambda t: tok.encode(t, add_special_tokens=False))
+    items = []
+    for prompt, response, adv in (("What is 3 plus 4?", "3 plus 4 is 7. The answer is 7.", 1.0),
+                                  ("What is 3 plus 4?", "so the sum is 9", -1.0),
+                                  ("Add.", "3 plus 4 is 7. #### 7", 0.0)):
+        p, r = enc(prompt), enc(response) + [tok.eos_token_id]
+        seq = torch.tensor(p + r)
+        action = torch.tensor([False] * (len(p) - 1) + [True] * len(r))  # action_mask[j]: sequences[j + 1]
+        items.append(SimpleNamespace(sequences=seq[None], action_mask=action[None],
+                                     advantages=torch.where(action, adv, 0.0)[None], returns=None, labels=None))
+    before = [it.advantages.clone() for it in items]
+    res = reshape_replay_buffer(items, make_lm(torch.float64, vocab=len(tok)), tok, cfg, 20, max_tokens=None)
+    assert torch.equal(items[1].advantages, before[1]) and torch.equal(items[2].advantages, before[2])
+    assert not torch.equal(items[0].advantages, before[0])
+    assert res.attributed.tolist() == [True, True, False] and res.weights.no_reasoning.tolist() == [False, True, False]
+    assert res.metrics["oar/no_reasoning_seq_frac"] == 1 / 3 and res.metrics["oar/span_found_frac"] == 0.5
+    assert res.metrics["oar/reshaped_seq_frac"] == 1 / 3

@@ -103,6 +103,34 @@ def test_stock_verl_compute_advantage_gets_importance_through_the_handoff():
         compute_advantage(data, adv_estimator="oar", num_repeat=3, config=algo())
 
 
+def test_rows_without_reasoning_keep_their_advantage_and_are_counted():
+    """The worker gives a row without an answer span no reasoning token (docs/method.md §2): through verl's own
+    compute_advantage that row keeps its base advantage bit for bit, the others are reshaped (Σw = R), and the
+    result's ``oar/*`` metrics count it (oar/no_reasoning_seq_frac, the step's report reads them)."""
+    rewards, mask, index = batch(B=9, T=7, seed=3)
+    rewards[:, :] = 0.0
+    lens = mask.sum(-1).long()
+    rewards[torch.arange(9), lens - 1] = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1, 1])  # group 3 agrees: A = 0
+    data = DataProto.from_dict(tensors={"token_level_rewards": rewards, "response_mask": mask},
+                               non_tensors={"uid": index})
+    imp = torch.rand(rewards.shape, generator=torch.Generator().manual_seed(0)) * mask
+    reasoning = mask.bool().clone()
+    no_span = torch.zeros(9, dtype=torch.bool)
+    no_span[[1, 3]] = True  # rows 1 (A < 0) and 3 (A > 0)
+    reasoning[no_span] = False
+    attributed = torch.ones(9, dtype=torch.bool)
+    with handoff.scope(handoff.EstimatorInputs(imp, reasoning, attributed, mask)) as opened:
+        out = compute_advantage(data, adv_estimator="oar", num_repeat=3, config=algo())
+    base = opened.result.base_advantages
+    adv = out.batch["advantages"]
+    assert torch.equal(adv[no_span], base[no_span]) and (base[no_span] != 0).any(-1).all()
+    assert torch.equal(adv[6:], base[6:]) and (base[6:] == 0).all()  # zero advantage: untouched
+    torch.testing.assert_close((adv * mask).sum(-1), (base * mask).sum(-1), rtol=1e-5, atol=1e-5)
+    assert opened.result.token_weights.reshaped.any(-1).tolist() == [True, False, True, False, True, True] + [False] * 3
+    m = opened.result.metrics()
+    assert m["oar/no_reasoning_seq_frac"] == 2 / 9 and m["oar/reshaped_seq_frac"] == 4 / 9
+
+
 def test_handoff_refuses_another_batch_and_nesting_and_closes_on_errors():
     rewards, mask, index = batch(seed=4)
     data = DataProto.from_dict(tensors={"token_level_rewards": rewards, "response_mask": mask},

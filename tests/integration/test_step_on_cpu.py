@@ -128,6 +128,25 @@ def test_one_step_reads_top_to_bottom(setup, tmp_path, mode):
     assert {d["uid"] for d in dumped} == {"p0"}
 
 
+def test_a_row_without_an_answer_span_keeps_grpo_weights_and_is_logged(setup):
+    """A truncated row without an answer span (docs/method.md §2) in a mixed group: the worker's preparation gives it
+    no reasoning token, verl's advantage step leaves its advantage uniform (GRPO's), the row with a span is reshaped,
+    and the step's ``oar/*`` report counts it (``no_reasoning_seq_frac``) beside ``span_found_frac``."""
+    tok, model, prompts, responses = setup
+    cut = responses[1][:6]  # "3 plus 4 is 8..." cut at the length limit: no EOS, no answer
+    alg = algorithm(mode="gradient", probe="as_mean")
+    step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None)
+    io = InProcessIO(tok, model, prompts, [responses[0], cut, *responses[2:]], SCORES)
+    out, att, _, metrics = run_step(step, io)
+    assert [c[0] for c in io.calls] == [[0, 1]] and att.found[:2].tolist() == [True, False]
+    adv, mask = out.batch["advantages"], io.response_mask.bool()
+    assert not att.estimator_inputs.reasoning_mask[1].any()
+    assert (adv[1][mask[1]] == adv[1][0]).all() and adv[1][0] < 0  # uniform: GRPO's advantage on every token
+    assert float(adv[0][att.estimator_inputs.reasoning_mask[0]].std()) > 1e-4  # the span row is reshaped
+    assert metrics["oar/no_reasoning_seq_frac"] == 0.25 and metrics["oar/span_found_frac"] == 0.5
+    assert metrics["oar/reshaped_seq_frac"] == 0.25 and metrics["oar/adv_mass_rel_err"] < 1e-6
+
+
 def test_top_up_and_kl_in_reward_and_no_work(setup, tmp_path):
     tok, model, prompts, responses = setup
     alg = algorithm(mode="gradient")
