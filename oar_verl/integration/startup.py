@@ -31,13 +31,14 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
     """
     cfg = read_oar_config(config.algorithm)
     model = config.actor_rollout_ref.get("model", None) or {}
-    startup_checks(cfg, model_path=model.get("path", None), tokenizer_path=model.get("tokenizer_path", None),
-                   trust_remote_code=bool(model.get("trust_remote_code", False)), max_tokens=row_tokens(config))
     actor = config.actor_rollout_ref.actor
     try:
         engine = ENGINE_BACKENDS.get(actor.get("strategy", "fsdp"))
     except ValueError as e:
         raise OARSetupError(str(e)) from None
+    startup_checks(cfg, model_path=model.get("path", None), tokenizer_path=model.get("tokenizer_path", None),
+                   trust_remote_code=bool(model.get("trust_remote_code", False)), max_tokens=row_tokens(config),
+                   hf_modules=actor.get("strategy", "fsdp") != "megatron")
     msg = engine.startup_error(config)
     if msg is not None:
         raise OARSetupError(msg)

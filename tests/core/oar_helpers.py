@@ -9,6 +9,7 @@ import torch
 from oar_verl.core import OARConfig, module_backend, run_attribution
 from oar_verl.core.backends.base import plan_draws
 from oar_verl.core.backends.hf import ModuleBackend
+from oar_verl.core.backends.rules import conservative_rules
 from oar_verl.core.methods.fisher import fisher_plan
 from oar_verl.core.backends.memory import PassKind
 from oar_verl.core.methods.perturbation import mask_blocks, oar_p_passes
@@ -102,3 +103,22 @@ def text_lm(texts: list[str], vocab_size: int = 300):
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(20.0)
     return tok, model
+
+
+def relevance_and_target(model, ids: torch.Tensor, position: int, token: int, attention_rule: str = "values"):
+    """Σ_t ⟨∂ℓ/∂e_t, e_t⟩ over every input token, the bias terms' share Σ_b ⟨∂ℓ/∂b, b⟩ and ℓ's linear part
+    z_token − E_p[z] for ℓ = log p(token) at ``position``, under the rules (float64)."""
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    e = model.get_input_embeddings()(ids[None]).detach().requires_grad_(True)
+    for b in biases:
+        b.requires_grad_(True)
+    try:
+        with conservative_rules(model, attention_rule):
+            z = model(inputs_embeds=e).logits[0, position]
+            grads = torch.autograd.grad(torch.log_softmax(z, -1)[token], [e, *biases], allow_unused=True)
+    finally:
+        for b in biases:
+            b.requires_grad_(False)
+    share = sum(float((g * b).sum()) for g, b in zip(grads[1:], biases) if g is not None)
+    z = z.detach()
+    return float((grads[0] * e).sum()), share, float(z[token] - (z.softmax(-1) * z).sum())

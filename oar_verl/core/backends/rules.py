@@ -239,33 +239,40 @@ def _activation(mlp: torch.nn.Module):
 _PLAIN_LEAVES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Dropout, torch.nn.Identity)
 
 
-def rules_error(model: torch.nn.Module) -> str | None:
+def rules_error(model: torch.nn.Module, attention_rule: str = "values") -> str | None:
     """Why the conservative rules cannot cover every non-linearity of ``model`` (a Hugging Face causal LM, plain,
     FSDP- or PEFT-wrapped, or built on the meta device from a config), or None. Covered: attention through
     transformers' attention interface (separate q/k/v projections), ``*RMSNorm`` norms, gated MLPs (``gate_proj`` /
     ``up_proj`` / ``down_proj``); every other leaf module must be linear (:data:`_PLAIN_LEAVES`, rotary tables, a
-    gated MLP's activation). A mixture of experts, LayerNorm, an ungated MLP or an unknown module is named."""
-    from oar_verl.core.backends.families import expert_count, model_config
+    gated MLP's activation). A mixture of experts, LayerNorm, an ungated MLP or an unknown module is named; so is
+    ``attention_rule=uniform`` on an attention that soft-caps its scores (the cap's tanh between the two products has
+    no rule; ``values`` holds the scores constant, cap included)."""
+    from oar_verl.core.backends.families import expert_count, model_config, text_config
 
-    experts = expert_count(model_config(model))
+    config = model_config(model)
+    experts = expert_count(config)
     if experts:
-        return f"a mixture of {experts} experts (its router and experts have no rule)"
+        return f"a mixture of {experts} experts: its router and experts have no rule"
+    if attention_rule == "uniform" and getattr(text_config(config), "attn_logit_softcapping", None) is not None:
+        return ("attention scores soft-capped (attn_logit_softcapping) under attention_rule=uniform: the cap has no "
+                "rule; algorithm.oar.attention_rule=values holds")
     modules = list(model.modules())
     mlps = [m for m in modules if _is_gated_mlp(m)]
     activations = {id(_activation(m)) for m in mlps}
     for m in modules:
         name = type(m).__name__
         if _is_attention(m) and not all(hasattr(m, n) for n in ("q_proj", "k_proj", "v_proj")):
-            return f"{name} (an attention without separate q/k/v projections)"
+            return f"an attention without separate q/k/v projections: {name}"
         if name.endswith("MLP") and not _is_gated_mlp(m):
-            return f"{name} (an MLP without gate_proj / up_proj / down_proj)"
+            return f"an MLP without gate_proj / up_proj / down_proj: {name}"
         if _is_gated_mlp(m) and _activation(m) is None:
-            return f"{name} (a gated MLP without act_fn or config.hidden_act)"
+            return f"a gated MLP without act_fn or config.hidden_act: {name}"
         if any(True for _ in m.children()):
             continue
         if isinstance(m, _PLAIN_LEAVES) or _is_rmsnorm(m) or name.endswith("RotaryEmbedding") or id(m) in activations:
             continue
-        return f"{name} (a module the rules do not know{'; of the norms only RMSNorm has one' if 'Norm' in name else ''})"
+        kind = "a norm other than RMSNorm" if "Norm" in name else "a module the rules do not know"
+        return f"{kind}: {name}"
     if not any(_is_attention(m) for m in modules) or not mlps or not any(_is_rmsnorm(m) for m in modules):
         return "no attention, RMSNorm or gated MLP module the rules know"
     return None
@@ -327,7 +334,7 @@ def conservative_rules(model: torch.nn.Module, attention_rule: str = "values") -
     from oar_verl.core.backends.families import model_config, nonlinear_post_head, post_head_transform, text_config
 
     check_attention_rule(attention_rule)
-    reason = rules_error(model)
+    reason = rules_error(model, attention_rule)
     if reason is not None:
         raise ValueError(f"mode=conservative: {type(model).__name__} is not covered by the conservative rules: {reason}; "
                          "use mode=fisher (the same clean input-gradient pass without the rules)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from oar_verl.core.batch.probes import ProbeKind
 from oar_verl.core.checks.mask_token import check_model_mask_token
+from oar_verl.core.checks.model_rules import model_rules_error
 from oar_verl.core.checks.registries import MASK_OPERATORS, METHODS, POLICIES
 from oar_verl.core.checks.sliding_window import check_model_sliding_window
 import dataclasses
@@ -108,10 +109,12 @@ def require_resolved(cfg: OARConfig) -> OARConfig:
 
 def startup_checks(cfg: OARConfig, *, model_path: str | None = None, tokenizer=None,
                    tokenizer_path: str | None = None, trust_remote_code: bool = False, max_tokens: int | None = None,
-                   fidelity_check: str | None = None) -> list[str]:
+                   fidelity_check: str | None = None, hf_modules: bool = True) -> list[str]:
     """Every start-up check of a run, in order: :func:`check_config`, the mask token
     (:func:`~oar_verl.core.checks.mask_token.check_model_mask_token`: the model's tokenizer and generation config), the
-    sliding window (:func:`~oar_verl.core.checks.sliding_window.check_model_sliding_window`, logged).
+    conservative rules against the model's modules (:func:`~oar_verl.core.checks.model_rules.model_rules_error`, where
+    the run attributes Hugging Face modules: ``hf_modules``), the sliding window
+    (:func:`~oar_verl.core.checks.sliding_window.check_model_sliding_window`, logged).
 
     Args:
         cfg: the run's OARConfig.
@@ -125,12 +128,16 @@ def startup_checks(cfg: OARConfig, *, model_path: str | None = None, tokenizer=N
         the warnings (logged as well); errors raise.
 
     Raises:
-        OARConfigError: see :func:`check_config`, and an unsafe mask token.
+        OARConfigError: see :func:`check_config`, an unsafe mask token, and a mode whose conservative rules do not
+            cover the model (naming the model type and the modes that work).
     """
     check_config(cfg)
     for concrete in concrete_configs(cfg):
         check_model_mask_token(concrete, model_path, tokenizer, tokenizer_path=tokenizer_path,
                                trust_remote_code=trust_remote_code)
+    refusal = model_rules_error(cfg, model_path, trust_remote_code) if hf_modules else None
+    if refusal is not None:
+        raise OARConfigError(refusal)
     if cfg.mode == AUTO_MODE:  # auto measures each band of a sliding-window model itself: nothing to warn of
         return []
     warning = check_model_sliding_window(cfg, model_path, max_tokens, fidelity_check)

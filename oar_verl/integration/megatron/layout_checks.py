@@ -14,32 +14,13 @@ def megatron_mode_error(oar, model_config=None) -> str | None:
     ``model_config`` the policy's ``config.json`` (None: unread, the engine's rules check the layers at the first
     attribution). A method that needs the propagation rules (``Method.propagation_rules``) is refused on a mixture of
     experts, whose layers the rules do not know (:mod:`.rules`)."""
-    from oar_verl.core.checks.registries import METHODS
-    from oar_verl.core.config import AUTO_MODE, OARConfig
-
     from oar_verl.core.backends.families import expert_count
+    from oar_verl.core.checks.model_rules import rules_refusal
 
     experts = expert_count(model_config or {})
     if experts == 0:
         return None
-    cfg = OARConfig.from_mapping(oar)  # the keys' defaults where unset
-    auto = cfg.mode == AUTO_MODE
-    modes = [cfg.mode] + ([*cfg.auto_candidates, cfg.auto_default] if auto else [])
-    needs = [m for m in modes if m in METHODS.names() and METHODS.get(m).propagation_rules]
-    if not needs:
-        return None
-    others = [n for n in METHODS.names() if not METHODS.get(n).propagation_rules]
-    if auto:
-        where, fix = " (in algorithm.oar.auto_candidates / auto_default)", (
-            f"list only {', '.join(others)} (e.g. algorithm.oar.auto_candidates=[fisher,gradient] "
-            "algorithm.oar.auto_default=fisher)")
-    else:
-        default = needs[0] == OARConfig.__dataclass_fields__["mode"].default
-        where, fix = " (the key's default)" if default else "", (
-            f"set algorithm.oar.mode to one of {', '.join(others)} (fisher: the same clean input-gradient pass "
-            "without the rules)")
-    return (f"algorithm.oar.mode={needs[0]}{where} on the Megatron engine: the conservative propagation rules know "
-            f"dense layers, and this model is a mixture of {experts} experts; {fix}")
+    return rules_refusal(oar, "on the Megatron engine", f"a mixture of {experts} experts")
 
 
 class MegatronLayoutError(NotImplementedError):
