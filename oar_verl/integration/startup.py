@@ -23,8 +23,8 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
             with an operator that inserts a token (``mask=pad`` / ``mask=token``), a mask token that is an EOS, an
             end-of-turn marker or another special token of the model's tokenizer
             (:func:`oar_verl.core.checks.startup.startup_checks`, the checks OpenRLHF's entry point runs too).
-        OARSetupError: a verl setting OAR cannot run with: an actor strategy other than FSDP/FSDP2/Megatron, a
-            Megatron layout the attribution does not support, or rollout-correction bypass mode on the legacy trainer
+        OARSetupError: a verl setting OAR cannot run with: an actor strategy other than FSDP/FSDP2/Megatron, fused
+            kernels (no logits), a Megatron layout the attribution does not support, or rollout-correction bypass mode on the legacy trainer
             (whose bypass path skips the pass OAR attributes in).
 
     Logs a warning for a gradient method on a sliding-window model past its window.
@@ -32,13 +32,17 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
     cfg = read_oar_config(config.algorithm)
     model = config.actor_rollout_ref.get("model", None) or {}
     actor = config.actor_rollout_ref.actor
+    startup_checks(cfg, model_path=model.get("path", None), tokenizer_path=model.get("tokenizer_path", None),
+                   trust_remote_code=bool(model.get("trust_remote_code", False)), max_tokens=row_tokens(config),
+                   hf_modules=actor.get("strategy", "fsdp") != "megatron")
     try:
         engine = ENGINE_BACKENDS.get(actor.get("strategy", "fsdp"))
     except ValueError as e:
         raise OARSetupError(str(e)) from None
-    startup_checks(cfg, model_path=model.get("path", None), tokenizer_path=model.get("tokenizer_path", None),
-                   trust_remote_code=bool(model.get("trust_remote_code", False)), max_tokens=row_tokens(config),
-                   hf_modules=actor.get("strategy", "fsdp") != "megatron")
+    if bool(model.get("use_fused_kernels", False)):  # every engine: verl's fused forward hands back no logits
+        raise OARSetupError("actor_rollout_ref.model.use_fused_kernels=True: verl's fused forward returns log-probs "
+                            "without logits, and every OAR mode reads its outcome probe from the logits; set it to "
+                            "False (use_liger=True keeps Liger's norm and MLP kernels)")
     msg = engine.startup_error(config)
     if msg is not None:
         raise OARSetupError(msg)

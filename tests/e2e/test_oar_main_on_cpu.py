@@ -245,9 +245,8 @@ def _fails_fast(args, env_extra=None, timeout=300):
 BAD_CONFIGURATIONS = [
     ("algorithm.oar.mode=sideways", "algorithm.oar.mode='sideways' is not allowed"),
     ("algorithm.oar.tau=1.5", "algorithm.oar.tau=1.5 is out of range"),
-    ("actor_rollout_ref.actor.strategy=megatron algorithm.oar.mode=fisher "
-     "actor_rollout_ref.model.use_fused_kernels=True",
-     "use_fused_kernels=True (actor_rollout_ref.model.use_fused_kernels)"),
+    ("actor_rollout_ref.model.use_fused_kernels=True",
+     "actor_rollout_ref.model.use_fused_kernels=True: verl's fused forward returns log-probs without logits"),
     ("actor_rollout_ref.actor.strategy=dtensor_magic",
      "strategy='dtensor_magic' is not a registered actor strategy OAR can attribute with; registered: fsdp, fsdp2, megatron"),
     ("trainer.v1.trainer_mode=dreamy", "trainer.v1.trainer_mode='dreamy' has no OAR trainer; choose one of: sync"),

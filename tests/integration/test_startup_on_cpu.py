@@ -46,10 +46,49 @@ def test_megatron_runs_the_default_on_dense_models_and_refuses_it_on_experts(tmp
     moe.actor_rollout_ref.model.path = str(tmp_path / "moe")
     assert validate_oar_setup(dense).mode == "conservative"
     with pytest.raises(OARSetupError, match=r"algorithm\.oar\.mode=conservative \(the key's default\) on the Megatron "
-                                            r"engine: .* mixture of 8 experts; set algorithm\.oar\.mode to one of"):
+                                            r"engine: .* mixture of 8 experts\); set algorithm\.oar\.mode to one of"):
         validate_oar_setup(moe)
     moe.algorithm.oar.mode = "fisher"
     assert validate_oar_setup(moe).mode == "fisher"
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_fsdp_refuses_the_default_on_a_model_its_rules_do_not_cover(tmp_path, strategy):
+    """On FSDP the Hugging Face rules must cover the policy's modules (built on the meta device from config.json before
+    Ray starts): a mixture of experts, a fused q/k/v attention are refused naming the model type and fisher; a dense
+    Qwen2 passes; the Megatron engine's own rules are not judged by the Hugging Face modules (Phi-3's fused q/k/v is
+    Megatron's own layout)."""
+    from devtools.family_matrix import tiny_config
+    from oar_verl.core.config import OARConfigError
+
+    for model_type in ("qwen2", "qwen3_moe", "phi3"):
+        tiny_config(model_type).save_pretrained(tmp_path / model_type)
+    dense, moe, phi3 = (config(strategy) for _ in range(3))
+    dense.actor_rollout_ref.model.path = str(tmp_path / "qwen2")
+    moe.actor_rollout_ref.model.path = str(tmp_path / "qwen3_moe")
+    phi3.actor_rollout_ref.model.path = str(tmp_path / "phi3")
+    assert validate_oar_setup(dense).mode == "conservative"
+    with pytest.raises(OARConfigError, match=r"algorithm\.oar\.mode=conservative \(the key's default\) on "
+                                             r"model_type=qwen3_moe: .* mixture of 4 experts.*set algorithm\.oar\.mode "
+                                             r"to one of .*fisher"):
+        validate_oar_setup(moe)
+    with pytest.raises(OARConfigError, match=r"model_type=phi3: .*attention without separate q/k/v projections"):
+        validate_oar_setup(phi3)
+    phi3.algorithm.oar.mode = "fisher"
+    assert validate_oar_setup(phi3).mode == "fisher"
+    on_megatron = config("megatron")
+    on_megatron.actor_rollout_ref.model.path = str(tmp_path / "phi3")
+    assert validate_oar_setup(on_megatron).mode == "conservative"
+
+
+def test_fused_kernels_are_refused_on_every_engine():
+    """verl's fused forward hands back log-probs without logits, which every mode's probe reads."""
+    for strategy in ("fsdp", "fsdp2", "megatron"):
+        bad = config(strategy, mode="gradient")
+        bad.actor_rollout_ref.model.use_fused_kernels = True
+        with pytest.raises(OARSetupError, match=r"actor_rollout_ref\.model\.use_fused_kernels=True: .* without "
+                                                "logits"):
+            validate_oar_setup(bad)
 
 
 def test_an_unsafe_mask_token_of_the_model_dir_is_refused(tmp_path):
