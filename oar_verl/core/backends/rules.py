@@ -235,8 +235,10 @@ def _activation(mlp: torch.nn.Module):
     return ACT2FN[hidden_act]
 
 
-# leaf modules that compute nothing the rules must know: linear maps, lookups, position tables, dropout (off in eval)
-_PLAIN_LEAVES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Dropout, torch.nn.Identity)
+# leaf modules that compute nothing the rules must know: linear maps, lookups, dropout (off in eval), and the empty
+# containers a wrapper leaves (PEFT's unused LoRA slots); rotary tables and a gated MLP's activation are named apart
+_PLAIN_LEAVES = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Dropout, torch.nn.Identity, torch.nn.ModuleDict,
+                 torch.nn.ParameterDict, torch.nn.ModuleList, torch.nn.ParameterList)
 
 
 def rules_error(model: torch.nn.Module, attention_rule: str = "values") -> str | None:
