@@ -38,6 +38,12 @@ class EngineBackend:
         shared_pass: (engine, cfg, prepared, recompute, packed) -> a context for verl's ``compute_log_prob`` that
             attributes ``prepared``'s rows from its forwards; it yields a list holding the shared attribution
             (``result()``, ``choices``) once a micro-batch ran.
+        output_group: engine -> the process group of the ranks that run the same rows together (model parallelism:
+            Ulysses' sequence-parallel group, Megatron's tensor × pipeline group), of which only the engine's output
+            rank (``engine.is_mp_src_rank_with_outputs()``) receives verl's outputs (``infer_batch``'s, hence
+            ``compute_log_prob``'s: the old-log-prob entropies); None: every rank receives its own. What a rank reads
+            from those outputs is shared from the output rank to the group, so that every rank of it takes the same
+            decisions with the same data (docs/verl.md).
     """
 
     make: Callable[..., AttributionBackend]
@@ -49,6 +55,7 @@ class EngineBackend:
     shared_error: Callable[..., str | None] = (
         lambda engine, cfg, *, fused_kernels, packed, tokens: "the engine's pass carries no attribution")
     shared_pass: Callable[..., contextlib.AbstractContextManager] | None = None
+    output_group: Callable[[object], object | None] = lambda engine: None
 
 
 ENGINE_BACKENDS: Registry[EngineBackend] = Registry("actor strategy OAR can attribute with",
@@ -97,6 +104,12 @@ def sequence_shards(engine) -> SequenceShards | None:
     return SequenceShards(engine.ulysses_parallel_group, engine.ulysses_device_mesh["sp"].get_local_rank(), size)
 
 
+def _fsdp_output_group(engine):
+    """The Ulysses sequence-parallel group (verl's FSDP engine returns outputs on its local rank 0 only), or None."""
+    shards = sequence_shards(engine)
+    return None if shards is None else shards.group
+
+
 def _fsdp_shared_error(engine, cfg: OARConfig, *, fused_kernels: bool, packed: bool, tokens: tuple[int, int]
                        ) -> str | None:
     """(``tokens`` unused: ``recompute=auto`` sizes each micro-batch's backward under the update's peak.)"""
@@ -110,7 +123,8 @@ def _fsdp_shared_pass(engine, cfg: OARConfig, prepared, recompute, packed: bool)
 ENGINE_BACKENDS.register("fsdp", "fsdp2")(EngineBackend(make=_fsdp_backend, device=_module_device,
                                                        eval_numerics=lambda engine: engine.module.eval(),
                                                        recompute=_fsdp_recompute, shared_error=_fsdp_shared_error,
-                                                       shared_pass=_fsdp_shared_pass))
+                                                       shared_pass=_fsdp_shared_pass,
+                                                       output_group=_fsdp_output_group))
 
 
 def _megatron_backend(engine, cfg: OARConfig, tokens: int, *, pad_id: int, checkpointing: bool,
@@ -156,9 +170,20 @@ def _megatron_shared_pass(engine, cfg: OARConfig, prepared, recompute, packed: b
     return megatron_log_prob(engine, cfg, prepared.batch, MethodInputs(prepared.mask_token_id, prepared.seeds))
 
 
+def _megatron_output_group(engine):
+    """megatron-core's model-parallel group (tensor × pipeline: context parallelism is refused at start-up), whose
+    output rank is tensor-parallel rank 0 of the last pipeline stage; None when it is this rank alone."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_model_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
+
+
 # Megatron's engine moves micro-batches itself (inputs stay on CPU) and its eval_mode() is complete
 ENGINE_BACKENDS.register("megatron")(EngineBackend(make=_megatron_backend, device=lambda engine: torch.device("cpu"),
                                                    eval_numerics=lambda engine: None,
                                                    startup_error=_megatron_startup_error,
                                                    shared_error=_megatron_shared_error,
-                                                   shared_pass=_megatron_shared_pass))
+                                                   shared_pass=_megatron_shared_pass,
+                                                   output_group=_megatron_output_group))

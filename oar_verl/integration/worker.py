@@ -35,7 +35,7 @@ from oar_verl.core.pipeline import RowAttribution, attribute, row_attribution
 from oar_verl.core.preprocess import PreparedAttribution, prepare_attribution
 from oar_verl.integration.actor_budget import actor_token_budget
 from oar_verl.integration.backends import ENGINE_BACKENDS
-from oar_verl.core.backends.collectives import max_over_ranks
+from oar_verl.core.backends.collectives import from_source, max_over_ranks
 from oar_verl.integration.fields import (ATTRIBUTE_FIELD, AUTO_CONTROLS, AUTO_FIELDS, AUTO_KEY, AUTO_SLOTS, CONFIG_KEY,
                                          FIDELITY_FIELDS, GROUND_TRUTH_KEY, ROW_FIELD, SHARED_KEY, STEP_KEY)
 
@@ -98,6 +98,25 @@ def pass_entropies(out: TensorDict | None, responses: list[torch.Tensor]) -> lis
         return None
     rows = out["entropy"].unbind()
     return [e[len(e) - len(r) - 1:len(e) - 1] for e, r in zip(rows, responses)]  # per row, not per token
+
+
+def group_entropies(kind, engine, out: TensorDict | None, responses: list[torch.Tensor],
+                    device: torch.device) -> list[torch.Tensor] | None:
+    """:func:`pass_entropies` of the old-log-prob output ``out``, the same on every rank of the engine's model-parallel
+    group (``kind``: its ``ENGINE_BACKENDS`` entry, whose ``output_group`` names it): verl hands the output to one rank
+    of the group only (the others get None), so that rank's are shared with the others, or None on every rank when it
+    has none. Every rank of the group calls it together (one all-reduce of the rows' response tokens)."""
+    group = kind.output_group(engine)
+    mine = pass_entropies(out, responses)
+    if group is None:
+        return mine
+    lengths = [len(r) for r in responses]
+    flat = None
+    if mine is not None:
+        flat = torch.cat([e.reshape(-1).cpu() for e in mine]) if mine else torch.zeros(0)
+    shared = from_source(flat, sum(lengths), source=bool(engine.is_mp_src_rank_with_outputs()), group=group,
+                         device=device)
+    return None if shared is None else list(shared.split(lengths))
 
 
 def pass_tokens(data: TensorDict, engine_config, longest: int) -> int:
@@ -176,7 +195,13 @@ class TokenImportanceMixin:
         if reason is not None:
             _log_once(f"oar: attribution runs after the old-log-prob pass, not inside it: {reason}")
             out = super().compute_log_prob(data)
-            fields = self._importance(data, cfg, step, auto=None)
+            # a fidelity step measures with the pass's entropies, as the shared path does (every rank the same)
+            entropies = None
+            if due(cfg, step):
+                kind = ENGINE_BACKENDS.get(self.actor.engine_config.strategy)
+                entropies = group_entropies(kind, self.actor.engine, out, unpack_rows(data)[1],
+                                            kind.device(self.actor.engine))
+            fields = self._importance(data, cfg, step, auto=None, entropies=entropies)
             return _merged(out, fields)
         return self._shared_log_prob(data, cfg, step, bool(packed))
 
@@ -229,7 +254,8 @@ class TokenImportanceMixin:
         if due(cfg, step):  # the step's fidelity on the method's backend, every rank alike, the weights unchanged
             if att.backend is None:
                 att = dataclasses.replace(att, backend=make_backend())
-            entropies = pass_entropies(out, responses)
+            # the pass's entropies (the entropy control), on every rank of a model-parallel group alike
+            entropies = group_entropies(kind, engine, out, responses, device)
             if entropies is not None and rows is not None:
                 entropies = [entropies[i] for i in rows.tolist()]
             with engine.eval_mode():
@@ -300,8 +326,11 @@ class TokenImportanceMixin:
         step = int(tu.get(data, STEP_KEY, default=0))
         return self._importance(data, cfg, step, auto)
 
-    def _importance(self, data: TensorDict, cfg: OARConfig, step: int, auto: dict | None) -> TensorDict | None:
-        """The body of ``compute_token_importance``: the configured method's own passes on this rank's rows."""
+    def _importance(self, data: TensorDict, cfg: OARConfig, step: int, auto: dict | None,
+                    entropies: list[torch.Tensor] | None = None) -> TensorDict | None:
+        """The body of ``compute_token_importance``: the configured method's own passes on this rank's rows.
+        ``entropies``: the old-log-prob pass's (:func:`group_entropies`, right after the pass), else the batch's
+        (:func:`response_entropies`: verl dispatches the same shard to every rank of a model-parallel group)."""
         engine = self.actor.engine
         kind = ENGINE_BACKENDS.get(self.actor.engine_config.strategy)
         fingerprint = params_fingerprint(engine)
@@ -328,7 +357,8 @@ class TokenImportanceMixin:
             # the step's fidelity, every rank alike (fillers align the pass counts); NaN when not due
             prepared = att.prepared
             gap = default_min_gap(_first_module(engine))
-            entropies = response_entropies(data) if due(cfg, step) or auto else None
+            if entropies is None and (due(cfg, step) or auto):
+                entropies = response_entropies(data)
             fidelity = att.fidelity(cfg, step, min_gap=gap, entropies=entropies)
             candidates = list(auto["candidates"]) if auto else []
             measured = None if not auto else measure_candidates(

@@ -2,8 +2,12 @@
 
 usage: python -m torch.distributed.run --nproc_per_node 2 sequence_parallel_job.py OUT_DIR
 Each rank writes OUT_DIR/rank{R}.pt with its OAR-G (one and three noise draws), OAR-P, fisher and path scores and the
-in-step fidelity metric (every rank holds the whole result); and fisher's and conservative's scores read from sharded
-forwards the caller runs (verl's old-log-prob pass under Ulysses), with whether those forwards' logits are unchanged.
+in-step fidelity metric (every rank holds the whole result); fisher's and conservative's scores read from sharded
+forwards the caller runs (verl's old-log-prob pass under Ulysses: each micro-batch padded to a multiple of the group,
+and ``@bucket`` also to verl's ``pad_to_length`` bucket first, so that a shard is longer than the micro-batch's
+tokens), with whether those forwards' logits are unchanged; and the error of a forward whose shard on rank 1 alone
+cannot cover its tokens, which every rank raises (``shard_error``); and values only rank 0 holds (verl's outputs: the
+old-log-prob entropies) shared with the group, or an error on every rank with two such ranks (``from_source``).
 """
 
 from __future__ import annotations
@@ -63,24 +67,37 @@ def batch(kind: int):
 SHARED = {"shared_f": OARConfig(mode="fisher", mask="token", mask_token_id=5, fisher_outcomes=2),
           "shared_cons": OARConfig(mode="conservative")}
 MICRO_BATCHES = ([3, 0], [2, 1])  # verl's micro-batches of the pass, rows packed end to end in each
+BUCKET = 64  # verl's pad_to_length_bucket: a micro-batch here holds at most 30 tokens, a shard 32 positions
 
 
-def shared_forwards(lm, b, cfg: OARConfig, shards: SequenceShards) -> tuple[torch.Tensor, bool]:
-    """verl's sharded old-log-prob forwards (each micro-batch's rows packed, padded to a multiple of the group with
-    positions 0, 1, ..., sliced) run inside the method's shared attribution (the second micro-batch recomputed);
-    returns its scores and whether every forward's logits equal the same forward outside it, bitwise."""
+def packed_shard(b, rows: list[int], shards: SequenceShards, bucket: int | None = None) -> dict:
+    """Rank ``shards.rank``'s inputs of verl's sharded forward of ``rows`` packed end to end: padded at the end to a
+    multiple of ``bucket`` (``pad_to_length``), then of the group, with positions 0, 1, ... (one more packed row),
+    and sliced (``FSDPEngineWithLMHead.prepare_model_inputs``)."""
+    start, end = row_spans(b.attention_mask)
+    ids = torch.cat([b.input_ids[r, start[r]:end[r]] for r in rows])
+    pos = torch.cat([torch.arange(int(end[r] - start[r])) for r in rows])
+    pad = (-ids.shape[0] % bucket if bucket else 0)
+    pad += -(ids.shape[0] + pad) % shards.size
+    ids, pos = torch.cat([ids, ids.new_zeros(pad)]), torch.cat([pos, torch.arange(pad)])
+    n = ids.shape[0] // shards.size
+    return {"input_ids": ids[None, shards.rank * n:(shards.rank + 1) * n],
+            "position_ids": pos[None, shards.rank * n:(shards.rank + 1) * n], "use_cache": False}
+
+
+def shared_forwards(lm, b, cfg: OARConfig, shards: SequenceShards, bucket: int | None = None
+                    ) -> tuple[torch.Tensor, bool]:
+    """verl's sharded old-log-prob forwards (:func:`packed_shard`, ``bucket``: verl's ``pad_to_length``) run inside
+    the method's shared attribution (the second micro-batch recomputed); returns its scores and whether every
+    forward's logits equal the same forward outside it, bitwise."""
     start, end = row_spans(b.attention_mask)
     shared = shared_attribution(lm, b, cfg, True, mask_token_id=cfg.mask_token_id, shards=shards)
     same = True
     for i, rows in enumerate(MICRO_BATCHES):
         order = torch.tensor(rows)
-        ids = torch.cat([b.input_ids[r, start[r]:end[r]] for r in rows])
-        pos = torch.cat([torch.arange(int(end[r] - start[r])) for r in rows])
-        pad = -ids.shape[0] % shards.size
-        ids, pos = torch.cat([ids, ids.new_zeros(pad)]), torch.cat([pos, torch.arange(pad)])
-        n = ids.shape[0] // shards.size
-        local = {"input_ids": ids[None, shards.rank * n:(shards.rank + 1) * n],
-                 "position_ids": pos[None, shards.rank * n:(shards.rank + 1) * n], "use_cache": False}
+        local = packed_shard(b, rows, shards, bucket)
+        if bucket:  # the layout a check of shard <= tokens refused
+            assert local["input_ids"].shape[1] > int((end - start)[order].sum())
         shared.recompute = lambda tokens, i=i: float(i == 1)
         with torch.no_grad():
             plain = lm(**local).logits
@@ -88,6 +105,48 @@ def shared_forwards(lm, b, cfg: OARConfig, shards: SequenceShards) -> tuple[torc
                 logits = lm(**local).logits
         same = same and torch.equal(plain, logits)
     return shared.result(), same
+
+
+def shard_error(lm, b, shards: SequenceShards) -> str:
+    """A shared forward whose shard on rank 1 is cut short (its positions no longer cover the micro-batch's tokens)
+    while rank 0's is verl's: the error every rank raises together (none is left in the attention's all-to-all), and
+    the ranks still in step after it (one more collective)."""
+    rows = MICRO_BATCHES[0]
+    start, end = row_spans(b.attention_mask)
+    order = torch.tensor(rows)
+    local = packed_shard(b, rows, shards)
+    if shards.rank == 1:
+        local = {k: v[:, :-2] if k != "use_cache" else v for k, v in local.items()}
+    shared = shared_attribution(lm, b, SHARED["shared_f"], True, mask_token_id=SHARED["shared_f"].mask_token_id,
+                                shards=shards)
+    message = ""
+    try:
+        with torch.no_grad(), shared.forward(ForwardLayout.sequences(order, (end - start)[order], start[order])):
+            lm(**local)
+    except RuntimeError as e:
+        message = str(e)
+    flag = torch.ones(1)
+    dist.all_reduce(flag)  # every rank got here
+    assert int(flag) == shards.size
+    return message
+
+
+def shared_values(shards: SequenceShards) -> tuple:
+    """:func:`~oar_verl.core.backends.collectives.from_source` over the group: rank 0's values on every rank (float64
+    on the CPU, bitwise); None on every rank when rank 0 has none; with every rank claiming to be the source, the
+    error every rank raises."""
+    from oar_verl.core.backends.collectives import from_source
+
+    values = torch.tensor([0.5, 1e-7, 3.25], dtype=torch.float32)
+    source = shards.rank == 0
+    got = from_source(values if source else None, 3, source=source, group=shards.group)
+    none = from_source(None, 3, source=source, group=shards.group)
+    try:
+        from_source(values, 3, source=True, group=shards.group)
+        error = ""
+    except RuntimeError as e:
+        error = str(e)
+    return got, none, error
 
 
 def main(out_dir: str) -> None:
@@ -134,6 +193,11 @@ def main(out_dir: str) -> None:
             scores, same = shared_forwards(lm, b, cfg, shards)
             results[(int(kind), 0, method)] = scores
             results[(int(kind), 0, f"{method}_logits")] = same
+            scores, same = shared_forwards(lm, b, cfg, shards, bucket=BUCKET)
+            results[(int(kind), 0, f"{method}@bucket")] = scores
+            results[(int(kind), 0, f"{method}@bucket_logits")] = same
+    results[(0, 0, "shard_error")] = shard_error(lm, batch(int(ProbeKind.AS_MEAN)), shards)
+    results[(0, 0, "from_source")] = shared_values(shards)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -5,7 +5,9 @@ verl's Ulysses path wraps the CUDA flash-attention kernel, which cannot run on C
 checks the sharding itself: packing, shards, probe positions on either rank, the probe sums over the group, OAR-G's
 noise and gradient through the all-to-all (and path's move of each shard's own clean rows), and the gathered scores;
 the in-step fidelity metric (its removal sets run as masked copies) on the sharded backend; and fisher and
-conservative read from the caller's sharded forwards (verl's old-log-prob pass under Ulysses, docs/method.md §14).
+conservative read from the caller's sharded forwards (verl's old-log-prob pass under Ulysses, docs/method.md §14),
+also with verl's bucket padding (shards longer than the forward's tokens); and a forward one rank cannot cover, which
+every rank refuses together.
 """
 
 from __future__ import annotations
@@ -53,6 +55,17 @@ def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
     job = load_job()
     lm = job.model("sdpa")  # the same weights, unsharded
     for key, got in ranks[0].items():
+        if key[2] == "shard_error":  # rank 1's shard was cut short: both ranks raised, rank 0 naming the other
+            assert "reached the embedding as (1, 13) on this rank" in ranks[1][key], ranks[1][key]
+            assert "in another layout on another rank" in got, got
+            continue
+        if key[2] == "from_source":  # rank 0's values on both ranks; none: none on both; two sources: both raise
+            for got_r in (got, ranks[1][key]):
+                values, none, error = got_r
+                assert values.dtype == torch.float64 and values.tolist() == torch.tensor(
+                    [0.5, 1e-7, 3.25], dtype=torch.float32).double().tolist()
+                assert none is None and "has 2 ranks holding the engine's outputs" in error, error
+            continue
         if key[2].startswith("rounds"):
             assert got == ranks[1][key] and got >= 2
             continue
@@ -80,8 +93,8 @@ def test_two_sequence_parallel_ranks_equal_the_unsharded_method(tmp_path):
             ref = fisher(ModuleBackend(lm, PassLimits(10**6)), b, 0, 1, 2, seed=4)[0]
         elif method == "cons":
             ref = conservative(ModuleBackend(lm, PassLimits(10**6)), b)[0]
-        elif method in job.SHARED:  # the method's own passes on the unsharded model
-            cfg = job.SHARED[method]
+        elif method.split("@")[0] in job.SHARED:  # the method's own passes on the unsharded model (@bucket: verl's
+            cfg = job.SHARED[method.split("@")[0]]  # pad_to_length layout)
             ref = run_attribution(module_backend(lm, cfg), b, cfg, mask_token_id=cfg.mask_token_id).importance
         else:
             ref = run_p(lm, b, 0, PassLimits(10**6), prefix_cache=False)

@@ -253,3 +253,22 @@ def test_right_padded_forward_equals_the_methods_own_passes(lm64, make_batch):
     with torch.no_grad(), shared.forward(ForwardLayout.sequences(order, lengths, start[order], width)):
         lm64(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False)
     torch.testing.assert_close(shared.result(), own, rtol=1e-9, atol=1e-12)
+
+
+def test_shard_start_takes_verl_s_padded_shards_and_refuses_others():
+    """Under Ulysses a rank's embedding output is one (1, s) shard of the packed row, s × size >= the forward's tokens:
+    verl pads the row to a multiple of the group and, with ``pad_to_length``, of its bucket first, so a shard may hold
+    more positions than the forward's real tokens (a check of s <= tokens refused that layout). Not one shard of a
+    packed row, or shards that cannot cover the tokens: an error naming the shape (without a process group, this
+    rank's verdict alone; on several ranks all raise together: tests/core/sequence_parallel_job.py)."""
+    from oar_verl.core.backends.shared import shard_start
+    from oar_verl.core.backends.ulysses import SequenceShards
+
+    h = torch.zeros(1, 64, 3)  # a bucket of 128 positions over 2 ranks, for a micro-batch of 23 real tokens
+    assert shard_start(SequenceShards(None, 1, 2), h, 23) == 64
+    assert shard_start(SequenceShards(None, 0, 2), h[:, :12], 23) == 0  # 23 tokens padded to 24, no bucket
+    assert shard_start(None, torch.zeros(3, 9, 3), 20) == 0  # no sequence parallelism: the whole forward
+    with pytest.raises(RuntimeError, match=r"23 packed tokens reached the embedding as \(1, 11\)"):
+        shard_start(SequenceShards(None, 1, 2), h[:, :11], 23)  # 22 positions over the group: tokens lost
+    with pytest.raises(RuntimeError, match=r"as \(2, 32\)"):
+        shard_start(SequenceShards(None, 0, 2), torch.zeros(2, 32, 3), 23)  # padded rows, not one packed row

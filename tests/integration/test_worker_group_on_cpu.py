@@ -1,7 +1,8 @@
 """compute_token_importance on a real Ray worker group (FSDP2, gloo) equals the core functions on the same model.
 
 Two data-parallel ranks hold sequences of different lengths (so they need different numbers of forwards): the call
-must finish (no collective hang) and agree with the single-rank group and with the core reference. ``fisher`` runs in
+must finish (no collective hang) and agree with the single-rank group and with the core reference. Under Ulysses the
+ranks of a sequence-parallel group measure the step's fidelity alike, with the entropies verl hands to one of them. ``fisher`` runs in
 the CPU smoke run of gpu_check's verl-worker part (one rank, a whole training step, the GPU machine's packages only).
 """
 
@@ -30,7 +31,9 @@ def run_job(model_dir, tmp_path, n_ranks, mode, target="response", sp=1, packed=
     env = {**os.environ, **cpu_env(), "VERL_USE_EXTERNAL_PLUGINS": "none",
            # the CPU stand-ins for Ulysses attention and FSDP1's module-state sync (development tooling, not in the
            # wheel) in every process
-           "VERL_USE_EXTERNAL_MODULES": f"{CPU_PLATFORM_MODULE},devtools.ulysses_attention,devtools.fsdp1_cpu"}
+           "VERL_USE_EXTERNAL_MODULES": f"{CPU_PLATFORM_MODULE},devtools.ulysses_attention,devtools.fsdp1_cpu",
+           # the job's worker class (job_support.FidelityRecordingWorker), which Ray's workers import by name
+           "PYTHONPATH": os.pathsep.join(p for p in (str(JOB.parent), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, str(JOB), str(model_dir), str(out), str(n_ranks), mode,
                            new_ray_temp_dir(), target, str(sp), str(int(packed)), strategy], env=env,
                           capture_output=True, text=True, timeout=600)
@@ -124,6 +127,31 @@ def check_shared(res):
         assert (~res["teacher_fidelity"].isnan()).nonzero().flatten().tolist() == first
 
 
+def check_rank_fidelity(res, sp):
+    """Every rank's in-step fidelity measurements (``job_support.FidelityRecordingWorker``, OAR-G's run): in the
+    old-log-prob call (verl's trainers' ``calculate_entropy=True``) every rank measured the entropy control with the
+    pass's entropies, although verl hands the pass's outputs to one rank of a sequence-parallel group only; in
+    ``compute_token_importance`` with the batch's entropies where the job gave them (SP); and the ``sp`` ranks of each
+    group measured the same rows to the same numbers (one removal set more on a rank would have hung the call)."""
+    records = res["rank_fidelity"]
+    assert len(records) == res["ranks"] * sp
+    for rank in records:
+        assert [r["call"] for r in rank] == ["compute_token_importance", "compute_log_prob"], rank
+        imp, logp = rank
+        assert logp["entropies"] and imp["entropies"] == (sp > 1)
+        assert bool((~logp["aopc_entropy"].isnan()).any()), "the entropy control was not measured"
+        assert int((~logp["aopc"].isnan()).sum()) >= 1
+    for g in range(res["ranks"]):
+        group = records[g * sp:(g + 1) * sp]
+        for other in group[1:]:
+            for a, b in zip(group[0], other):
+                for k in a:
+                    if k in ("call", "entropies"):
+                        assert a[k] == b[k], k
+                    elif k != "seconds":
+                        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, equal_nan=True, msg=k)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,target", [("gradient", "response"), ("gradient_k3", "response"),
                                          ("perturbation", "response"), ("perturbation", "reference"),
@@ -158,6 +186,7 @@ def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
         check_shared(two)
     if mode == "gradient":  # the step's fidelity, measured by each rank on its first row, equals the core's
         check_fidelity(tiny_assets.model_dir, two)
+        check_rank_fidelity(two, 1)
     if mode == "gradient":  # one rank (under the same budget): same result (noise is seeded per sequence, not rank),
         # in verl's remove-padding layout (users' usual one: rows packed end to end; another attention kernel, hence
         # the sequence-parallel test's tolerance), where fisher also reads from the packed old-log-prob pass
@@ -165,6 +194,7 @@ def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
         torch.testing.assert_close(padded(one["token_importance"]), got, rtol=2e-3,
                                    atol=5e-5 * float(ref.abs().max()))
         check_shared(one)
+        check_rank_fidelity(one, 1)
 
 
 @pytest.mark.slow
@@ -172,7 +202,9 @@ def test_two_ranks_equal_one_rank_and_core(tiny_assets, tmp_path, mode, target):
 def test_sequence_parallel_group_attributes_sharded_and_equals_core(tiny_assets, tmp_path, mode):
     """Ulysses SP=2 through verl's own FSDP engine and sequence-parallel machinery (the ranks hold 1/2 of every pass;
     the CPU stand-in attention replaces flash-attn, which needs CUDA): the same numbers as the unsharded core; and
-    fisher read from verl's sharded old-log-prob pass gives verl's log-probs and the fisher call's scores."""
+    fisher read from verl's sharded old-log-prob pass gives verl's log-probs and the fisher call's scores, with verl's
+    bucket padding making each rank's shard longer than its micro-batch's tokens (the layout OAR once refused); OAR-G's
+    in-step fidelity with the entropy control in that pass, the same on both ranks (it hung: rank 1 got no outputs)."""
     two = run_job(tiny_assets.model_dir, tmp_path, 2, mode, sp=2)
     ref, spans, _, result = core_reference(tiny_assets.model_dir, two)
     got = padded(two["token_importance"])
@@ -185,6 +217,7 @@ def test_sequence_parallel_group_attributes_sharded_and_equals_core(tiny_assets,
         assert torch.equal(a, b)
     if mode == "gradient":  # fisher read from the sharded old-log-prob pass: verl's log-probs, the fisher call's scores
         check_shared(two)
+        check_rank_fidelity(two, 2)
     # the ranks ran the sharded passes (each holding half of every pass), not whole sequences each
     from transformers import AutoTokenizer
 

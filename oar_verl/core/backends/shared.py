@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from oar_verl.core.backends.base import DenseProbeTable, frozen_parameters
-from oar_verl.core.backends.collectives import sum_over_group
+from oar_verl.core.backends.collectives import any_over_ranks, sum_over_group
 from oar_verl.core.backends.families import Transform, model_config, post_head_transform
 from oar_verl.core.backends.hf import layer_checkpointing
 from oar_verl.core.backends.ulysses import SequenceShards
@@ -328,15 +328,31 @@ def read_probe(batch: AttributionBatch, layout: ForwardLayout, index: torch.Tens
 
 def shard_start(shards: SequenceShards | None, embedded: torch.Tensor, tokens: int) -> int:
     """The first flat position of a forward of ``tokens`` that this rank's embedding output (b, s, H) holds: 0, or
-    under Ulysses (``shards``) its shard's (rank × s of a (1, s) shard; verl pads the packed tokens to a multiple of
-    the group)."""
+    under Ulysses (``shards``) its shard's, rank × s of a (1, s) shard.
+
+    verl (``FSDPEngineWithLMHead.prepare_model_inputs``) pads the packed row at its end, first to a multiple of
+    ``pad_to_length_bucket`` when ``pad_to_length`` is set, then to a multiple of the group
+    (``ulysses_pad_and_slice_inputs``), and gives rank r the r-th of ``size`` equal slices: every shard has the same
+    s, ``s × size >= tokens``, and s may exceed ``tokens`` (a bucket longer than the micro-batch's real tokens); the
+    positions past ``tokens`` are padding, which no probe or projection reads.
+
+    Every rank of the run reaches this once per forward (verl runs as many micro-batches on every rank: a fixed
+    micro-batch size over equal shards, or dynamic batch sizes with the count all-reduced over the data-parallel
+    group), so the check's verdict is reduced over the default process group first: all ranks raise together.
+
+    Raises:
+        RuntimeError: on every rank, when any rank's embedding output is not one shard of a packed row that covers
+            the forward's ``tokens``.
+    """
     if shards is None:
         return 0
     n = embedded.shape[0] * embedded.shape[1]
-    if embedded.shape[0] != 1 or n * shards.size < tokens or n > tokens:
-        raise RuntimeError(f"oar: a sequence-parallel forward of {tokens} packed tokens reached the embedding as "
-                           f"{tuple(embedded.shape[:2])} on one of {shards.size} ranks (expected one shard of the "
-                           "packed row)")
+    wrong = embedded.shape[0] != 1 or n * shards.size < tokens
+    if any_over_ranks(wrong):
+        where = (f"reached the embedding as {tuple(embedded.shape[:2])} on this rank, one of {shards.size}" if wrong
+                 else "reached the embedding in another layout on another rank")
+        raise RuntimeError(f"oar: a sequence-parallel forward of {tokens} packed tokens {where} (expected one shard "
+                           "(1, s) of the packed row with s × the group's size >= its tokens)")
     return shards.rank * n
 
 
