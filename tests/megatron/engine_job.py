@@ -154,7 +154,7 @@ def main(spec_path: str) -> None:
         fid = fidelity_of(MegatronBackend(engine, pass_limits(fcfg)), fbatch, int(spec["mask_token_id"]))
     fid = fid if engine.is_mp_src_rank_with_outputs() else None
     shared = shared_pass(engine, sel, rows, int(spec["mask_token_id"]))
-    shared["worker"] = worker_pass(trainer, sel)
+    shared["worker"], shared["worker_fidelity"] = worker_pass(trainer, sel)
     shared["recompute"] = spec.get("recompute", "none")
     lp_after = log_probs()
     checks = {
@@ -305,21 +305,32 @@ def shared_pass(engine, sel, rows, mask_id: int) -> dict:
     return out
 
 
-def worker_pass(trainer, sel) -> dict:
+def worker_pass(trainer, sel) -> tuple[dict, dict]:
     """OAR's worker RPC body (``OARActorRolloutRefWorker.compute_log_prob`` over verl's ``TrainingWorker``, no Ray)
     with fisher read from the pass: log-probs and entropies against verl's own call's, the importance against the
     worker's own ``compute_token_importance`` (fisher's own passes), and marked as read from the pass (collecting
-    rank)."""
+    rank). The call, with entropies as verl's trainers ask for them, also measures the step's fidelity
+    (``fidelity_every=1``), whose entropy control reads the pass's entropies: returned too, this rank's measurements
+    per micro-batch size (every rank's: verl hands the pass's outputs to one rank of the model-parallel group only,
+    and the others must measure the same, or the group's collectives part)."""
+    from unittest import mock
+
     from verl.utils import tensordict_utils as tu
 
     from oar_verl.core.config import OARConfig
+    from oar_verl.core.fidelity.step import due
+    from oar_verl.core.pipeline import RowAttribution
     from oar_verl.integration.fields import CONFIG_KEY, SHARED_KEY, STEP_KEY
     from oar_verl.integration.worker import OARActorRolloutRefWorker
 
     prompts = [p[pm.bool()] for p, pm in zip(sel["prompts"], sel["prompt_mask"])]
-    responses = [r[rm.bool()] for r, rm in zip(sel["responses"], sel["response_mask"])]
+    # each response ends in a final answer, where the worker finds its span (its own rows: no masks handed over; a row
+    # without one has no reasoning tokens to attribute or measure)
+    answer = torch.tensor(trainer.model_config.tokenizer.encode(" The answer is 7.", add_special_tokens=False))
+    responses = [torch.cat([r[rm.bool()], answer]) for r, rm in zip(sel["responses"], sel["response_mask"])]
     nj = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
     cfg = OARConfig(mode="fisher", probe="as_mean", mask="mean").to_dict()  # as the trainer step sends it
+    measured = OARConfig.from_mapping({**cfg, "fidelity_every": 1}).to_dict()  # the pass of a fidelity step
 
     def data(shared: bool, micro_batch_size: int):
         td = log_prob_batch([torch.cat([p, r]) for p, r in zip(prompts, responses)],
@@ -327,8 +338,20 @@ def worker_pass(trainer, sel) -> dict:
         td["prompts"], td["responses"] = nj(prompts), nj(responses)
         tu.assign_non_tensor(td, **{CONFIG_KEY: cfg, STEP_KEY: 3})
         if shared:
-            tu.assign_non_tensor(td, **{SHARED_KEY: {CONFIG_KEY: cfg, STEP_KEY: 3}})
+            tu.assign_non_tensor(td, **{SHARED_KEY: {CONFIG_KEY: measured, STEP_KEY: 3}})
         return td
+
+    records: dict[int, list] = {}
+    measure = RowAttribution.fidelity
+
+    def recording(mbs):
+        def fidelity(att, c, step, **kw):
+            got = measure(att, c, step, **kw)
+            if due(c, step):
+                records.setdefault(mbs, []).append({"entropies": kw.get("entropies") is not None,
+                                                    **{k: v.clone() for k, v in got.items()}})
+            return got
+        return mock.patch.object(RowAttribution, "fidelity", fidelity)
 
     worker = object.__new__(OARActorRolloutRefWorker)  # the RPC bodies need only the actor (verl's TrainingWorker)
     worker.actor, worker.enable_routing_replay = trainer, False  # (verl's worker sets the flag from its config)
@@ -338,7 +361,8 @@ def worker_pass(trainer, sel) -> dict:
     # full recompute (its backward would keep more activations than the update), else the fallback after the pass
     for mbs in (1, 2):
         plain = trainer.infer_batch(data(False, mbs))
-        got = worker.compute_log_prob(data(True, mbs))
+        with recording(mbs):
+            got = worker.compute_log_prob(data(True, mbs))
         if plain is None:  # not a collecting rank
             out[mbs] = {"collecting": False}
             continue
@@ -347,7 +371,7 @@ def worker_pass(trainer, sel) -> dict:
                     "log_probs_diff": float((plain["log_probs"].values() - got["log_probs"].values()).abs().max()),
                     "entropy_diff": float((plain["entropy"].values() - got["entropy"].values()).abs().max()),
                     "rel": float((a - b).abs().max() / b.abs().max())}
-    return out
+    return out, records
 
 
 def _optimizer_state_empty(optimizer) -> bool:

@@ -14,7 +14,8 @@ floor. Cases: OAR-P (with the pad token and the mean embedding as the mask) and 
 sketched -- the core's methods run unchanged on the engine's backend. In every layout verl's old-log-prob call also
 runs with fisher read from it (:mod:`oar_verl.integration.megatron.shared`, in the engine's training layout):
 log-probs and entropies bitwise the plain call's, scores the backend's own fisher passes'; and through OAR's worker RPC
-over verl's TrainingWorker, where the pass's micro-batch size decides whether it shares.
+over verl's TrainingWorker, where the pass's micro-batch size decides whether it shares, on a fidelity step: every
+rank of a model-parallel group measures the entropy control with the entropies verl hands to one of them, the same.
 """
 
 from __future__ import annotations
@@ -230,6 +231,33 @@ def check_side_effects(ranks):
         assert c["log_probs_unchanged"], "the engine's log-probs changed"
         assert c["cp_error"] and "context_parallel_size=2" in c["cp_error"], c["cp_error"]
         check_shared(res)
+    check_group_fidelity(ranks)
+
+
+def check_group_fidelity(ranks):
+    """The worker's old-log-prob call on a fidelity step (``fidelity_every=1``, entropies computed as verl's trainers
+    ask): every rank measured, with the entropy control (verl hands the pass's entropies to one rank of the
+    tensor × pipeline group: the others take them from it, or the group's collectives would part), and the ranks of
+    a group (one data-parallel rank) measured the same rows to the same numbers; read from the pass (1-row
+    micro-batches) and right after it (2-row ones, unless the engine recomputes every layer)."""
+    groups: dict[int, list] = {}
+    for res in ranks:
+        fid = res["shared"]["worker_fidelity"]
+        assert sorted(fid) == [1, 2] and all(len(v) == 1 for v in fid.values()), fid
+        for records in fid.values():
+            (r,) = records
+            assert r["entropies"] and bool((~r["aopc_entropy"].isnan()).any()), "no entropy control"
+            assert bool((~r["aopc"].isnan()).all()), "a row was not measured"
+        groups.setdefault(res["dp_rank"], []).append(fid)
+    for members in groups.values():
+        for other in members[1:]:
+            for mbs, (a,) in members[0].items():
+                (b,) = other[mbs]
+                for k in a:
+                    if k not in ("entropies", "seconds"):
+                        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, equal_nan=True, msg=f"{mbs}/{k}")
+    print(f"[fidelity step] ranks per model-parallel group: {[len(m) for m in groups.values()]}, entropy control on "
+          "every rank, the group's measurements equal")
 
 
 def check_shared(res, rtol=1e-4):
