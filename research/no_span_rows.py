@@ -75,6 +75,7 @@ METHODS = {"conservative": {"mode": "conservative"},
 LAYOUTS = ("eos", "truncated", "answer")
 CONTROLS = ("random", "position", "entropy")
 CONCLUDE = "\n#### "
+MIN_REASONING = 16  # a problem whose sample has fewer reasoning tokens (after the cut) is drawn again
 PROBE_STEP = 10**6  # past probe=auto's warm-up: AS-Mean on span rows (no-span rows read LT-Logits either way)
 
 
@@ -91,10 +92,16 @@ def with_chat_eos(m: Loaded) -> Loaded:
 
 
 def reasoning_before_span(m: Loaded, response: list[int]) -> list[int]:
-    """The response's tokens before any answer span it wrote (all of them without one), EOS / pad dropped."""
-    ids = torch.tensor([response])
-    spans = locate_answer_spans(ids, torch.ones_like(ids), m.tokenizer)
-    return ids[0][spans.reasoning_mask[0]].tolist()
+    """The response's tokens before every answer span it wrote (all of them without one), EOS / pad dropped: cut
+    before the span the patterns find until none is left (the patterns find the last span of the first pattern that
+    matches; an earlier one may remain)."""
+    ids = response
+    while True:
+        t = torch.tensor([ids])
+        spans = locate_answer_spans(t, torch.ones_like(t), m.tokenizer)
+        ids = t[0][spans.reasoning_mask[0]].tolist()
+        if not bool(spans.found[0]):
+            return ids
 
 
 def make_rows(m: Loaded, prompts: int, samples: int, tokens: int, cache: Path, log) -> list[dict]:
@@ -103,6 +110,14 @@ def make_rows(m: Loaded, prompts: int, samples: int, tokens: int, cache: Path, l
     dropped and the problem drawn again)."""
     rows = json.loads(cache.read_text()) if cache.exists() else []
     conclude = m.tokenizer.encode(CONCLUDE, add_special_tokens=False)
+    for r in rows:  # rows cached by a version that cut before one span only: cut again, the answer asked again
+        reasoning = reasoning_before_span(m, r["reasoning"])
+        if reasoning != r["reasoning"]:
+            r["reasoning"] = reasoning
+            r["answer"] = _own_answer(m, r["prompt"], reasoning, conclude) or r["answer"]
+    short = {r["cluster"] for r in rows if len(r["reasoning"]) < MIN_REASONING}  # such a problem is drawn anew
+    kept = sorted({r["cluster"] for r in rows} - short)
+    rows = [dict(r, cluster=kept.index(r["cluster"])) for r in rows if r["cluster"] not in short]
     cluster = max((r["cluster"] for r in rows), default=-1) + 1
     rng = random.Random(cluster * 7919 + 1)
     while cluster < prompts:
@@ -115,7 +130,7 @@ def make_rows(m: Loaded, prompts: int, samples: int, tokens: int, cache: Path, l
             answer = _own_answer(m, prompt, reasoning, conclude)
             if answer is None and m.random_init:  # a random model states no number: the problem's answer
                 answer = str(truth)
-            if answer is not None and len(reasoning) >= 4:
+            if answer is not None and len(reasoning) >= MIN_REASONING:
                 got.append({"prompt": prompt, "reasoning": reasoning, "answer": answer, "truth": str(truth),
                             "cluster": cluster})
         if len(got) == samples:  # every sample of the problem, or the problem is drawn again
