@@ -95,19 +95,13 @@ def model_config(model: torch.nn.Module):
     return getattr(model, "config", None)
 
 
-def post_head_transform(config, ruled: bool = False) -> Transform | None:
+def post_head_transform(config) -> Transform | None:
     """The transform the model applies to its LM head's output before returning logits (None: the logits are the
-    head's output). ``config``: a Hugging Face config (or None). ``ruled``: with the conservative rules' gradient (the
-    identity rule: the transform taken as linear at its own value; values unchanged)."""
+    head's output). ``config``: a Hugging Face config (or None)."""
     model_type = getattr(config, "model_type", None)
     if config is None or model_type not in POST_HEAD.names():
         return None
-    transform = POST_HEAD.get(model_type)(config)
-    if transform is None or not ruled:
-        return transform
-    from oar_verl.core.backends.rules import linear_rule
-
-    return lambda z: linear_rule(transform, z)
+    return POST_HEAD.get(model_type)(config)
 
 
 def nonlinear_post_head(config) -> dict:

@@ -27,10 +27,13 @@ _SAVED_H, _SAVED_I = 4, 5
 # Counted with autograd's saved-tensor hooks (tests/core/test_memory_model.py); 0.62 GiB a layer at Qwen2.5-7B x 4k
 # in bf16, where the H100 measured 0.60 (docs/performance.md) and the training count gives 0.95
 _FROZEN_FP32_H, _RULES_H, _FROZEN_Q, _FROZEN_KV, _FROZEN_I = 2, 4, 2, 2, 3
+# under the rules the gated MLP keeps only its gate and up projections' outputs (the activation is recomputed in the
+# backward; the forward's own graph of act · up is dropped when the down projection's input is replaced)
+_RULES_I = 2
 _TRANSIENT_H, _TRANSIENT_I = 4, 3  # one layer's live tensors in a no-grad forward: hidden, norm, residual; gate/up/act
 _BACKWARD = 2  # a layer in its backward: its saved activations plus gradients of the same size
-# under the conservative propagation rules the norms and the activation run without a graph and keep their input and
-# output (what the plain graph keeps); in the backward each forms its ratio in fp32, at most the MLP's two wide
+# under the conservative propagation rules the norms run without a graph and keep their input and output (what the
+# plain graph keeps); in the backward the norms and the MLP's rule form their ratios in fp32, at most the MLP's two wide
 # (T, I) temporaries beside the layer's tensors: one more layer's worth bounds it (measured on CPU, cpu-quick shape,
 # 2 x 1,152 tokens, fp32: 282-304 MiB against 281-292 for fisher's plain input-gradient pass; docs/method.md §13)
 _RULES_BACKWARD = _BACKWARD + 1
@@ -74,7 +77,8 @@ class ModelShape:
         q, kv, wide = self.heads * self.head_dim, self.kv_heads * self.head_dim, 4 // self.dtype_bytes
         norms = _RULES_H * self.hidden if rules else _FROZEN_FP32_H * self.hidden * wide
         stats = (2 + self.heads) * wide  # the norms' fp32 rsqrt, the attention's fp32 log-sum-exp per head
-        return norms + _FROZEN_Q * q + _FROZEN_KV * kv + _FROZEN_I * self.intermediate + stats
+        mlp = (_RULES_I if rules else _FROZEN_I) * self.intermediate
+        return norms + _FROZEN_Q * q + _FROZEN_KV * kv + mlp + stats
 
     def per_layer_transient(self) -> int:
         """Elements one layer holds at once in a no-grad forward, per token."""

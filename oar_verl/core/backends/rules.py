@@ -282,13 +282,15 @@ def rules_error(model: torch.nn.Module, attention_rule: str = "values") -> str |
 
 def _mlp_rule(mlp: torch.nn.Module, act) -> list:
     """Hooks giving ``mlp`` (any forward of down(act(gate(x)) ⊙ up(x)): Hugging Face's, a kernel bound on the
-    instance) the identity and half rules: the gate's and up projection's outputs are kept, the down projection's
-    input (the forward's own value) replaced by :func:`gated_half_split` of them. Returns the hook handles."""
+    instance) the identity and half rules: the gate's and up projection's outputs are kept and handed on detached (so
+    the forward's own act · up, by whichever kernel, runs without a graph), and the down projection's input (that
+    value) replaced by :func:`gated_half_split` of the kept ones. Returns the hook handles."""
     kept: dict[str, torch.Tensor] = {}
 
     def keep(name):
         def hook(module, args, out):
             kept[name] = out
+            return out.detach()
 
         return hook
 
@@ -371,7 +373,7 @@ def conservative_rules(model: torch.nn.Module, attention_rule: str = "values") -
             handles += _mlp_rule(mlp, _activation(mlp))
         switched_off = nonlinear_post_head(config)
         if switched_off:  # a soft-cap after the head: applied at the head by the identity rule, the model's own off
-            ruled = post_head_transform(config, ruled=True)
+            ruled = functools.partial(linear_rule, post_head_transform(config))
             stack.enter_context(patched_attributes(text_config(config), **switched_off))
             handles.append(model.get_output_embeddings().register_forward_hook(lambda m, args, out: ruled(out)))
         yield
