@@ -156,7 +156,11 @@ class SharedAttribution:
         self.covered = torch.zeros(B, dtype=torch.bool, device=device)
         self.choices: list[tuple[int, float]] = []  # (tokens, share of layers recomputed) per forward, for the log
         # the model's own soft-cap / scaling (or None), by the identity rule under the conservative rules
-        self.transform = post_head_transform(model_config(model), ruled=target.rules is not None)
+        self.transform = post_head_transform(model_config(model))
+        if self.transform is not None and target.rules is not None:
+            from oar_verl.core.backends.rules import linear_rule
+
+            self.transform = functools.partial(linear_rule, self.transform)
 
     @contextlib.contextmanager
     def forward(self, layout: ForwardLayout) -> Iterator[None]:
