@@ -2,8 +2,9 @@
 
 Two data-parallel ranks hold sequences of different lengths (so they need different numbers of forwards): the call
 must finish (no collective hang) and agree with the single-rank group and with the core reference. Under Ulysses the
-ranks of a sequence-parallel group measure the step's fidelity alike, with the entropies verl hands to one of them. ``fisher`` runs in
-the CPU smoke run of gpu_check's verl-worker part (one rank, a whole training step, the GPU machine's packages only).
+ranks of a sequence-parallel group measure the step's fidelity alike, with the entropies verl hands to one of them.
+``fisher`` runs in the CPU smoke run of gpu_check's verl-worker part (one rank, a whole training step, the GPU
+machine's packages only).
 """
 
 from __future__ import annotations
