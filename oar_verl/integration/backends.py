@@ -44,6 +44,9 @@ class EngineBackend:
             ``compute_log_prob``'s: the old-log-prob entropies); None: every rank receives its own. What a rank reads
             from those outputs is shared from the output rank to the group, so that every rank of it takes the same
             decisions with the same data (docs/verl.md).
+        hf_modules: the engine runs the Hugging Face model's own modules, so start-up checks that the conservative
+            rules cover them (:func:`~oar_verl.core.checks.model_rules.model_rules_error`); False: the engine builds
+            its own layers, which its own rules judge (Megatron's).
     """
 
     make: Callable[..., AttributionBackend]
@@ -56,6 +59,7 @@ class EngineBackend:
         lambda engine, cfg, *, fused_kernels, packed, tokens: "the engine's pass carries no attribution")
     shared_pass: Callable[..., contextlib.AbstractContextManager] | None = None
     output_group: Callable[[object], object | None] = lambda engine: None
+    hf_modules: bool = True
 
 
 ENGINE_BACKENDS: Registry[EngineBackend] = Registry("actor strategy OAR can attribute with",
@@ -186,4 +190,4 @@ ENGINE_BACKENDS.register("megatron")(EngineBackend(make=_megatron_backend, devic
                                                    startup_error=_megatron_startup_error,
                                                    shared_error=_megatron_shared_error,
                                                    shared_pass=_megatron_shared_pass,
-                                                   output_group=_megatron_output_group))
+                                                   output_group=_megatron_output_group, hf_modules=False))

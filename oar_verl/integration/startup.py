@@ -9,7 +9,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from oar_verl.core.checks.mask_token import check_model_mask_token
-from oar_verl.core.checks.startup import concrete_configs, startup_checks
+from oar_verl.core.checks.startup import check_config, concrete_configs, startup_checks
 from oar_verl.core.config import OARConfig, OARConfigError
 from oar_verl.integration.backends import ENGINE_BACKENDS
 from oar_verl.integration.estimator import OARSetupError, read_oar_config
@@ -32,13 +32,14 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
     cfg = read_oar_config(config.algorithm)
     model = config.actor_rollout_ref.get("model", None) or {}
     actor = config.actor_rollout_ref.actor
-    startup_checks(cfg, model_path=model.get("path", None), tokenizer_path=model.get("tokenizer_path", None),
-                   trust_remote_code=bool(model.get("trust_remote_code", False)), max_tokens=row_tokens(config),
-                   hf_modules=actor.get("strategy", "fsdp") != "megatron")
+    check_config(cfg)  # a bad key's name first, then the engine, then the checks that read the model
     try:
         engine = ENGINE_BACKENDS.get(actor.get("strategy", "fsdp"))
     except ValueError as e:
         raise OARSetupError(str(e)) from None
+    startup_checks(cfg, model_path=model.get("path", None), tokenizer_path=model.get("tokenizer_path", None),
+                   trust_remote_code=bool(model.get("trust_remote_code", False)), max_tokens=row_tokens(config),
+                   hf_modules=engine.hf_modules)
     if bool(model.get("use_fused_kernels", False)):  # every engine: verl's fused forward hands back no logits
         raise OARSetupError("actor_rollout_ref.model.use_fused_kernels=True: verl's fused forward returns log-probs "
                             "without logits, and every OAR mode reads its outcome probe from the logits; set it to "
