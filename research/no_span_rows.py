@@ -38,7 +38,7 @@ What it cannot show: one small model on continuations of templated problems; the
 model's own greedy answer after a fixed conclusion, i.e. what it would answer, not a verifier's reward (which is the
 same, 0, for every row without an answer); the deletion metric ranks, it does not train.
 
-usage (the committed results: ``research/results/no_span_rows.{json,csv}``, about 40 min on one CPU thread):
+usage (the committed results: ``research/results/no_span_rows.{json,csv}``, about 25 min on one CPU thread):
     OMP_NUM_THREADS=1 python -m research.no_span_rows --model smollm2 --prompts 8 --samples 2 --tokens 128 \\
         --results research/results/no_span_rows
     python -m research.no_span_rows --model tiny --prompts 2 --samples 1 --tokens 24 --out DIR   # the quick mode
@@ -320,6 +320,16 @@ def table(summary: dict, methods: list[str], model: str) -> str:
     return "\n".join(lines)
 
 
+def command(argv: list[str] | None) -> str:
+    """The study's command line as run, without ``--out`` (a machine's path) and with ``--results`` as given."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    kept = [x for i, x in enumerate(args) if x != "--out" and (i == 0 or args[i - 1] != "--out")
+            and not x.startswith("--out=")]
+    return " ".join(["python -m research.no_span_rows", *kept])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2", choices=("smollm2", "tiny"))
@@ -361,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  chunk {i}: {time.perf_counter() - t0:.0f} s")
     summary = summarise(chunks, rows, methods, default_min_gap(m.model))
     summary.update(model=m.name, methods=methods, operators=list(operators), fractions=list(fractions),
-                   random_rankings=a.random, samples=a.samples, command="python -m research.no_span_rows " +
-                   " ".join(argv if argv is not None else __import__("sys").argv[1:]))
+                   random_rankings=a.random, samples=a.samples, command=command(argv))
     results = Path(a.results) if a.results else out / "no_span_rows"
     results.parent.mkdir(parents=True, exist_ok=True)
     results.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
