@@ -105,8 +105,8 @@ def reasoning_before_span(m: Loaded, response: list[int]) -> list[int]:
 
 
 def make_rows(m: Loaded, prompts: int, samples: int, tokens: int, cache: Path, log) -> list[dict]:
-    """``prompts`` × ``samples`` rows {prompt, reasoning, answer, truth, cluster}, cached (resumable): the model's sampled
-    continuations cut before any answer span, and its greedy answer after them (rows where it states none are
+    """``prompts`` × ``samples`` rows {prompt, reasoning, answer, truth, cluster}, cached (resumable): the model's
+    sampled continuations cut before any answer span, and its greedy answer after them (rows where it states none are
     dropped and the problem drawn again)."""
     rows = json.loads(cache.read_text()) if cache.exists() else []
     conclude = m.tokenizer.encode(CONCLUDE, add_special_tokens=False)
