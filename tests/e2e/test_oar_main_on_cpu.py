@@ -40,7 +40,13 @@ OAR_KEYS = ["oar/weight_mean", "oar/weight_std", "oar/weight_max", "oar/frac_flo
             "oar/attributed_seq_frac", "oar/flat_seq_frac", "timing_s/oar"]
 
 
+# the tiny random model writes no "The answer is N": its last number stands for its answer, so that its rows have the
+# answer span OAR needs (a row without one keeps GRPO's weights, docs/method.md §2)
+LAST_NUMBER = "algorithm.oar.answer_patterns=['(?P<answer>[0-9]+)']"
+
+
 def _overrides(tiny_assets, tmp_path, ray_tmp, experiment, extra):
+    extra = [LAST_NUMBER, *extra]
     return main_ppo_overrides(
         model_dir=tiny_assets.model_dir, train_file=tiny_assets.train_file, val_file=tiny_assets.test_file,
         reward_file=arith_reward.__file__, output_dir=tmp_path, ray_temp_dir=ray_tmp, adv_estimator="oar", steps=STEPS,
