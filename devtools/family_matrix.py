@@ -85,18 +85,20 @@ def tiny_model(model_type: str, seed: int = 0) -> torch.nn.Module:
 
 
 def verdicts(model_type: str) -> dict[str, str]:
-    """mode -> the cell: ``runs`` (``runs, read from the pass`` where the method reads the old-log-prob forward), or
-    ``refused: <reason>`` (at start-up)."""
+    """mode -> the cell: ``runs`` (``runs, read from the pass`` where the method reads its scores from the old-log-prob
+    forward, ``runs, its teachers read from the pass`` for OAR-G's clean teachers), or ``refused: <reason>`` (at
+    start-up)."""
     from oar_verl.core.backends.rules import rules_error
     from oar_verl.core.methods.attribution import METHODS, shared_modes
 
     model = tiny_model(model_type)
-    shared = set(shared_modes(teacher=True))
+    scores, teachers = set(shared_modes()), set(shared_modes(teacher=True)) - set(shared_modes())
     out = {}
     for mode in MODES:
         reason = rules_error(model) if METHODS.get(mode).propagation_rules else None
         out[mode] = f"refused: {reason.split(':')[0]}" if reason else (
-            "runs, read from the pass" if mode in shared else "runs")
+            "runs, read from the pass" if mode in scores else "runs, its teachers read from the pass"
+            if mode in teachers else "runs")
     return out
 
 
@@ -123,6 +125,8 @@ def table() -> str:
 def _cell(verdict: str) -> str:
     if verdict.startswith("refused"):
         return f"refused at start-up ({verdict.removeprefix('refused: ')})"
+    if verdict.endswith("teachers read from the pass"):
+        return "✓ teachers from the pass"
     return "✓ from the pass" if verdict.endswith("read from the pass") else "✓"
 
 
