@@ -25,12 +25,18 @@ backward recomputes them: about two forwards) while the others keep their activa
 OAR-G differentiates at noisy points, so only its clean teacher can come from such a forward:
 :class:`SharedTeacher` reads each row's probe from the head's output and keeps it for the method's noisy passes,
 leaving the forward untouched (no grad, no backward).
+
+Both readers count the seconds of their own work (:attr:`SharedAttribution.seconds`, :attr:`SharedTeacher.seconds`:
+the backwards, the probe reads), not the forward they read from, with the accelerator synchronised at each timed
+segment's ends (:class:`Stopwatch`): a caller inside a pass that runs anyway (verl's old-log-prob call, OpenRLHF's
+experience maker) reports them as attribution's cost there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -44,6 +50,30 @@ from oar_verl.core.backends.hf import layer_checkpointing
 from oar_verl.core.backends.ulysses import SequenceShards
 from oar_verl.core.batch.layout import AttributionBatch
 from oar_verl.core.batch.probes import ProbeOutput, probe_from_logits
+
+
+def synchronize() -> None:
+    """Wait until the current accelerator has run the work queued on it (nothing to wait for without one)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        accelerator.synchronize()
+
+
+class Stopwatch:
+    """Seconds spent in timed blocks, summed: ``with clock(): ...``. Each block synchronises the accelerator at its
+    start and at its end, so the seconds are the block's device work, not the queue it found or left (two waits per
+    block: time segments, never per-token steps)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        synchronize()
+        start = time.perf_counter()
+        yield
+        synchronize()
+        self.seconds += time.perf_counter() - start
 
 
 @dataclass(frozen=True)
@@ -155,6 +185,7 @@ class SharedAttribution:
         self.weights = torch.zeros(B, target.columns, dtype=torch.float32, device=device)
         self.covered = torch.zeros(B, dtype=torch.bool, device=device)
         self.choices: list[tuple[int, float]] = []  # (tokens, share of layers recomputed) per forward, for the log
+        self.clock = Stopwatch()  # the backwards' seconds (the forwards are the caller's)
         # the model's own soft-cap / scaling (or None), by the identity rule under the conservative rules
         self.transform = post_head_transform(model_config(model))
         if self.transform is not None and target.rules is not None:
@@ -202,7 +233,7 @@ class SharedAttribution:
                 handles = []
                 if "logits" not in captured or "leaf" not in captured:
                     raise RuntimeError("a shared attribution forward ran no forward of the model")
-                with torch.enable_grad():
+                with torch.enable_grad(), self.clock():
                     self._backward(layout, index, weights, captured)
         finally:
             for h in handles:
@@ -225,6 +256,12 @@ class SharedAttribution:
             leaf.grad = None
         self.weights[rows] = weights.to(self.weights.device)
         self.covered[rows] = True
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent on the backwards of the forwards run inside :meth:`forward` so far (accelerator-synchronised
+        at each backward's ends; the forwards themselves are not counted)."""
+        return self.clock.seconds
 
     def result(self) -> torch.Tensor:
         """(B, L) float32 scores at reasoning positions of the rows attributed so far, 0 elsewhere (under Ulysses
@@ -256,6 +293,7 @@ class SharedTeacher:
         self.table = DenseProbeTable(B)
         self.covered = torch.zeros(B, dtype=torch.bool, device=batch.input_ids.device)
         self.choices: list[tuple[int, float]] = []  # no backward here: the noisy passes choose their recompute
+        self.clock = Stopwatch()  # the probe reads' seconds (the forwards are the caller's)
         self.transform = post_head_transform(model_config(model))  # the model's own soft-cap / scaling, or None
 
     @contextlib.contextmanager
@@ -278,10 +316,16 @@ class SharedTeacher:
                 h.remove()
         if "logits" not in captured:
             raise RuntimeError("a shared teacher forward ran no forward of the model")
-        with torch.no_grad():
+        with torch.no_grad(), self.clock():
             probe = read_probe(self.batch, layout, index, weights, captured, self.shards)
-        self.table.put(layout.rows.to(self.covered.device), probe)
-        self.covered[layout.rows.to(self.covered.device)] = True
+            self.table.put(layout.rows.to(self.covered.device), probe)
+            self.covered[layout.rows.to(self.covered.device)] = True
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent reading the probes of the forwards run inside :meth:`forward` so far (accelerator-synchronised
+        at each read's ends; the forwards themselves are not counted)."""
+        return self.clock.seconds
 
     def teachers(self, rows: torch.Tensor | None = None) -> DenseProbeTable:
         """The table of every row's clean probe, or of ``rows`` (n,) long only, renumbered 0..n-1 in that order (a
