@@ -33,8 +33,15 @@ ROW_FIELD = "oar_row"
 # every row
 ATTRIBUTE_FIELD = "oar_attribute"
 
+# a (B,) output field, every row of a rank alike: the rank's seconds of attribution work inside verl's old-log-prob
+# call (SHARED_KEY): the backwards read from its forward or OAR-G's teacher reads and noisy passes, the fidelity
+# measurement, the fallback's passes after the pass, the preparation; accelerator-synchronised at each timed segment's
+# ends; the forward itself not counted (nor Megatron's shared backward, which runs inside megatron-core's schedule
+# with the forward). 0 from compute_token_importance (the step's own timer holds that call)
+SECONDS_FIELD = "oar_seconds"
+
 # what compute_token_importance returns: per row (nested, response-aligned) and per sequence
 OUTPUT_FIELDS = ("token_importance", "oar_reasoning_mask", "oar_answer_mask", "oar_span_found", "oar_answer_probe",
                  "oar_passes", "oar_copies", "oar_refined", "oar_params_fingerprint",
-                 "oar_log_prob_params_fingerprint", "oar_recomputed", "oar_shared") + tuple(f"oar_fidelity_{k}" for k in FIDELITY_FIELDS) + \
-    tuple(f"oar_auto_{k}" for k in AUTO_FIELDS)
+                 "oar_log_prob_params_fingerprint", "oar_recomputed", "oar_shared", SECONDS_FIELD) + \
+    tuple(f"oar_fidelity_{k}" for k in FIDELITY_FIELDS) + tuple(f"oar_auto_{k}" for k in AUTO_FIELDS)

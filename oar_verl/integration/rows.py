@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from oar_verl.integration.fields import AUTO_FIELDS, FIDELITY_FIELDS
+from oar_verl.integration.fields import AUTO_FIELDS, FIDELITY_FIELDS, SECONDS_FIELD
 from oar_verl.integration.handoff import EstimatorInputs
 
 
@@ -159,6 +159,15 @@ def assemble(out: dict[str, torch.Tensor] | None, rows: torch.Tensor, batch: Bat
                              batch.scores if base is not None else None, base_adv, base_ret)
     return StepAttribution(inputs, rows, answer, found, probe, batch, passes, match, copies, refined, fidelity, auto,
                            recomputed, shared)
+
+
+def call_seconds(out: dict[str, torch.Tensor] | None) -> float:
+    """The slowest rank's attribution seconds inside verl's old-log-prob call, from that call's outputs for the rows
+    of the batch (:data:`~oar_verl.integration.fields.SECONDS_FIELD`, every row of a rank alike: the largest); 0.0
+    where they hold none (no output, or a call that attributed nothing)."""
+    if out is None or SECONDS_FIELD not in out or not len(out[SECONDS_FIELD]):
+        return 0.0
+    return float(out[SECONDS_FIELD].double().nan_to_num(0.0).max())
 
 
 def merge_outputs(parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> tuple[torch.Tensor, dict | None]:

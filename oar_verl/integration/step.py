@@ -2,7 +2,9 @@
 
 Right after verl's old-log-prob pass, with the weights that computed the old log-probs, ``OARStep.attribute`` runs
 steps 1-5 (``timing_s/oar``): (1) rows, (2) the base advantage, once, (3) selection (``rows.select_rows``), (4) the
-workers' ``compute_token_importance`` RPC, (5) assembly into batch tensors (``rows.assemble``). ``OARStep.advantage``
+workers' ``compute_token_importance`` RPC, (5) assembly into batch tensors (``rows.assemble``). Where the method reads
+from verl's pass (``shared_options``) step 4 reads what the workers attributed inside it instead, timed there
+(``timing_s/oar_in_old_log_prob``); ``timing_s/oar_total`` is both. ``OARStep.advantage``
 is a context manager around verl's own advantage step: it opens the handoff (6: the ``oar`` estimator reshapes the
 base advantage), then reports ``oar/*``, the fidelity and the token dump when due (7). The trainers only adapt verl's
 batch to :class:`TrainerIO`. Details: docs/verl.md, "One step" and "Why a handoff". With ``mode=auto`` the step's
@@ -37,8 +39,14 @@ from oar_verl.integration.estimator import base_advantage
 from oar_verl.integration.fields import AUTO_CONTROLS, AUTO_KEY, CONFIG_KEY, STEP_KEY
 from oar_verl.integration.rows import BatchRows, StepAttribution, assemble, merge_outputs, select_rows, take
 
-TIMER = "oar"  # -> timing_s/oar (verl times the attribution call inside its old-log-prob pass)
-FIDELITY_TIMER = "oar_fidelity"  # -> timing_s/oar_fidelity: the slowest rank's fidelity measurement (within oar's)
+TIMER = "oar"  # -> timing_s/oar: the step's own part (steps 1-5), inside verl's timing_s/old_log_prob
+# -> timing_s/oar_in_old_log_prob: the slowest rank's attribution work inside verl's compute_log_prob call, where the
+# method reads from that pass (fields.SECONDS_FIELD; 0.0 where the step's own RPC attributed: TIMER holds that)
+IN_CALL_TIMER = "oar_in_old_log_prob"
+TOTAL_TIMER = "oar_total"  # -> timing_s/oar_total = timing_s/oar + timing_s/oar_in_old_log_prob: OAR's cost
+# -> timing_s/oar_fidelity: the slowest rank's fidelity measurement (within oar_total's: oar's where the step's RPC
+# measured, oar_in_old_log_prob's where the old-log-prob call did)
+FIDELITY_TIMER = "oar_fidelity"
 UPDATE_TIMER = "update_actor"  # verl's timing_raw key of the actor update (timing_s/update_actor)
 AUTO_STATE_FILE = "oar_auto.json"  # the mode=auto selector's state, beside verl's checkpoint of a step
 
@@ -78,6 +86,10 @@ class TrainerIO(Protocol):
         """Run the workers' ``compute_token_importance`` on ``rows`` (N,) with these per-call options; return its
         outputs padded to (N, T') / (N,)."""
 
+    def call_seconds(self) -> float:
+        """The slowest rank's attribution seconds inside this step's old-log-prob call (:func:`~oar_verl.integration.
+        rows.call_seconds` over every row that call returned), 0.0 where it carried no attribution."""
+
 
 class OARStep:
     """The OAR part of every training step of one run.
@@ -105,7 +117,10 @@ class OARStep:
         self._flat_warned = False  # flat_warning is logged once a run
 
     def attribute(self, io: TrainerIO, global_step: int, timing_raw: dict) -> StepAttribution:
-        """Steps 1-5, timed as ``timing_s/oar``: rows → base advantage → selection → worker RPC → assembly."""
+        """Steps 1-5, timed as ``timing_s/oar``: rows → base advantage → selection → worker RPC → assembly; the
+        workers' attribution inside verl's old-log-prob call as ``timing_s/oar_in_old_log_prob`` (0 where none ran
+        there), both as ``timing_s/oar_total`` (each accumulated like verl's timers: several ``_step_once`` calls of
+        one step add up)."""
         with marked_timer(TIMER, timing_raw, color="purple"):
             batch = io.rows(with_responses=dumps.due(self.cfg, global_step))
             base = self.base_advantage(batch)
@@ -115,6 +130,9 @@ class OARStep:
                 rows = select_rows(self.wanted(batch, base), batch.eligible, io.dp_size())
                 out = io.compute_importance(rows, self.worker_options(global_step)) if len(rows) else None
                 att = assemble(out, rows, batch, base)
+            in_call = io.call_seconds()  # every row's, not the selected rows' only: every rank's work in the pass
+        timing_raw[IN_CALL_TIMER] = timing_raw.get(IN_CALL_TIMER, 0.0) + in_call
+        timing_raw[TOTAL_TIMER] = timing_raw[TIMER] + timing_raw[IN_CALL_TIMER]
         seconds = att.fidelity.get("seconds")
         if fidelity_due(self.cfg, global_step) and seconds is not None and not bool(seconds.isnan().all()):
             timing_raw[FIDELITY_TIMER] = float(seconds.nan_to_num(0.0).max())  # measured inside the workers
@@ -305,7 +323,7 @@ class OARStep:
             reasoning = att.estimator_inputs.reasoning_mask.sum(-1).float()
             metrics["oar/perturbation_copies"] = float(att.copies[counted].sum())
             metrics["oar/refined_share"] = float(att.refined[counted].sum() / reasoning[counted].sum().clamp(min=1))
-        if len(att.shared):  # docs/method.md §14: read from the old-log-prob forward (its time is in old_log_prob)
+        if len(att.shared):  # docs/method.md §14: read from the old-log-prob forward (timing_s/oar_in_old_log_prob)
             metrics["oar/shared_forward"] = float(att.shared.mean())
         if len(att.recomputed) and not bool(att.recomputed.isnan().all()):
             metrics["oar/recomputed_share"] = float(att.recomputed.nanmean())

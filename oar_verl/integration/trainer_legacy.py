@@ -5,8 +5,9 @@ OAR worker and builds :class:`OARRayPPOTrainer`. It attributes right after the o
 trainers. The legacy ``fit`` calls verl's module-level ``compute_advantage`` inline, between two trainer methods, so
 the adapter opens the handoff (:meth:`~oar_verl.integration.step.OARStep.advantage`) at the end of
 ``_compute_old_log_prob`` and closes it at the start of ``_update_actor``; the legacy ``fit`` keeps its metric dicts
-local, so ``oar/*`` and ``timing_s/oar`` are reported with the actor-update metrics. verl's rollout-correction bypass
-mode skips ``_compute_old_log_prob`` in this trainer, so it is refused at start-up here (the V1 trainers support it).
+local, so ``oar/*`` and ``timing_s/oar`` (with ``timing_s/oar_in_old_log_prob`` and ``timing_s/oar_total``) are
+reported with the actor-update metrics. verl's rollout-correction bypass mode skips ``_compute_old_log_prob`` in this
+trainer, so it is refused at start-up here (the V1 trainers support it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 
 from oar_verl.core.backends.patching import patched_attributes
 from oar_verl.integration.guard import uses_oar
-from oar_verl.integration.rows import BatchRows
+from oar_verl.integration.rows import BatchRows, call_seconds
 from oar_verl.integration.startup import validate_mask_token, validate_oar_setup
 from oar_verl.integration.step import UPDATE_TIMER, OARStep, checkpoint_folder, model_window
 from oar_verl.integration.fields import ATTRIBUTE_FIELD, OUTPUT_FIELDS, SHARED_KEY
@@ -65,6 +66,9 @@ class LegacyIO:
         tu.assign_non_tensor(td, **options)
         out = self.trainer.actor_rollout_wg.compute_token_importance(td)
         return padded_fields(out)
+
+    def call_seconds(self) -> float:
+        return call_seconds(self.shared)  # every row of the old-log-prob call's output
 
 
 def padded_fields(out) -> dict[str, torch.Tensor]:
@@ -145,7 +149,7 @@ class OARRayPPOTrainer(RayPPOTrainer):
         output = super()._update_actor(batch)
         seconds = time.perf_counter() - start
         if self._oar_metrics:
-            # timing_s/oar, and timing_s/oar_fidelity on a step that measured fidelity
+            # timing_s/oar, oar_in_old_log_prob, oar_total, and oar_fidelity on a step that measured fidelity
             output.meta_info["metrics"].update({**self._oar_metrics,
                                                 **{f"timing_s/{k}": v for k, v in self._oar_timing.items()}})
             self._oar_metrics = {}

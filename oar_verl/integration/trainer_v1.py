@@ -22,10 +22,10 @@ from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from oar_verl.integration.guard import uses_oar
-from oar_verl.integration.rows import BatchRows
+from oar_verl.integration.rows import BatchRows, call_seconds
 from oar_verl.integration.startup import validate_mask_token, validate_oar_setup
 from oar_verl.integration.step import OARStep, checkpoint_folder, model_window
-from oar_verl.integration.fields import ATTRIBUTE_FIELD, OUTPUT_FIELDS, SHARED_KEY
+from oar_verl.integration.fields import ATTRIBUTE_FIELD, OUTPUT_FIELDS, SECONDS_FIELD, SHARED_KEY
 from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
 
 # verl's V1 trainer modes OAR runs on, and the OAR trainer mode registered for each
@@ -72,6 +72,12 @@ class V1IO:
             self.trainer.actor_rollout_wg.compute_token_importance(sub)
         out = tq.kv_batch_get(keys=sub.keys, partition_id=sub.partition_id, select_fields=list(OUTPUT_FIELDS))
         return dict(out.to_padded_tensor().items())
+
+    def call_seconds(self) -> float:
+        if not self.shared:
+            return 0.0
+        out = tq.kv_batch_get(keys=self.batch.keys, partition_id=self.batch.partition_id, select_fields=[SECONDS_FIELD])
+        return call_seconds(dict(out.to_padded_tensor().items()))
 
 
 class OARStepLayer(PPOTrainer):

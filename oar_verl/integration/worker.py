@@ -28,7 +28,7 @@ from oar_verl.core.checks.startup import require_resolved
 from oar_verl.core.config import OARConfig
 from oar_verl.core.fidelity.summary import default_min_gap
 from oar_verl.core.fidelity.step import due
-from oar_verl.core.backends.shared import SharedTeacher
+from oar_verl.core.backends.shared import SharedTeacher, Stopwatch
 from oar_verl.core.methods.attribution import run_attribution
 from oar_verl.core.methods.contract import AttributionResult
 from oar_verl.core.pipeline import RowAttribution, attribute, row_attribution
@@ -37,7 +37,8 @@ from oar_verl.integration.actor_budget import actor_token_budget
 from oar_verl.integration.backends import ENGINE_BACKENDS
 from oar_verl.core.backends.collectives import from_source, max_over_ranks
 from oar_verl.integration.fields import (ATTRIBUTE_FIELD, AUTO_CONTROLS, AUTO_FIELDS, AUTO_KEY, AUTO_SLOTS, CONFIG_KEY,
-                                         FIDELITY_FIELDS, GROUND_TRUTH_KEY, ROW_FIELD, SHARED_KEY, STEP_KEY)
+                                         FIDELITY_FIELDS, GROUND_TRUTH_KEY, ROW_FIELD, SECONDS_FIELD, SHARED_KEY,
+                                         STEP_KEY)
 
 logger = logging.getLogger("oar_verl")
 
@@ -183,27 +184,32 @@ class TokenImportanceMixin:
         call's options (:data:`~oar_verl.integration.fields.SHARED_KEY`: the step's ``oar_config`` and
         ``oar_global_step``), the same log-probs plus the ``compute_token_importance`` fields of every row, read from
         the same forward where the engine allows it (:mod:`oar_verl.integration.shared_pass`), else attributed right
-        after it in this call."""
+        after it in this call. The attribution work of the call (not verl's pass) is timed as it runs
+        (:data:`~oar_verl.integration.fields.SECONDS_FIELD`)."""
         self._oar_log_prob_fingerprint = params_fingerprint(self.actor.engine)
         options = tu.get(data, SHARED_KEY)
         if options is None:
             return super().compute_log_prob(data)
-        cfg = require_resolved(_config(json.dumps(options[CONFIG_KEY], sort_keys=True)))
-        step = int(options[STEP_KEY])
-        packed = tu.get(data, "use_remove_padding", default=self.actor.model_config.get("use_remove_padding", False))
-        reason = self._shared_pass_error(data, cfg, bool(packed))
+        clock = Stopwatch()  # this call's attribution work, segment by segment
+        with clock():
+            cfg = require_resolved(_config(json.dumps(options[CONFIG_KEY], sort_keys=True)))
+            step = int(options[STEP_KEY])
+            packed = tu.get(data, "use_remove_padding",
+                            default=self.actor.model_config.get("use_remove_padding", False))
+            reason = self._shared_pass_error(data, cfg, bool(packed))
         if reason is not None:
             _log_once(f"oar: attribution runs after the old-log-prob pass, not inside it: {reason}")
             out = super().compute_log_prob(data)
-            # a fidelity step measures with the pass's entropies, as the shared path does (every rank the same)
-            entropies = None
-            if due(cfg, step):
-                kind = ENGINE_BACKENDS.get(self.actor.engine_config.strategy)
-                entropies = group_entropies(kind, self.actor.engine, out, unpack_rows(data)[1],
-                                            kind.device(self.actor.engine))
-            fields = self._importance(data, cfg, step, auto=None, entropies=entropies)
-            return _merged(out, fields)
-        return self._shared_log_prob(data, cfg, step, bool(packed))
+            with clock():
+                # a fidelity step measures with the pass's entropies, as the shared path does (every rank the same)
+                entropies = None
+                if due(cfg, step):
+                    kind = ENGINE_BACKENDS.get(self.actor.engine_config.strategy)
+                    entropies = group_entropies(kind, self.actor.engine, out, unpack_rows(data)[1],
+                                                kind.device(self.actor.engine))
+                fields = self._importance(data, cfg, step, auto=None, entropies=entropies)
+            return _merged(out, _timed(fields, clock.seconds))
+        return self._shared_log_prob(data, cfg, step, bool(packed), clock)
 
     def _shared_pass_error(self, data: TensorDict, cfg: OARConfig, packed: bool) -> str | None:
         """Why this engine's old-log-prob pass cannot carry ``cfg``'s method (then attribution runs right after it),
@@ -217,26 +223,49 @@ class TokenImportanceMixin:
         return kind.shared_error(self.actor.engine, cfg, fused_kernels=bool(fused), packed=packed,
                                  tokens=(pass_tokens(data, ec, longest), actor_token_budget(cfg, ec, longest)))
 
-    def _shared_log_prob(self, data: TensorDict, cfg: OARConfig, step: int, packed: bool) -> TensorDict | None:
+    def _shared_log_prob(self, data: TensorDict, cfg: OARConfig, step: int, packed: bool,
+                         clock: Stopwatch) -> TensorDict | None:
         """The old-log-prob pass with ``cfg.mode`` read from each micro-batch's forward (``packed``: verl's
-        remove-padding layout)."""
+        remove-padding layout); ``clock`` times the attribution work around the pass, the reader its own inside it."""
         engine = self.actor.engine
         kind = ENGINE_BACKENDS.get(self.actor.engine_config.strategy)
         device = kind.device(engine)
-        prompts, responses = unpack_rows(data)
-        tokenizer = self.actor.model_config.tokenizer
-        # the model's own rows (never target=reference: core shared_mode), which verl's pass holds
-        prepared = prepare_attribution(prompts, responses, tokenizer, cfg, step, device=device)
-        data[ROW_FIELD] = torch.arange(len(responses))
-        fingerprint = self._oar_log_prob_fingerprint  # noted by compute_log_prob: the weights of this very pass
-        longest = max_over_ranks(prepared.longest, device)
-        tokens = actor_token_budget(cfg, self.actor.engine_config, longest)
-        recompute = kind.recompute(engine, cfg, tokens, checkpointing=self._oar_checkpointing())
+        with clock():
+            prompts, responses = unpack_rows(data)
+            tokenizer = self.actor.model_config.tokenizer
+            # the model's own rows (never target=reference: core shared_mode), which verl's pass holds
+            prepared = prepare_attribution(prompts, responses, tokenizer, cfg, step, device=device)
+            data[ROW_FIELD] = torch.arange(len(responses))
+            fingerprint = self._oar_log_prob_fingerprint  # noted by compute_log_prob: the weights of this very pass
+            longest = max_over_ranks(prepared.longest, device)
+            tokens = actor_token_budget(cfg, self.actor.engine_config, longest)
+            recompute = kind.recompute(engine, cfg, tokens, checkpointing=self._oar_checkpointing())
         with kind.shared_pass(engine, cfg, prepared, recompute, packed) as made:
             out = super().compute_log_prob(data)
         if not made:
             raise RuntimeError("oar: verl's old-log-prob pass ran no micro-batch on this rank")
         shared = made[0]
+        with clock():
+            att, recomputed, fidelity = self._after_pass(data, cfg, step, prepared, shared, out, tokens, recompute,
+                                                         kind)
+        if out is None:
+            return None
+        # the reader's own seconds inside the pass (its backwards, OAR-G's probe reads; Megatron's reader has none:
+        # its backward runs in megatron-core's schedule, with the forward)
+        seconds = clock.seconds + float(getattr(shared, "seconds", 0.0))
+        return _merged(out, importance_output(att, cfg, step, fingerprint, fingerprint, recomputed, fidelity=fidelity,
+                                              shared=True, seconds=seconds))
+
+    def _after_pass(self, data: TensorDict, cfg: OARConfig, step: int, prepared: PreparedAttribution, shared,
+                    out: TensorDict | None, tokens: int, recompute, kind
+                    ) -> tuple[RowAttribution, float, dict | None]:
+        """What the shared path does right after the old-log-prob pass ``out`` (verl's output, None on ranks without
+        outputs): the rank's attribution (read from the pass by ``shared``, or OAR-G's noisy passes with the teachers
+        read from it), the share of its backwards that recomputed, and the step's fidelity when due (else None)."""
+        engine = self.actor.engine
+        device = kind.device(engine)
+        tokenizer = self.actor.model_config.tokenizer
+        responses = unpack_rows(data)[1]
 
         def make_backend():
             return kind.make(engine, cfg, tokens, pad_id=tokenizer.pad_token_id or 0, checkpointing=recompute,
@@ -265,10 +294,7 @@ class TokenImportanceMixin:
             if rows is not None:  # measured on the attributed rows: placed among the shard's
                 fidelity = {k: torch.full((len(responses),), float("nan"), dtype=v.dtype).index_copy(0, rows, v)
                             for k, v in fidelity.items()}
-        if out is None:
-            return None
-        return _merged(out, importance_output(att, cfg, step, fingerprint, fingerprint, recomputed, fidelity=fidelity,
-                                              shared=True))
+        return att, recomputed, fidelity
 
     def _after_teachers(self, data: TensorDict, cfg: OARConfig, step: int, prepared: PreparedAttribution,
                         shared: SharedTeacher, backend, kind) -> tuple[RowAttribution, torch.Tensor | None]:
@@ -375,9 +401,11 @@ class TokenImportanceMixin:
 
 def importance_output(att, cfg: OARConfig, step: int, fingerprint: float, log_prob_fingerprint: float | None,
                       recomputed: float, *, fidelity: dict | None = None, measured: dict | None = None,
-                      candidates=(), shared: bool = False) -> TensorDict:
+                      candidates=(), shared: bool = False, seconds: float = 0.0) -> TensorDict:
     """The :data:`~oar_verl.integration.fields.OUTPUT_FIELDS` of a rank's :class:`~oar_verl.core.pipeline.
-    RowAttribution` (see ``compute_token_importance``); ``fidelity`` None: NaN (a step not due)."""
+    RowAttribution` (see ``compute_token_importance``); ``fidelity`` None: NaN (a step not due); ``seconds``: the
+    rank's attribution seconds inside verl's old-log-prob call (:data:`~oar_verl.integration.fields.SECONDS_FIELD`;
+    0: none ran there)."""
     lens = att.lengths
     B = len(lens)
     if fidelity is None:
@@ -396,9 +424,18 @@ def importance_output(att, cfg: OARConfig, step: int, fingerprint: float, log_pr
                                                       else log_prob_fingerprint, dtype=torch.float64),
         "oar_recomputed": torch.full((B,), float(recomputed)),
         "oar_shared": torch.full((B,), float(shared)),
+        SECONDS_FIELD: torch.full((B,), float(seconds), dtype=torch.float64),
         **{f"oar_fidelity_{k}": fidelity[k] for k in FIDELITY_FIELDS},
         **auto_fields(measured, list(candidates), B),
     }, batch_size=[B]).cpu()
+
+
+def _timed(fields: TensorDict | None, seconds: float) -> TensorDict | None:
+    """``fields`` with :data:`~oar_verl.integration.fields.SECONDS_FIELD` set to ``seconds`` on every row (None
+    stays None: a rank without outputs)."""
+    if fields is not None:
+        fields[SECONDS_FIELD] = torch.full((fields.batch_size[0],), float(seconds), dtype=torch.float64)
+    return fields
 
 
 def _merged(out: TensorDict | None, fields: TensorDict | None) -> TensorDict | None:

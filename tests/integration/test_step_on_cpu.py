@@ -22,9 +22,9 @@ from verl.trainer.ppo.ray_trainer import compute_advantage
 
 from oar_verl.core import OARConfig, module_backend, prepare_attribution, run_attribution
 from oar_verl.integration import handoff
-from oar_verl.integration.rows import BatchRows
+from oar_verl.integration.rows import BatchRows, call_seconds
 from oar_verl.integration.step import OARStep
-from oar_verl.integration.fields import AUTO_KEY, CONFIG_KEY, STEP_KEY
+from oar_verl.integration.fields import AUTO_KEY, CONFIG_KEY, SECONDS_FIELD, STEP_KEY
 from oar_helpers import text_lm
 
 PROMPTS = ["What is 3 plus 4?", "What is 3 plus 4?", "What is 5 plus 1?", "What is 5 plus 1?"]
@@ -47,6 +47,7 @@ class InProcessIO:
         self.calls: list[tuple[list[int], dict]] = []
         self._dp = dp_size
         self.log_prob_weights = 1.5  # what the worker reports for its last old-log-prob pass
+        self.log_prob_out = None  # the old-log-prob call's outputs of every row, when it carried attribution
 
     def rows(self, with_responses):
         return BatchRows(self.response_mask, self.scores, self.uids, torch.ones(len(self.uids), dtype=torch.bool),
@@ -54,6 +55,9 @@ class InProcessIO:
 
     def dp_size(self):
         return self._dp
+
+    def call_seconds(self):
+        return call_seconds(self.log_prob_out)
 
     def compute_importance(self, rows, options):
         self.calls.append((rows.tolist(), options))
@@ -124,6 +128,8 @@ def test_one_step_reads_top_to_bottom(setup, tmp_path, mode):
     assert metrics["oar/adv_mass_rel_err"] < 1e-6 and metrics["oar/span_found_frac"] == 1.0
     assert metrics["oar/global_step"] == 3.0 and metrics["oar/passes_max"] == metrics["oar/passes_min"] == 2.0
     assert metrics["oar/policy_matches_old_log_prob"] == 1.0
+    # the step's own RPC attributed: nothing inside verl's old-log-prob call, the total is the step's own part
+    assert timing["oar_in_old_log_prob"] == 0.0 and timing["oar_total"] == timing["oar"]
     dumped = [json.loads(line) for line in (tmp_path / "step_3.jsonl").read_text().splitlines()]
     assert {d["uid"] for d in dumped} == {"p0"}
 
@@ -165,6 +171,29 @@ def test_top_up_and_kl_in_reward_and_no_work(setup, tmp_path):
     out, _, _, metrics = run_step(step, io_none)
     assert io_none.calls == [] and metrics["oar/attributed_seq_frac"] == 0.0 and metrics["oar/ess_ratio"] == 1.0
     assert torch.equal(out.batch["advantages"], torch.zeros_like(out.batch["advantages"]))
+
+
+def test_attribution_inside_the_old_log_prob_call_is_timed_beside_the_step_s_own(setup):
+    """Where the workers attributed inside verl's old-log-prob call (the shared forward), the slowest rank's seconds
+    there (``oar_seconds``, every row of a rank alike, read from every row of the call's output: also a rank none of
+    whose rows the step selects, and a step that selects none) are ``timing_s/oar_in_old_log_prob``, and with the
+    step's own part ``timing_s/oar_total``; several sub-steps of one verl step add up, as verl's timers do."""
+    tok, model, prompts, responses = setup
+    alg = algorithm(mode="gradient")
+    step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None)
+    io = InProcessIO(tok, model, prompts, responses, SCORES)
+    # rank 0 holds rows 0-1 (selected), rank 1 rows 2-3 (zero advantage, not selected) and was the slower one
+    io.log_prob_out = {SECONDS_FIELD: torch.tensor([0.25, 0.25, 0.75, 0.75], dtype=torch.float64)}
+    _, _, timing, _ = run_step(step, io)
+    assert timing["oar_in_old_log_prob"] == 0.75 and timing["oar_total"] == timing["oar"] + 0.75
+    step.attribute(io, 3, timing)  # a second sub-step of the same verl step (parameter_sync_step > 1)
+    assert timing["oar_in_old_log_prob"] == 1.5 and timing["oar_total"] == timing["oar"] + 1.5
+    # every group agrees: no row selected, but the pass still carried its backwards
+    none = InProcessIO(tok, model, prompts, responses, [1.0, 1.0, 0.0, 0.0])
+    none.log_prob_out = io.log_prob_out
+    _, _, timing, _ = run_step(step, none)
+    assert none.calls == [] and timing["oar_in_old_log_prob"] == 0.75
+    assert call_seconds(None) == 0.0 and call_seconds({SECONDS_FIELD: torch.zeros(0)}) == 0.0
 
 
 def test_policy_consistency_is_reported_as_it_was_seen(setup):

@@ -106,8 +106,17 @@ def check_shared(res):
     """fisher read from verl's old-log-prob pass (the job's gradient run): every row read from it, verl's log-probs
     bitwise, the scores of fisher's own call. OAR-G with its clean teachers read from the pass: verl's log-probs
     bitwise, on the marked rows the scores of OAR-G's own call (same seeds; the teacher from verl's layout), nothing
-    on a rank's unmarked rows (a rank with none marked runs its first row, unread, so that the ranks' passes align)."""
+    on a rank's unmarked rows (a rank with none marked runs its first row, unread, so that the ranks' passes align).
+    Each rank's attribution seconds inside the old-log-prob call come back with every one of its rows (``oar_seconds``,
+    > 0: fisher's backwards, OAR-G's teacher reads and noisy passes, its fidelity measurement); the calls of
+    ``compute_token_importance`` report 0 there (the step's own timer holds them)."""
     assert res["shared"].tolist() == [1.0] * 4
+    width = len(res["shared_seconds"]) // res["ranks"]  # data-parallel ranks' rows (an SP group holds the same)
+    for key in ("shared_seconds", "teacher_seconds"):
+        seconds = res[key]
+        assert bool((seconds > 0).all()), (key, seconds)
+        assert all(len(set(seconds[r * width:(r + 1) * width].tolist())) == 1 for r in range(res["ranks"])), seconds
+    assert res["fisher_seconds"].tolist() == [0.0] * 4 and res["seconds"].tolist() == [0.0] * 4
     for a, b in zip(res["log_probs_before"], res["shared_log_probs"]):
         assert torch.equal(a, b)
     own = padded(res["fisher_importance"])

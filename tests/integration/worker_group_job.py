@@ -33,7 +33,8 @@ import torch
 from verl.utils import tensordict_utils as tu
 
 from oar_verl.core.config import OARConfig
-from oar_verl.integration.fields import ATTRIBUTE_FIELD, CONFIG_KEY, FIDELITY_FIELDS, SHARED_KEY, STEP_KEY
+from oar_verl.integration.fields import (ATTRIBUTE_FIELD, CONFIG_KEY, FIDELITY_FIELDS, SECONDS_FIELD, SHARED_KEY,
+                                         STEP_KEY)
 from oar_verl.integration.worker import pass_entropies
 from devtools.verl_group import rows_tensordict
 from job_support import FidelityRecordingWorker, actor_group, saved, tokenized, trainer_config
@@ -96,9 +97,12 @@ def main() -> None:
             shared = wg.compute_log_prob(shared_data)
             own = data.clone()
             tu.assign_non_tensor(own, **{CONFIG_KEY: fisher.to_dict(), STEP_KEY: 3})
+            fisher_own = wg.compute_token_importance(own)
             extra = {"shared_log_probs": saved(shared["log_probs"]), "shared": shared["oar_shared"].clone(),
                      "shared_importance": saved(shared["token_importance"]),
-                     "fisher_importance": saved(wg.compute_token_importance(own)["token_importance"])}
+                     "shared_seconds": shared[SECONDS_FIELD].clone(),
+                     "fisher_importance": saved(fisher_own["token_importance"]),
+                     "fisher_seconds": fisher_own[SECONDS_FIELD].clone()}
             # OAR-G's clean teachers read from the pass, its noisy passes after it on the marked rows only (with K = 3
             # none of rank 0's rows: that rank still runs the passes the other needs)
             teacher_data = logp_data.clone()
@@ -109,6 +113,7 @@ def main() -> None:
             extra.update({"teacher_log_probs": saved(taught["log_probs"]),
                           "teacher_shared": taught["oar_shared"].clone(),
                           "teacher_importance": saved(taught["token_importance"]), "teacher_rows": marked,
+                          "teacher_seconds": taught[SECONDS_FIELD].clone(),
                           "teacher_fidelity": taught["oar_fidelity_aopc"].clone(), "ranks": n_ranks // sp})
         extra["rank_fidelity"] = wg.fidelity_records()  # every rank's measurements, rank by rank
         torch.save({**extra, "prompts": prompts, "responses": responses, "config": oar.to_dict(), "truths": GROUND_TRUTHS,
@@ -117,6 +122,7 @@ def main() -> None:
                     "span_found": out["oar_span_found"].clone(),
                     "answer_probe": out["oar_answer_probe"].clone(),
                     "rounds": out["oar_passes"].clone(), "copies": out["oar_copies"].clone(),
+                    "seconds": out[SECONDS_FIELD].clone(),
                     "refined": out["oar_refined"].clone(),
                     "fidelity": {k: out[f"oar_fidelity_{k}"].clone() for k in FIDELITY_FIELDS},
                     "log_probs_before": saved(before), "log_probs_after": saved(after)}, out_file)
