@@ -46,11 +46,31 @@ def test_train_examples_are_the_rl_prompts_with_their_right_answers(tmp_path):
 
 
 def test_summary():
-    metrics = [{"step": 1, "critic/score/mean": 0.1, "timing_s/oar": 0.5, "timing_s/step": 20.0},
-               {"step": 2, "critic/score/mean": 0.3, "timing_s/oar": 0.5, "timing_s/step": 5.0}]
+    metrics = [{"step": 1, "critic/score/mean": 0.1, "timing_s/oar": 0.5, "timing_s/oar_in_old_log_prob": 0.0,
+                "timing_s/oar_total": 0.5, "timing_s/step": 20.0},
+               {"step": 2, "critic/score/mean": 0.3, "timing_s/oar": 0.5, "timing_s/oar_in_old_log_prob": 0.0,
+                "timing_s/oar_total": 0.5, "timing_s/step": 5.0}]
     text = quickstart.summarize(metrics)
-    assert "reward 0.100 -> 0.300" in text and "10.0% of the step time after step 1" in text
+    assert "reward 0.100 -> 0.300" in text and "10.0% of the step time after step 1 (timing_s/oar_total" in text
     assert "step 2/5: reward 0.300" in quickstart._step_line(metrics[1], 5)
+
+
+def test_the_share_of_the_step_is_what_attribution_cost_wherever_it_ran():
+    """With the method read from verl's old-log-prob pass (the default shared forward), most of attribution runs
+    inside that call (timing_s/oar_in_old_log_prob: OAR-G's noisy passes, the backwards), not in the step's own part
+    (timing_s/oar): the per-step line, the table and the closing share quote the total (timing_s/oar_total), the
+    issue's quickstart step of 0.06 s + 0.40 s in a 3.2 s step being 14 %, not the 2 % its step-side part alone
+    reads."""
+    step = {"critic/score/mean": 0.5, "timing_s/oar": 0.06, "timing_s/oar_in_old_log_prob": 0.40,
+            "timing_s/oar_total": 0.46, "timing_s/old_log_prob": 0.6, "timing_s/step": 3.2}
+    metrics = [{"step": 1, **step, "timing_s/step": 30.0}, {"step": 2, **step}, {"step": 3, **step}]
+    assert abs(quickstart.oar_share(metrics[1]) - 0.46 / 3.2) < 1e-12
+    assert "OAR 0.46 s (14.4%)" in quickstart._step_line(metrics[1], 3)
+    text = quickstart.summarize(metrics)
+    assert "OAR attribution took 14.4% of the step time after step 1, 87% of it inside verl's old-log-prob call" in text
+    row = next(line for line in text.splitlines() if line.startswith("   2 "))
+    assert "0.46" in row and row.rstrip().endswith("14.4%")  # the "oar s" column and the share: the total
+    assert "2.7%" not in text and "1.9%" not in text
 
 
 def test_trainer_overrides_compose_against_the_oar_config(tmp_path):
