@@ -5,7 +5,8 @@ holds this rank's unpadded per-sample items with their outcome advantages. The O
 DeepSpeed-wrapped module (:func:`oar_verl.openrlhf.reshape.reshape_replay_buffer`), then runs OpenRLHF's ``fit``
 unchanged and adds the ``oar/*`` metrics to the status it returns (OpenRLHF logs that status as is). ``fisher`` and
 ``conservative`` read their scores from the experience maker's forward of the same weights instead
-(``forward``, :mod:`oar_verl.openrlhf.shared`).
+(``forward``, :mod:`oar_verl.openrlhf.shared`); that time is ``timing/oar_in_experience_maker``, beside ``fit``'s
+``timing/oar``, and both are ``timing/oar_total``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from oar_verl.openrlhf.reshape import reshape_replay_buffer
 from oar_verl.openrlhf.shared import SharedRows, attributed_forward, batch_items
 
 FLAG_PREFIX = "--oar"  # OAR options on the command line: --oar.<key>=<value>
+TIMER = "timing/oar"  # fit's attribution, this rank's seconds
+# the slowest rank's attribution seconds inside the experience maker's forwards of the step (--oar.shared_forward:
+# SharedRows.seconds; 0.0 where fit attributed), and both: OAR's cost
+IN_FORWARD_TIMER = "timing/oar_in_experience_maker"
+TOTAL_TIMER = "timing/oar_total"
 ARGS_KEY = "oar"  # the validated OAR settings ride on OpenRLHF's args namespace (pickled to every actor)
 
 
@@ -103,6 +109,7 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
                                 checkpointing=checkpointing, device=next(model.parameters()).device) as rows:
             out = super().forward(sequences, **kwargs)
         self._oar_shared.rows.update(rows.rows)
+        self._oar_shared.seconds += rows.seconds  # attribution's own work inside this forward
         return out
 
     def _oar_take_shared(self, cfg: OARConfig) -> SharedRows | None:
@@ -157,7 +164,9 @@ class OARPolicyModelActorImpl(PolicyModelActor.__ray_actor_class__):
             auto.note_update(time.time() - t1, tokens)
             metrics.update(auto.metrics(self._oar_step))
         status.update(metrics)
-        status["timing/oar"] = oar_time
+        # OAR's cost: fit's attribution, and what the experience maker's forwards read (the slowest rank's)
+        in_forward = shared.seconds if shared is not None else 0.0
+        status[TIMER], status[IN_FORWARD_TIMER], status[TOTAL_TIMER] = oar_time, in_forward, oar_time + in_forward
         return status
 
     def _auto(self, cfg: OARConfig, model) -> AutoStep:

@@ -6,7 +6,9 @@ need: the OAR actor runs it inside the method's :class:`~oar_verl.core.backends.
 (:func:`attributed_forward`), OpenRLHF's log-probs unchanged, and keeps each sample's scores by its tokens
 (:class:`SharedRows`). OpenRLHF may send a sample to another rank's replay buffer (``balance_experiences``), so at
 ``fit`` every rank's rows are gathered (:meth:`SharedRows.gathered`) and each item finds its own by its tokens; an
-item with none is attributed by the method's own passes, as without sharing.
+item with none is attributed by the method's own passes, as without sharing. The seconds of attribution's own work
+inside those forwards (the preparation, the method's backwards, reading the scores out; not OpenRLHF's forward) are
+kept with the rows (:attr:`SharedRows.seconds`) for ``fit`` to report.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from oar_verl.core.backends.collectives import gather_objects
 from oar_verl.core.backends.memory import fixed_recompute
 from oar_verl.core.backends.budget import row_spans
-from oar_verl.core.backends.shared import ForwardLayout
+from oar_verl.core.backends.shared import ForwardLayout, Stopwatch
 from oar_verl.core.config import OARConfig
 from oar_verl.core.methods.attribution import shared_attribution
 from oar_verl.core.methods.contract import AttributionResult
@@ -77,11 +79,15 @@ class SharedRows:
         step: the training step they were read for (the probe schedule's).
         mode: the method that read them.
         rows: key -> (importance (n,) float32, reasoning (n,) bool, answer (n,) bool, span found, answer probe).
+        seconds: attribution's own seconds inside the forwards that read them (accelerator-synchronised at each
+            timed segment's ends; OpenRLHF's forwards not counted): this rank's, or after :meth:`gathered` the
+            slowest rank's.
     """
 
     step: int
     mode: str
     rows: dict[bytes, tuple] = field(default_factory=dict)
+    seconds: float = 0.0
 
     def add(self, keys: Sequence[bytes], att: RowAttribution) -> None:
         for i, key in enumerate(keys):  # per row
@@ -90,10 +96,11 @@ class SharedRows:
                               att.answer_mask[i, :n].clone(), bool(att.span_found[i]), bool(att.answer_probe[i]))
 
     def gathered(self) -> SharedRows:
-        """Every rank's rows (every rank calls it together)."""
+        """Every rank's rows, and the slowest rank's seconds (every rank calls it together)."""
         out = SharedRows(self.step, self.mode)
-        for part in gather_objects(self.rows):
-            out.rows.update(part)
+        for rows, seconds in gather_objects((self.rows, self.seconds)):
+            out.rows.update(rows)
+            out.seconds = max(out.seconds, seconds)
         return out
 
     def attribution(self, items: Sequence, response_mask: torch.Tensor) -> RowAttribution:
@@ -126,21 +133,28 @@ def attributed_forward(model: torch.nn.Module, tokenizer, cfg: OARConfig, step: 
         packed: OpenRLHF's ``packing_samples`` (rows packed end to end).
         checkpointing: the actor's gradient checkpointing (the backward recomputes alike unless ``recompute`` says).
     """
-    rows = item_rows(items)
-    prepared = prepare_attribution(rows.prompts, rows.responses, tokenizer, cfg, step, device=device)
-    batch = prepared.batch
-    start, end = row_spans(batch.attention_mask)
+    clock = Stopwatch()  # attribution's work around the forward; the reader times its own inside it
     out = SharedRows(step, cfg.mode)
-    held = [it.sequences[it.attention_mask.bool()] for it in items]  # what the forward attends to, row by row
-    if any(len(h) < int(n) or not torch.equal(h[:int(n)], batch.input_ids[i, int(s):int(e)].cpu())
-           for i, (h, s, e, n) in enumerate(zip(held, start, end, end - start))):  # per row
+    with clock():
+        rows = item_rows(items)
+        prepared = prepare_attribution(rows.prompts, rows.responses, tokenizer, cfg, step, device=device)
+        batch = prepared.batch
+        start, end = row_spans(batch.attention_mask)
+        held = [it.sequences[it.attention_mask.bool()] for it in items]  # what the forward attends to, row by row
+        unread = any(len(h) < int(n) or not torch.equal(h[:int(n)], batch.input_ids[i, int(s):int(e)].cpu())
+                     for i, (h, s, e, n) in enumerate(zip(held, start, end, end - start)))  # per row
+    if unread:
+        out.seconds = clock.seconds
         yield out  # a row whose prompt holds masked tokens: its items are attributed by their own passes
         return
-    layout = forward_layout(attention_mask, start, end - start, packed)
-    shared = shared_attribution(model, batch, cfg, fixed_recompute(cfg.recompute, checkpointing),
-                                mask_token_id=prepared.mask_token_id, seeds=prepared.seeds)
+    with clock():
+        layout = forward_layout(attention_mask, start, end - start, packed)
+        shared = shared_attribution(model, batch, cfg, fixed_recompute(cfg.recompute, checkpointing),
+                                    mask_token_id=prepared.mask_token_id, seeds=prepared.seeds)
     with shared.forward(ForwardLayout(*(t.to(device) for t in (layout.rows, layout.flat, layout.slot, layout.row,
                                                               layout.col)))):
         yield out
-    result = AttributionResult(shared.result(), len(shared.choices))
-    out.add([row_key(it.sequences, it.attention_mask) for it in items], row_attribution(prepared, result))
+    with clock():
+        result = AttributionResult(shared.result(), len(shared.choices))
+        out.add([row_key(it.sequences, it.attention_mask) for it in items], row_attribution(prepared, result))
+    out.seconds = clock.seconds + shared.seconds

@@ -224,6 +224,10 @@ def _check_steps(steps: dict, want: list[str]) -> None:
         assert m["oar/adv_mass_rel_err"] < 1e-6 and m["oar/weight_mean"] == pytest.approx(1.0, abs=1e-5), m
         assert m["oar/weight_std"] > 0.05, m  # credit actually moved between tokens
         assert m["timing/oar"] > 0 and math.isfinite(m["actor_grad_norm"]) and m["actor_grad_norm"] > 0, m
+        # OAR's cost wherever it ran: fit's, and inside the experience maker's forwards (0 where none read there)
+        assert m["timing/oar_in_experience_maker"] >= 0, m
+        assert m["timing/oar_total"] == pytest.approx(m["timing/oar"] + m["timing/oar_in_experience_maker"],
+                                                      rel=1e-5), m
         assert m["rollout/num_samples"] == 8 and m["rollout/response_length_mean"] > 0, m
 
 
@@ -261,6 +265,8 @@ def test_train_ppo_ray_loop_on_cpu(model_dir, tmp_path, sync_run, trainer):
         # step 1 calibrates with every candidate's own passes; step 2 reads the decided method's scores from the
         # experience maker's forward (oar_verl.openrlhf.shared), every attributed row on both ranks
         assert steps["1"]["oar/shared_forward"] == 0 and steps["2"]["oar/shared_forward"] == 1, steps
+        # ... and the time it took there is reported beside fit's (timing/oar_total holds both)
+        assert steps["1"]["timing/oar_in_experience_maker"] == 0 < steps["2"]["timing/oar_in_experience_maker"], steps
     else:
         work = tmp_path / "work"
         steps, logs = _train(model_dir, work, trainer, RUNS[trainer][2])

@@ -83,9 +83,13 @@ def test_scores_read_from_the_forward_equal_the_items_own_passes(setup, mode, pa
                                     device=torch.device("cpu")) as read:
                 logits.append(openrlhf_forward(model, sequences[r], attention[r], packed))
             shared.rows.update(read.rows)
+            assert read.seconds > 0  # attribution's own work inside the forward, kept for fit to report
+            shared.seconds += read.seconds
     # OpenRLHF's log-probs come from the same logits as without attribution
     assert all(torch.equal(got, want) for got, want in zip(logits, plain))
     assert len(shared.rows) == 4
+    gathered = shared.gathered()  # one rank here: its rows and its seconds
+    assert gathered.rows.keys() == shared.rows.keys() and gathered.seconds == shared.seconds > 0
     order = [1, 3, 0, 2]
     own_items, read_items = buffer(sequences, action, attention, order), buffer(sequences, action, attention, order)
     own = reshape_replay_buffer(own_items, model, tok, cfg, 3, max_tokens=64)
