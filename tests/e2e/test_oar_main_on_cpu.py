@@ -8,7 +8,8 @@ with its default
 candidates on the legacy ``RayPPOTrainer`` with a LoRA actor (read from that forward once decided); and OAR-G on the
 V1 trainer at scale settings -- 2 data-parallel ranks, dynamic batch sizes, a bf16 actor with gradient checkpointing
 and a token budget that needs several attribution passes per rank -- saved at step 2 and resumed to step 4. From
-verl's file-logger JSONL, every step must carry the ``oar/*`` metrics and ``timing_s/oar``; the token weights must be
+verl's file-logger JSONL, every step must carry the ``oar/*`` metrics and ``timing_s/oar`` (with the part inside the
+old-log-prob call, ``timing_s/oar_in_old_log_prob``, and their sum ``timing_s/oar_total``); the token weights must be
 non-uniform while every sequence keeps its advantage mass; and the policy must update. Bad configurations must fail
 before any rollout, naming the key.
 """
@@ -37,7 +38,8 @@ LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alp
         "actor_rollout_ref.model.target_modules=all-linear"]
 OAR_KEYS = ["oar/weight_mean", "oar/weight_std", "oar/weight_max", "oar/frac_floor", "oar/frac_boosted",
             "oar/ess_ratio", "oar/top10_mass", "oar/span_found_frac", "oar/adv_mass_rel_err",
-            "oar/attributed_seq_frac", "oar/flat_seq_frac", "timing_s/oar"]
+            "oar/attributed_seq_frac", "oar/flat_seq_frac", "timing_s/oar", "timing_s/oar_in_old_log_prob",
+            "timing_s/oar_total", "timing_s/old_log_prob"]
 
 
 # the tiny random model writes no "The answer is N": its last number stands for its answer, so that its rows have the
@@ -71,7 +73,9 @@ def _check_oar_run(name, run, steps, dump_dir=None):
     print(f"{name}: rc={run.returncode} wall={run.wall_s:.0f}s peak tree RSS={run.peak_rss_gib} GiB "
           f"peak used-memory rise={run.peak_used_gib} GiB")
     for m in run.metrics:
-        print({k: m.get(k) for k in ("step", "timing_s/step", "timing_s/oar", "actor/grad_norm", "oar/weight_std",
+        print({k: m.get(k) for k in ("step", "timing_s/step", "timing_s/old_log_prob", "timing_s/oar",
+                                     "timing_s/oar_in_old_log_prob", "timing_s/oar_total", "actor/grad_norm",
+                                     "oar/weight_std",
                                      "oar/ess_ratio", "oar/adv_mass_rel_err", "oar/passes_max", "oar/passes_min",
                                      "oar/answer_probe_frac")})
     assert run.returncode == 0, f"{name} failed (rc={run.returncode}); log tail:\n{run.log_tail()}"
@@ -80,6 +84,16 @@ def _check_oar_run(name, run, steps, dump_dir=None):
         missing = [k for k in OAR_KEYS if k not in m]
         assert not missing, f"step {m['step']} lacks {missing}"
         assert m["timing_s/oar"] > 0
+        # OAR's cost wherever it ran: the step's own part and the workers' inside verl's old-log-prob call (> 0
+        # where the step's rows were read from that pass, 0 where the step's own call attributed), all of it inside
+        # verl's old-log-prob timer
+        inside = m["timing_s/oar_in_old_log_prob"]
+        assert m["timing_s/oar_total"] == pytest.approx(m["timing_s/oar"] + inside, rel=1e-9)
+        assert m["timing_s/oar_total"] <= m["timing_s/old_log_prob"], m
+        if m.get("oar/shared_forward", -1.0) > 0:
+            assert inside > 0, m
+        elif m.get("oar/shared_forward", -1.0) == 0:
+            assert inside == 0, m
         assert m["oar/adv_mass_rel_err"] < 1e-4, "reshaping changed a sequence's advantage mass"
     # at least one step reshaped tokens non-uniformly: the advantages differ from GRPO's token by token
     reshaped = [m for m in run.metrics if m["oar/reshaped_tokens"] > 0]
