@@ -48,7 +48,6 @@ LAST_NUMBER = "algorithm.oar.answer_patterns=['(?P<answer>[0-9]+)']"
 
 
 def _overrides(tiny_assets, tmp_path, ray_tmp, experiment, extra):
-    extra = [LAST_NUMBER, *extra]
     return main_ppo_overrides(
         model_dir=tiny_assets.model_dir, train_file=tiny_assets.train_file, val_file=tiny_assets.test_file,
         reward_file=arith_reward.__file__, output_dir=tmp_path, ray_temp_dir=ray_tmp, adv_estimator="oar", steps=STEPS,
@@ -62,6 +61,7 @@ def _run(tiny_assets, tmp_path, experiment, extra, module="oar_verl.main", timeo
     if FSDP1[0] in extra:  # torch refuses FSDP1's module-state sync for CPU tensors (gloo broadcasts them fine)
         env["VERL_USE_EXTERNAL_MODULES"] += ",devtools.fsdp1_cpu"
     try:
+        extra = [LAST_NUMBER, *extra] if module == "oar_verl.main" else extra  # the OAR keys: OAR's config tree
         return run_main_ppo(_overrides(tiny_assets, tmp_path, ray_tmp, experiment, extra), output_dir=tmp_path,
                             env=env, project="oar_e2e", experiment=experiment, timeout_s=timeout_s, module=module)
     finally:

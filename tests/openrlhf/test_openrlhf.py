@@ -198,7 +198,13 @@ RUNS = {
 }
 
 
+# the tiny random model writes no "The answer is N": its last number stands for its answer, so that its rows have the
+# answer span OAR needs (a row without one keeps GRPO's weights, docs/method.md §2)
+LAST_NUMBER = '--oar.answer_patterns=["(?P<answer>[0-9]+)"]'
+
+
 def _train(model_dir, work: Path, trainer: str, extra: list[str], py_modules: bool = False):
+    extra = [LAST_NUMBER, *extra]
     out = work / "train.json"
     work.mkdir(parents=True, exist_ok=True)
     stage, mode, _ = RUNS[trainer]
