@@ -8,7 +8,8 @@ Input: ``$VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``, one ``{"step": n
 (several files are overlaid, labelled by file name: e.g. a GRPO baseline next to OAR-G). Panels: training reward
 (``critic/score/mean``, with validation ``val-core/<source>/<acc|reward>/mean@N`` as markers when logged),
 ``actor/entropy``, ``oar/weight_std``, ``oar/ess_ratio`` (1 = plain GRPO), ``oar/frac_floor`` / ``oar/frac_boosted``
-and the share of the step time spent on attribution (``timing_s/oar / timing_s/step``). A panel whose metrics a run
+and the share of the step time spent on attribution (``timing_s/oar_total / timing_s/step``: attribution wherever it
+ran, inside verl's old-log-prob call included; ``timing_s/oar`` for logs written before that key). A panel whose metrics a run
 did not log says so.
 """
 
@@ -31,8 +32,12 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def _oar_share(rows: list[dict]) -> tuple[list[int], list[float]]:
-    pts = [(r["step"], r["timing_s/oar"] / r["timing_s/step"]) for r in rows
-           if isinstance(r.get("timing_s/oar"), (int, float)) and r.get("timing_s/step")]
+    def cost(r: dict):
+        total = r.get("timing_s/oar_total")
+        return total if isinstance(total, (int, float)) else r.get("timing_s/oar")
+
+    pts = [(r["step"], cost(r) / r["timing_s/step"]) for r in rows
+           if isinstance(cost(r), (int, float)) and r.get("timing_s/step")]
     return [p[0] for p in pts], [100.0 * p[1] for p in pts]
 
 
@@ -45,7 +50,7 @@ PANELS: list[tuple[str, str, list[tuple[str, Callable[[list[dict]], tuple[list[i
     ("suppressed / boosted tokens", "fraction of reasoning tokens",
      [("floor", lambda rows: _series(rows, "oar/frac_floor")),
       ("boosted", lambda rows: _series(rows, "oar/frac_boosted"))]),
-    ("attribution cost", "timing_s/oar / timing_s/step (%)", [("", _oar_share)]),
+    ("attribution cost", "timing_s/oar_total / timing_s/step (%)", [("", _oar_share)]),
 ]
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from oar_verl.viz import curves
@@ -47,3 +48,14 @@ def test_validation_scores_are_drawn_on_the_reward_panel(tmp_path):
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     drawn = curves.plot_curves([metrics], tmp_path / "c.png")
     assert drawn["reward"] == 2 + 2 + 1 and drawn["weight spread"] == 0
+
+
+def test_the_cost_panel_reads_oar_s_total_cost():
+    """The attribution-cost panel is OAR's cost wherever it ran (``timing_s/oar_total``: verl's old-log-prob call
+    included), ``timing_s/oar`` only in logs written before that key."""
+    from oar_verl.viz.curves import _oar_share
+
+    rows = [{"step": 1, "timing_s/oar": 0.06, "timing_s/oar_total": 0.46, "timing_s/step": 3.2},
+            {"step": 2, "timing_s/oar": 0.08, "timing_s/step": 2.0}]
+    steps, shares = _oar_share(rows)
+    assert steps == [1, 2] and shares[0] == pytest.approx(14.375) and shares[1] == pytest.approx(4.0)
