@@ -202,7 +202,10 @@ def test_the_norm_rule_through_a_module_s_output_equals_the_held_scale(fused):
 def test_the_gated_rule_on_a_concatenated_first_layer_equals_the_module_rules(act):
     """Megatron's gated MLP (``linear_fc1`` outputs [gate, up]): :func:`gated_half` gives [gate, up] the gradient of
     the identity rule on act and the half rule on the product, as the Hugging Face rules do, the value untouched."""
-    from oar_verl.core.backends.rules import gated_half, half_rule, linear_rule
+    from oar_verl.core.backends.rules import gated_half, linear_rule
+
+    def half_rule(a, u):  # a · u with half the gradient to each factor (the value a · u)
+        return 0.5 * (a * u.detach()) + 0.5 * (a.detach() * u)
 
     y = torch.randn(3, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
     gate, up = y.chunk(2, dim=-1)

@@ -13,9 +13,12 @@ the backward treats three non-linearities as constants of the forward (Ali et al
   constant) and the product by the half rule (a·u with half the gradient to each factor).
 
 Generic over the model family: attention through transformers' attention interface (the registered implementation
-the model uses, and ``eager_attention_forward`` of its modelling module), norms by class name (``*RMSNorm``), MLPs by
-their ``gate_proj`` / ``up_proj`` / ``down_proj`` / ``act_fn``. Checked on Qwen2 and Gemma 3 modules
-(tests/core/test_conservative.py); a model with none of these raises instead of running plain gradient × input.
+the model uses, and ``eager_attention_forward`` of its modelling module), norms by class name (``*RMSNorm``, whatever
+forward the instance holds: Hugging Face's or a kernel Liger bound there), MLPs by their ``gate_proj`` / ``up_proj`` /
+``down_proj`` (hooks: the forward's own kernel keeps computing the value). :func:`rules_error` accounts for every
+module, so a model the rules do not cover is refused (at start-up too: ``core/checks/model_rules.py``) instead of
+scored by plain gradient × input; the family matrix (devtools/family_matrix.py, tests/core/test_family_matrix.py)
+proves each family.
 The rules as functions of tensors (:data:`ATTENTION_RULE_INPUTS`, :func:`norm_scale_held` for a norm whether or not
 it is fused into the next linear, :func:`gated_half` for a concatenated gated layer) serve the Megatron engine's hooks
 too (:mod:`oar_verl.integration.megatron.rules`).
@@ -61,32 +64,12 @@ class _Linearised(torch.autograd.Function):
         return ratio_times(grad, out, x), None
 
 
-class _HalfProduct(torch.autograd.Function):
-    """a · u with half the gradient to each factor."""
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(a, u)
-        return a * u
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        a, u = ctx.saved_tensors
-        half = 0.5 * grad
-        return half * u, half * a
-
-
 def linear_rule(map_, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """``map_(x, ...)``'s value with the gradient of x ↦ x · (out / x) at constant ratio (the identity and norm
     rules); the map itself runs without a graph."""
     with torch.no_grad():
         out = map_(x, *args, **kwargs)
     return _Linearised.apply(x, out)
-
-
-def half_rule(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """a · u with half the gradient to each factor (the value a · u exactly)."""
-    return _HalfProduct.apply(a, u)
 
 
 class _ScaleHeld(torch.autograd.Function):
