@@ -9,8 +9,6 @@ What the worker returns (``oar_seconds``) and the step logs from it (``timing_s/
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -23,6 +21,27 @@ PROMPTS = ["What is 3 plus 4?", "What is 5 plus 1?", "What is 2 plus 2?", "What 
 RESPONSES = ["3 plus 4 is 7. The answer is 7.", "5 plus 1 is 6. #### 6", "2 and 2 make 4, so the answer is 4.",
              "9 plus 1 is ten. The answer is 10."]
 SLOW_FORWARD_S = 0.4  # the caller's forward, slowed down: none of it may count as attribution's
+
+
+class FakeClock:
+    """The readers' clock (``time.perf_counter`` as oar_verl.core.backends.shared reads it), controlled by the test:
+    each reading advances it by a microsecond, :meth:`advance` by what a slow step takes, so that no verdict depends on
+    how busy the machine is."""
+
+    def __init__(self, monkeypatch):
+        import types
+
+        import oar_verl.core.backends.shared as shared
+
+        self.now = 0.0
+        monkeypatch.setattr(shared, "time", types.SimpleNamespace(perf_counter=self))
+
+    def __call__(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +64,12 @@ class FakeAccelerator:
         self.waits += 1
 
 
-def slow_forwards(model, prepared, shared, rows_per_forward=2) -> float:
-    """The caller's forwards (padded rows, ``rows_per_forward`` a forward), each slowed by SLOW_FORWARD_S; their
-    seconds."""
+def slow_forwards(model, prepared, shared, clock: FakeClock, rows_per_forward=2) -> float:
+    """The caller's forwards (padded rows, ``rows_per_forward`` a forward), each slowed by SLOW_FORWARD_S on
+    ``clock``; their seconds on it."""
     batch = prepared.batch
-    handle = model.register_forward_pre_hook(lambda module, args: time.sleep(SLOW_FORWARD_S))
-    start = time.perf_counter()
+    handle = model.register_forward_pre_hook(lambda module, args: clock.advance(SLOW_FORWARD_S))
+    start = clock()
     try:
         with torch.no_grad():  # as verl's old-log-prob pass runs
             for r in torch.arange(batch.input_ids.shape[0]).split(rows_per_forward):
@@ -59,7 +78,7 @@ def slow_forwards(model, prepared, shared, rows_per_forward=2) -> float:
                     model(**inputs, use_cache=False)
     finally:
         handle.remove()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 @pytest.mark.parametrize("mode", ["fisher", "conservative", "gradient"])
@@ -75,17 +94,18 @@ def test_a_shared_reader_times_its_own_work_not_the_forward(setup, monkeypatch, 
     assert isinstance(shared, SharedTeacher) == (mode == "gradient")
     assert shared.seconds == 0.0
     accelerator = FakeAccelerator(monkeypatch)
-    wall = slow_forwards(model, prepared, shared)
+    wall = slow_forwards(model, prepared, shared, FakeClock(monkeypatch))
     assert 0.0 < shared.seconds < SLOW_FORWARD_S, shared.seconds
     assert wall > 2 * SLOW_FORWARD_S + shared.seconds
     assert accelerator.waits == 2 * 2  # two forwards, a timed segment each
 
 
 def test_a_stopwatch_sums_its_blocks_and_waits_at_their_ends(monkeypatch):
+    time = FakeClock(monkeypatch)
     clock = Stopwatch()
     with clock():  # no accelerator here: nothing to wait for
-        time.sleep(0.05)
+        time.advance(0.05)
     accelerator = FakeAccelerator(monkeypatch)
     with clock():
-        time.sleep(0.05)
+        time.advance(0.05)
     assert accelerator.waits == 2 and 0.1 <= clock.seconds < 1.0
