@@ -38,9 +38,9 @@ def fsdp_shared_error(shards: SequenceShards | None, *, fused_kernels: bool, pac
     call), or None. Under Ulysses (``shards``: the engine's group) the pass is sharded like verl's (remove-padding,
     which verl requires there); ``model``'s logits must be its head's output or a transform OAR knows
     (:func:`~oar_verl.core.backends.families.post_head_error`)."""
-    transform = post_head_error(model_config(model)) if model is not None else None
-    if transform is not None:
-        return transform
+    unknown = post_head_error(model_config(model)) if model is not None else None
+    if unknown is not None:
+        return unknown
     if shards is not None and not packed:
         return "Ulysses sequence parallelism without use_remove_padding"
     if fused_kernels:

@@ -13,17 +13,12 @@ def max_over_ranks(value: int, device: torch.device | str | int | None = None) -
     """Max of ``value`` over every rank of the default process group (``value`` itself without one).
 
     Ranks holding fewer or shorter sequences pad their pass count to the max, so that sharded-parameter collectives
-    stay matched. The reduction runs on CPU under gloo, else on ``device`` (default: the current accelerator, which
-    NCCL/HCCL need).
+    stay matched. The reduction runs where :func:`collective_device` says (the CPU under gloo, else ``device`` or
+    the current accelerator, which NCCL/HCCL need).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
-    if dist.get_backend() == "gloo":
-        device = "cpu"
-    elif device is None:
-        accelerator = torch.accelerator.current_accelerator()
-        device = torch.device(accelerator.type, torch.accelerator.current_device_index())
-    t = torch.tensor([value], dtype=torch.long, device=device)
+    t = torch.tensor([value], dtype=torch.long, device=collective_device(device=device))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
