@@ -1,0 +1,190 @@
+"""Every generated figure in the docs, regenerated from the committed results files (issue #57 item 1).
+
+A doc marks a generated piece with ``<!-- gen:NAME -->…<!-- /gen:NAME -->`` (a whole table or one cell's figure);
+``NAME`` is a key of :data:`RENDERERS`, whose function renders it from its results file under ``research/results/``.
+``python -m research.tables`` rewrites every marked piece in README.md, docs/ and research/docs/; ``--check`` writes
+nothing and fails naming each piece that differs from its file (tests/research/test_tables.py runs it), so a table
+cannot drift from the numbers it claims.
+
+usage: python -m research.tables [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+from research import REPO
+
+RESULTS = REPO / "research" / "results"
+DOCS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "research" / "docs").glob("*.md")))
+COMMAND = "python -m research.tables"
+_BLOCK = re.compile(r"<!-- gen:(?P<name>[\w.-]+) -->(?P<body>.*?)<!-- /gen:(?P=name) -->", re.S)
+
+
+@cache
+def load(name: str) -> dict:
+    """A committed results file (``research/results/NAME.json``)."""
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def num(x: float, digits: int = 3) -> str:
+    """``+0.058`` / ``−0.024`` (the docs' minus sign)."""
+    return f"{x:+.{digits}f}".replace("-", "\u2212")
+
+
+def iv(x: dict | None, digits: int = 3, key: str = "diff") -> str:
+    """``+0.058 [+0.020, +0.107]`` from a ``{diff|mean, ci95|lo/hi}`` record."""
+    if x is None or x.get(key, x.get("mean")) is None:
+        return "–"
+    m = x.get(key, x.get("mean"))
+    lo, hi = (x["ci95"] if "ci95" in x and x["ci95"] else (x.get("lo"), x.get("hi")))
+    return num(m, digits) if lo is None else f"{num(m, digits)} [{num(lo, digits)}, {num(hi, digits)}]"
+
+
+def pval(p: float | None) -> str:
+    return "–" if p is None else ("< 0.001" if p < 0.001 else f"{p:.3f}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The learning protocol (research/learning_protocol.py, evidence §9)
+# ---------------------------------------------------------------------------------------------------------------------
+
+_LABEL = {"grpo": "GRPO", "conservative": "`conservative` (the default)", "fisher": "`fisher`", "oar_g": "OAR-G",
+          "position": "position weights", "entropy": "entropy weights"}
+
+
+def _short(m: str) -> str:
+    return {"conservative": "default"}.get(m, _LABEL.get(m, m))
+
+
+def learning_methods() -> str:
+    r = load("learning_protocol")
+    tasks, s = r["protocol"]["tasks"], r["analysis"]["summary"]
+    head = "| method | " + " | ".join(f"{t}: rate, AUC (seeds) | final | w decisive" for t in tasks) + " |"
+    lines = [head, "|---|" + "---|---|---|" * len(tasks)]
+    for m in r["protocol"]["methods"]:
+        cells = []
+        for t in tasks:
+            x = s.get(t, {}).get(m)
+            if x is None:
+                cells += ["–", "–", "–"]
+                continue
+            w = "1" if m == "grpo" else ("–" if x["w_decisive"] is None else f"{x['w_decisive']:.2f}")
+            cells += [f"{x['lr']:g}, {x['auc']:.3f} ± {x['auc_sd']:.3f} ({x['seeds']})", f"{x['final']:.3f}", w]
+        lines.append(f"| {_LABEL[m]} | " + " | ".join(cells) + " |")
+    a = r["analysis"]
+    lines += ["", f"{a['runs']} of the {a['planned_runs']} planned runs; mean ± sd over seeds; w decisive: the mean "
+              "weight on the decisive token over the run's steps."]
+    return "\n".join(lines)
+
+
+def learning_primary() -> str:
+    r = load("learning_protocol")
+    lines = ["| primary test: the default − GRPO, Δ AUC | Δ [95 % paired bootstrap] | p (exact sign-flip) | "
+             "Holm over the 3 tasks | Δ final [95 %] | verdict |", "|---|---|---|---|---|---|"]
+    for p in r["analysis"]["primary"]:
+        verdict = "faster" if p["passes"] else "not shown"
+        lines.append(f"| {p['task']} ({p['seeds']} seeds) | {iv(p)} | {pval(p['p'])} | "
+                     f"{pval(p.get('p_holm_over_tasks'))} | {iv(p.get('final'))} | {verdict} |")
+    return "\n".join(lines)
+
+
+def learning_secondary() -> str:
+    r = load("learning_protocol")
+    n = sum(1 for s in r["analysis"]["secondary"] if s["p"] is not None)
+    lines = [f"| secondary (Holm over all {n}) | Δ AUC [95 %] | p | Holm p |", "|---|---|---|---|"]
+    for s in r["analysis"]["secondary"]:
+        lines.append(f"| {s['task']}: {_short(s['a'])} − {_short(s['b'])} | {iv(s)} | {pval(s['p'])} | "
+                     f"{pval(s.get('p_holm'))} |")
+    return "\n".join(lines)
+
+
+def learning_headline() -> str:
+    """The README's one line: the primary result per task."""
+    r = load("learning_protocol")
+    parts = [f"{p['task']} {iv(p)} (p {pval(p['p'])})" for p in r["analysis"]["primary"]]
+    faster = [p["task"] for p in r["analysis"]["primary"] if p["passes"]]
+    verdict = ("faster than GRPO where the decisive token is " + " and ".join(faster)) if faster else \
+        "not faster than GRPO on any task"
+    seeds = len(r["protocol"]["seeds"])
+    return (f"{verdict}: the default − GRPO in AUC at rates fixed on other seeds, {seeds} fresh seeds, "
+            + " / ".join(parts))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rows without an answer span (research/no_span_rows.py, docs/method.md §2)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def no_span_rows() -> str:
+    r = load("no_span_rows")
+    own, ans, agr = r["own_probe"], r["answer_probe"], r["agreement"]
+
+    def two(d: dict) -> str:
+        return f"{iv(d['random'], 2, 'mean')} / {iv(d['position'], 2, 'mean')}"
+
+    rows = [("`conservative` (the default), EOS-ended", "eos", "conservative:eos"),
+            ("`conservative`, truncated", "truncated", "conservative:truncated"),
+            ("`fisher` (either: the same distribution)", "eos", "fisher:eos"),
+            ("`gradient` (OAR-G), EOS-ended", "eos", "oar_g:eos")]
+    lines = ["| scores of a row without a span | on the probe they explain: over random / over position | on the "
+             "answer it would give: over random / over position | Spearman with the answer target's scores |",
+             "|---|---|---|---|"]
+    for label, layout, key in rows:
+        lines.append(f"| {label} | {two(own[layout][key])} | {two(ans[key])} | "
+                     f"{iv(agr[key]['spearman'], 2, 'mean')} |")
+    defined = [ans[f"{m}:answer"] for m in ("conservative", "fisher", "oar_g")]
+    lines.append("| a defined target instead (the answer it would give): `conservative` / `fisher` / OAR-G | | "
+                 + " / ".join(num(d["random"]["mean"], 2) for d in defined) + " over random; "
+                 + " / ".join(iv(d["position"], 2, "mean") for d in defined) + " over position | |")
+    return "\n".join(lines)
+
+
+RENDERERS: dict[str, Callable[[], str]] = {
+    "learning_methods": learning_methods, "learning_primary": learning_primary,
+    "learning_secondary": learning_secondary, "learning_headline": learning_headline,
+    "no_span_rows": no_span_rows,
+}
+
+
+def render(text: str, where: str = "") -> tuple[str, list[str]]:
+    """``text`` with every marked piece regenerated, and the names of the pieces that changed."""
+    changed: list[str] = []
+
+    def sub(m: re.Match) -> str:
+        name, body = m["name"], m["body"]
+        if name not in RENDERERS:
+            raise KeyError(f"{where}: unknown generated piece {name!r}; known: {', '.join(RENDERERS)}")
+        new = RENDERERS[name]()
+        new = f"\n{new}\n" if body.startswith("\n") else new
+        if new != body:
+            changed.append(name)
+        return f"<!-- gen:{name} -->{new}<!-- /gen:{name} -->"
+
+    return _BLOCK.sub(sub, text), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; fail if a piece differs from its file")
+    a = ap.parse_args(argv)
+    stale = []
+    for doc in DOCS:
+        text = doc.read_text()
+        new, changed = render(text, str(doc.relative_to(REPO)))
+        stale += [f"{doc.relative_to(REPO)}: {n}" for n in changed]
+        if changed and not a.check:
+            doc.write_text(new)
+    if stale:
+        print(("stale (run `" + COMMAND + "`):\n  " if a.check else "regenerated:\n  ") + "\n  ".join(stale))
+    return 1 if stale and a.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
