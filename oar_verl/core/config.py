@@ -22,6 +22,9 @@ AUTO_MODE = "auto"  # `mode=auto`: the driver chooses a registered mode per band
 AUTO_FALLBACKS = ("grpo", "best")
 RECOMPUTE = ("auto", "always", "never")
 ATTENTION_RULES = ("values", "uniform")  # how `conservative` propagates through attention (core/backends/rules.py)
+# how the gate reads signed scores (`signed_scores`): the names of core/reshaping/gating.py's SIGNED_SCORES, whose
+# import fails if the two differ (this module is a leaf: it cannot import the scalings)
+SIGNED_SCORE_NAMES = ("clamp", "signed", "magnitude", "rank")
 AUTO_MAX_CANDIDATES = 8  # the integrations' per-row fields hold this many candidates
 
 # Presets only fill the keys the user did not set.  `paper`: the values the paper's summaries report; `official_code`:
@@ -84,6 +87,11 @@ class OARConfig:
                               "Boost strength, >= 0: boosted raw weights lie in [1, 1 + beta]. null = the preset's "
                               "value.")
     floor: float = _key(0.1, "gating", "Lowest raw weight of a suppressed token, in (0, 1].")
+    signed_scores: str = _key("clamp", "gating",
+                              "How the gate reads signed scores (the default mode's relevance is signed: "
+                              "negative = the token argues against the stated answer): `clamp` (negatives "
+                              "count as 0, today's), `signed` (counter-evidence ranks lowest), `magnitude` "
+                              "(|score|), `rank` (ranks of the signed scores).")
     probe: str = _key("auto", "probe",
                       "Outcome probe: `auto` (LT-Logits for the first `probe_warmup_steps` steps, AS-Mean after) | "
                       "`lt_logits` | `as_mean` | `as_joint`.")
@@ -260,6 +268,7 @@ class OARConfig:
         _number(p, "tau", self.tau, lo=0.0, hi=1.0, hi_open=True)
         _number(p, "beta", self.beta, lo=0.0)
         _number(p, "floor", self.floor, lo=0.0, hi=1.0, lo_open=True)
+        _choice(p, "signed_scores", self.signed_scores, SIGNED_SCORE_NAMES)
         _name(p, "probe", self.probe)
         _integer(p, "probe_warmup_steps", self.probe_warmup_steps, lo=0)
         _choice(p, "target", self.target, TARGETS)

@@ -67,6 +67,8 @@ def test_probe_schedule():
     ({"attention_rule": "probabilities"}, r"algorithm\.oar\.attention_rule='probabilities' is not allowed; choose one "
                                           r"of: values, uniform"),
     ({"base_estimator": "oar"}, r"algorithm\.oar\.base_estimator cannot be 'oar'"),
+    ({"signed_scores": "sign"}, r"algorithm\.oar\.signed_scores='sign' is not allowed; choose one of: clamp, "
+                                r"signed, magnitude, rank"),
     ({"answer_patterns": []}, r"algorithm\.oar\.answer_patterns must be a non-empty list"),
     ({"answer_patterns": ["(unclosed"]}, r"neither a built-in pattern .* nor a usable answer regex"),
     ({"answer_patterns": [r"\d+"]}, r"needs a named group \(\?P<answer>"),
@@ -139,6 +141,23 @@ def test_trainer_yaml_lists_every_key_with_its_default():
     defaults = OARConfig.from_mapping({"preset": "paper"}).to_dict()
     defaults["tau"] = defaults["beta"] = None  # the YAML leaves them to the preset
     assert declared == defaults
+
+
+def test_signed_scores_are_checked_at_construction():
+    """``signed_scores`` (how the gate reads signed scores): the default keeps today's clamp; a bad value fails when the
+    config is built, naming the key and every scaling of the gate's registry."""
+    from oar_verl.core.reshaping.gating import SIGNED_SCORES
+
+    assert OARConfig().signed_scores == "clamp"
+    for name in SIGNED_SCORES:
+        assert OARConfig.from_mapping({"signed_scores": name}).signed_scores == name
+    for bad in ("sign", "", None, 1):
+        with pytest.raises(OARConfigError) as e:
+            OARConfig.from_mapping({"signed_scores": bad})
+        assert str(e.value) == (f"algorithm.oar.signed_scores={bad!r} is not allowed; choose one of: "
+                                f"{', '.join(SIGNED_SCORES)}")
+    with pytest.raises(OARConfigError, match=r"^--oar\.signed_scores='x' is not allowed"):  # OpenRLHF's prefix
+        OARConfig.from_mapping({"signed_scores": "x"}, prefix="--oar")
 
 
 def test_the_pure_sketch_is_allowed():

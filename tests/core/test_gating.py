@@ -248,3 +248,167 @@ def test_no_reasoning_metric_counts_rows_to_reshape_only():
     m = oar_metrics(tw, base, base * tw.weights, valid)
     assert m["oar/no_reasoning_seq_frac"] == 2 / 5 and m["oar/reshaped_seq_frac"] == 1 / 5
     assert m["oar/flat_seq_frac"] == 0.0  # left alone, not reshaped flat: no flat-score warning for them
+
+
+# ------------------------------------------------------------------------------------------- signed scores
+# algorithm.oar.signed_scores: how the gate reads signed scores (the default mode's relevance is signed; a negative
+# score means the token argues against the stated answer)
+def old_normalize(importance: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """normalize_scores as it was before the choice (the `clamp` rule must stay this, bit for bit)."""
+    u = torch.log1p(importance.double().clamp(min=0))
+    u = torch.where(mask, u, 0.0)
+    umin = torch.where(mask, u, float("inf")).amin(-1, keepdim=True)
+    umax = torch.where(mask, u, float("-inf")).amax(-1, keepdim=True)
+    span = umax - umin
+    span = torch.where(torch.isfinite(span) & (span > 0), span, torch.ones_like(span))
+    umin = torch.where(torch.isfinite(umin), umin, torch.zeros_like(umin))
+    return torch.where(mask, (u - umin) / span, 0.0)
+
+
+def rank_reference(row: np.ndarray) -> np.ndarray:
+    """0-based average ranks / (R − 1), 0 on a row of one token or of equal scores (scipy's rankdata 'average' − 1)."""
+    if len(row) < 2 or row.min() == row.max():
+        return np.zeros(len(row))
+    below = (row[None, :] < row[:, None]).sum(1)
+    at_or_below = (row[None, :] <= row[:, None]).sum(1)
+    return (below + at_or_below - 1) / 2 / (len(row) - 1)
+
+
+# what each rule's weights are monotone in (non-decreasing, equal keys -> equal weights)
+MONOTONE_KEY = {"clamp": lambda i: i.clamp(min=0), "signed": lambda i: i, "magnitude": lambda i: i.abs(),
+                "rank": lambda i: i}
+
+signed_value = st.one_of(st.sampled_from([-3.0, -1.0, -0.5, 0.0, 0.5, 1.0, 3.0]),  # many ties, zeros
+                         st.floats(-1e4, 1e4, allow_nan=False, allow_infinity=False))
+signed_rows = st.lists(st.tuples(st.lists(signed_value, min_size=1, max_size=24), st.booleans()),  # (scores, reshape)
+                       min_size=1, max_size=6)
+
+
+def test_signed_score_names_are_the_configs():
+    from oar_verl.core.config import SIGNED_SCORE_NAMES
+    from oar_verl.core.reshaping.gating import SIGNED_SCORES
+
+    assert tuple(SIGNED_SCORES) == SIGNED_SCORE_NAMES == ("clamp", "signed", "magnitude", "rank")
+    with pytest.raises(ValueError, match=r"algorithm\.oar\.signed_scores='sign' is not allowed; choose one of: "
+                                         r"clamp, signed, magnitude, rank"):
+        normalize_scores(torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool), "sign")
+
+
+@settings(max_examples=100, deadline=None)
+@given(signed_rows, st.floats(0.0, 0.95), st.floats(0.0, 5.0), st.floats(0.01, 1.0))
+def test_clamp_is_the_old_rule_bit_for_bit(rows, tau, beta, floor):
+    from oar_verl.core.reshaping.gating import gate
+
+    imp, mask = pad([np.array(s) for s, _ in rows], 24)
+    old = old_normalize(imp, mask)
+    assert torch.equal(normalize_scores(imp, mask), old)
+    assert torch.equal(normalize_scores(imp, mask, "clamp"), old)
+    w_old = torch.where(mask, gate(old, mask, tau, beta, floor)[0], mask.double()).float()
+    assert torch.equal(oar_token_weights(imp, mask, mask.long(), tau, beta, floor).weights, w_old)
+    assert torch.equal(oar_token_weights(imp, mask, mask.long(), tau, beta, floor, signed="clamp").weights, w_old)
+
+
+@pytest.mark.parametrize("name", ["clamp", "signed", "magnitude", "rank"])
+@settings(max_examples=80, deadline=None)
+@given(rows=signed_rows, tau=st.floats(0.0, 0.95), beta=st.floats(0.0, 5.0), floor=st.floats(0.01, 1.0))
+def test_signed_score_invariants(name, rows, tau, beta, floor):
+    """Every rule on signed scores (negative, zero, positive, ties, rows of 1-2 tokens, padding, rows left alone):
+    Σw = R on reshaped rows, w > 0 there, w = 1 on rows left alone, 0 on padding; a row's weights do not depend on
+    the others; the weights are monotone in the rule's key (clamp: max(I, 0); signed, rank: I; magnitude: |I|)."""
+    from oar_verl.core.reshaping.gating import gate
+
+    T = 26  # two padding columns at least
+    imp, mask = pad([np.array(s) for s, _ in rows], T)
+    valid = mask.clone()
+    valid[:, -1] = True  # a valid non-reasoning token (EOS) on every row
+    keep = torch.tensor([r for _, r in rows])
+    tw = oar_token_weights(imp, mask, valid.long(), tau, beta, floor, reshape_rows=keep, signed=name)
+    w = tw.weights
+    n = normalize_scores(imp, mask, name)
+    assert ((n >= 0) & (n <= 1)).all() and (n[~mask] == 0).all()
+    w64 = gate(n, mask, tau, beta, floor)[0]
+    torch.testing.assert_close(w64.sum(-1), mask.sum(-1).double(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(w.double().sum(-1)[keep], mask.sum(-1).double()[keep] + 1, rtol=1e-5, atol=1e-5)
+    assert (w[mask] > 0).all()
+    assert (w[~keep][valid[~keep]] == 1).all() and (w[~valid] == 0).all() and (w[:, -1] == 1).all()
+    assert not tw.reshaped[~keep].any()
+    for i in range(len(rows)):
+        alone = oar_token_weights(imp[i:i + 1], mask[i:i + 1], valid[i:i + 1].long(), tau, beta, floor,
+                                  reshape_rows=keep[i:i + 1], signed=name)
+        assert torch.equal(alone.weights[0], w[i])
+        if keep[i]:
+            key, wi = MONOTONE_KEY[name](imp[i][mask[i]]), w[i][mask[i]]
+            lower = key[:, None] < key[None, :]
+            assert (wi[:, None] <= wi[None, :])[lower].all()
+            assert (wi[:, None] == wi[None, :])[key[:, None] == key[None, :]].all()
+
+
+@pytest.mark.parametrize("name", ["clamp", "signed", "magnitude", "rank"])
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 30), value=st.floats(-1e3, 1e3), tau=st.floats(0.0, 0.95), beta=st.floats(0.0, 5.0))
+def test_all_equal_signed_scores_give_uniform_weights(name, n, value, tau, beta):
+    imp = torch.full((1, n), value, dtype=torch.float64)
+    mask = torch.ones(1, n, dtype=torch.bool)
+    tw = oar_token_weights(imp, mask, mask.long(), tau, beta, signed=name)
+    assert torch.equal(tw.weights, torch.ones(1, n))
+
+
+@settings(max_examples=150, deadline=None)
+@given(signed_rows)
+def test_rank_matches_a_per_row_reference(rows):
+    from oar_verl.core.reshaping.gating import rank_scores
+
+    seqs = [np.array(s) for s, _ in rows]
+    imp, mask = pad(seqs, 24)
+    got = rank_scores(imp, mask)
+    for i, s in enumerate(seqs):
+        np.testing.assert_allclose(got[i, :len(s)].numpy(), rank_reference(s), rtol=0, atol=1e-12)
+        assert (got[i, len(s):] == 0).all()
+
+
+def test_rank_hand_computed_ties():
+    imp = torch.tensor([[1.0, 1.0, 1.0, 2.0, 2.0, -7.0], [-1.0, 5.0, 0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]]).bool()
+    # row 0: ranks (0-based, averaged) 1, 1, 1, 3.5, 3.5 over R − 1 = 4 (the padding's −7 is not a score)
+    expect = torch.tensor([[0.25, 0.25, 0.25, 0.875, 0.875, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    assert torch.equal(normalize_scores(imp, mask, "rank"), expect)
+
+
+def test_counter_evidence_under_clamp_and_signed():
+    """The defect `signed` fixes: more than τ of a row's tokens argue against the answer. Under `clamp` they all read
+    as 0, the gate's θ is 0 and no token is suppressed (every raw weight >= 1: the counter-evidence ends with the
+    zero-evidence token's weight, no floor); under `signed` the most negative tokens get the lowest weights, at the
+    floor before renormalisation."""
+    from oar_verl.core.reshaping.gating import gate
+
+    imp = torch.tensor([[-5.0, -4.0, -3.0, -2.0, -1.0, -0.5, 0.0, 1.0, 2.0, 4.0]])
+    mask = torch.ones(1, 10, dtype=torch.bool)
+    tau, beta, floor = 0.4, 2.0, 0.1
+    n = normalize_scores(imp, mask, "clamp")
+    assert float(masked_quantile(n, mask, tau)[0]) == 0.0
+    w, floored, _ = gate(n, mask, tau, beta, floor)
+    assert not floored.any()
+    assert torch.equal(w[0, :7], w[0, :7].min().expand(7))  # -5 .. 0 alike: the counter-evidence is not told apart
+    tw = oar_token_weights(imp, mask, mask.long(), tau, beta, floor)
+    assert not tw.floored.any() and float(tw.weights[0, 0]) == float(tw.weights[0, 6])
+
+    tw = oar_token_weights(imp, mask, mask.long(), tau, beta, floor, signed="signed")
+    w = tw.weights[0]
+    assert int(w.argmin()) == 0 and tw.floored[0, 0]
+    assert (w[1:] >= w[:-1]).all() and (w[1:] > w[:-1]).sum() >= 7  # ordered by the signed score
+    assert float(w[0]) < float(w[4]) < float(w[6])  # counter-evidence below no evidence
+
+
+def test_reshape_advantages_reads_signed_scores_from_the_config():
+    from oar_verl.core import OARConfig
+    from oar_verl.core.reshaping.reshape import reshape_advantages
+
+    imp = torch.tensor([[-5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0]])
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    base = torch.ones(1, 8)
+    for name in ("clamp", "signed", "magnitude", "rank"):
+        got = reshape_advantages(base, imp, mask, mask, OARConfig(signed_scores=name)).token_weights.weights
+        assert torch.equal(got, oar_token_weights(imp, mask, mask.long(), 0.4, 2.0, 0.1, signed=name).weights)
+    assert not torch.equal(reshape_advantages(base, imp, mask, mask, OARConfig()).token_weights.weights,
+                           reshape_advantages(base, imp, mask, mask, OARConfig(signed_scores="signed"))
+                           .token_weights.weights)

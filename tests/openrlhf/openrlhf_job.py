@@ -131,7 +131,7 @@ def core_reference(model, tok, cfg, step, prompts, responses, seq_adv, rows):
     imp = response_importance(model, p_ids, p_mask, r_ids, r_mask, spans.reasoning_mask, spans.answer_mask, cfg,
                               global_step=step, mask_token_id=cfg.mask_token_id if cfg.mask_token_id is not None
                               else pad, seeds=seeds)
-    tw = oar_token_weights(imp, spans.reasoning_mask, r_mask, cfg.tau, cfg.beta, cfg.floor)
+    tw = oar_token_weights(imp, spans.reasoning_mask, r_mask, cfg.tau, cfg.beta, cfg.floor, signed=cfg.signed_scores)
     return tw.weights.double() * seq_adv[rows][:, None], r_mask.bool()
 
 

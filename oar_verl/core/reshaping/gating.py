@@ -4,6 +4,7 @@ docs/method.md §5, with the official code's τ overwrite fixed (§7: the config
 every sequence):
 
     u = log1p(max(I, 0));  n = (u − min u) / (max u − min u)   (divisor 1 when constant)
+    u by signed_scores: clamp (above) | signed: sign(I)·log1p|I| | magnitude: log1p|I| | rank: n = rank(I)/(R − 1)
     θ = quantile(n, τ)     (linear interpolation, numpy's default)
     w = max(n / (θ + 1e-8), floor)            if n < θ   (suppression ramp floor..1)
     w = 1 + β (n − θ) / (1 − θ + 1e-8)        if n ≥ θ   (boost ramp 1..1+β)
@@ -14,9 +15,13 @@ All functions work on padded (B, T) batches with masks; no per-token Python loop
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
+
+from oar_verl.core.config import SIGNED_SCORE_NAMES
 
 _EPS = 1e-8
 
@@ -42,18 +47,15 @@ def masked_quantile(values: torch.Tensor, mask: torch.Tensor, q: float) -> torch
     return torch.where(n > 0, out, torch.zeros_like(out))
 
 
-def normalize_scores(importance: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log1p then per-row min-max to [0, 1] over the masked entries.
+def _min_max(u: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-row min-max of ``u`` to [0, 1] over the masked entries.
 
     Args:
-        importance: (B, T) raw scores, finite on masked entries; negative values (signed AS-Joint drops) clamp to 0
-            so that log1p never sees −1 or less.
-        mask: (B, T) bool.
+        u: (B, T) float64, finite on masked entries. mask: (B, T) bool.
 
     Returns:
-        (B, T) float64 in [0, 1] on masked entries, 0 elsewhere.
+        (B, T) float64 in [0, 1] on masked entries (0 on a constant row: divisor 1), 0 elsewhere.
     """
-    u = torch.log1p(importance.double().clamp(min=0))
     u = torch.where(mask, u, 0.0)
     umin = torch.where(mask, u, float("inf")).amin(-1, keepdim=True)
     umax = torch.where(mask, u, float("-inf")).amax(-1, keepdim=True)
@@ -61,6 +63,97 @@ def normalize_scores(importance: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     span = torch.where(torch.isfinite(span) & (span > 0), span, torch.ones_like(span))
     umin = torch.where(torch.isfinite(umin), umin, torch.zeros_like(umin))
     return torch.where(mask, (u - umin) / span, 0.0)
+
+
+def clamp_scores(importance: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``clamp``: u = log1p(max(I, 0)), then per-row min-max; a negative score counts as no evidence (0).
+
+    Args:
+        importance: (B, T) raw scores, finite on masked entries. mask: (B, T) bool.
+
+    Returns:
+        (B, T) float64 in [0, 1] on masked entries, 0 elsewhere.
+    """
+    return _min_max(torch.log1p(importance.double().clamp(min=0)), mask)
+
+
+def signed_scores(importance: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``signed``: u = sign(I) log1p(|I|) (monotone in I: counter-evidence ranks below no evidence), then per-row
+    min-max.
+
+    Args:
+        importance: (B, T) raw scores, finite on masked entries. mask: (B, T) bool.
+
+    Returns:
+        (B, T) float64 in [0, 1] on masked entries, 0 elsewhere.
+    """
+    i = importance.double()
+    return _min_max(torch.sign(i) * torch.log1p(i.abs()), mask)
+
+
+def magnitude_scores(importance: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``magnitude``: u = log1p(|I|) (evidence for or against the answer alike), then per-row min-max.
+
+    Args:
+        importance: (B, T) raw scores, finite on masked entries. mask: (B, T) bool.
+
+    Returns:
+        (B, T) float64 in [0, 1] on masked entries, 0 elsewhere.
+    """
+    return _min_max(torch.log1p(importance.double().abs()), mask)
+
+
+def rank_scores(importance: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``rank``: n = the 0-based rank of I among the row's masked entries / (R − 1), ties given their average rank
+    (scipy's ``rankdata(method="average")`` − 1); 0 on a row of one token or of equal scores (w ≡ 1 there).
+
+    Args:
+        importance: (B, T) raw scores, finite on masked entries. mask: (B, T) bool.
+
+    Returns:
+        (B, T) float64 in [0, 1] on masked entries, 0 elsewhere.
+    """
+    i = importance.double()
+    srt = torch.where(mask, i, float("inf")).sort(-1).values  # padding sorts last (masked scores are finite)
+    key = torch.where(mask, i, 0.0).contiguous()
+    first = torch.searchsorted(srt, key, right=False)  # (B, T) position of the first equal score
+    last = torch.searchsorted(srt, key, right=True) - 1  # and of the last
+    avg = (first + last).double() / 2
+    r = mask.sum(-1, keepdim=True)
+    lo = torch.where(mask, i, float("inf")).amin(-1, keepdim=True)
+    hi = torch.where(mask, i, float("-inf")).amax(-1, keepdim=True)
+    n = avg / (r - 1).clamp(min=1).double()
+    return torch.where(mask & (hi > lo), n, 0.0)
+
+
+#: How the gate reads signed scores (``algorithm.oar.signed_scores``): name -> (importance (B, T), mask (B, T) bool)
+#: -> normalised scores (B, T) float64 in [0, 1] on masked entries, 0 elsewhere. Its names are
+#: :data:`oar_verl.core.config.SIGNED_SCORE_NAMES` (the configuration is a leaf; the import below fails on a mismatch).
+SIGNED_SCORES: Mapping[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = MappingProxyType({
+    "clamp": clamp_scores, "signed": signed_scores, "magnitude": magnitude_scores, "rank": rank_scores})
+if tuple(SIGNED_SCORES) != SIGNED_SCORE_NAMES:  # pragma: no cover  (a name added on one side only)
+    raise ImportError(f"SIGNED_SCORES {tuple(SIGNED_SCORES)} != config.SIGNED_SCORE_NAMES {SIGNED_SCORE_NAMES}")
+
+
+def normalize_scores(importance: torch.Tensor, mask: torch.Tensor, signed: str = "clamp") -> torch.Tensor:
+    """Raw scores to [0, 1] per row over the masked entries, by the scaling ``signed`` names in :data:`SIGNED_SCORES`.
+
+    Args:
+        importance: (B, T) raw scores, finite on masked entries; signed (negative: the token argues against the
+            stated answer). The default ``clamp`` counts negatives as 0 (log1p never sees −1 or less).
+        mask: (B, T) bool.
+        signed: a name in :data:`SIGNED_SCORES`.
+
+    Returns:
+        (B, T) float64 in [0, 1] on masked entries, 0 elsewhere.
+
+    Raises:
+        ValueError: ``signed`` is not a name in :data:`SIGNED_SCORES`.
+    """
+    if signed not in SIGNED_SCORES:
+        raise ValueError(f"algorithm.oar.signed_scores={signed!r} is not allowed; choose one of: "
+                         f"{', '.join(SIGNED_SCORES)}")
+    return SIGNED_SCORES[signed](importance, mask)
 
 
 @dataclass(frozen=True)
@@ -112,7 +205,7 @@ def gate(normalized: torch.Tensor, mask: torch.Tensor, tau: float, beta: float, 
 
 def oar_token_weights(importance: torch.Tensor, reasoning_mask: torch.Tensor, response_mask: torch.Tensor,
                       tau: float, beta: float, floor: float = 0.1,
-                      reshape_rows: torch.Tensor | None = None) -> TokenWeights:
+                      reshape_rows: torch.Tensor | None = None, *, signed: str = "clamp") -> TokenWeights:
     """Per-token OAR weights of a response batch.
 
     Args:
@@ -121,6 +214,7 @@ def oar_token_weights(importance: torch.Tensor, reasoning_mask: torch.Tensor, re
         response_mask: (B, T) 0/1 valid response tokens.
         tau, beta, floor: gating parameters.
         reshape_rows: (B,) bool, rows to reshape (default all); other rows keep w = 1.
+        signed: how the gate reads signed scores, a name in :data:`SIGNED_SCORES` (``algorithm.oar.signed_scores``).
 
     Returns:
         TokenWeights.
@@ -131,7 +225,7 @@ def oar_token_weights(importance: torch.Tensor, reasoning_mask: torch.Tensor, re
     rows = finite if reshape_rows is None else finite & reshape_rows.bool()
     mask_r = mask & rows[:, None]
     safe = torch.where(mask_r, importance.double(), 0.0)
-    w, floored, boosted = gate(normalize_scores(safe, mask_r), mask_r, tau, beta, floor)
+    w, floored, boosted = gate(normalize_scores(safe, mask_r, signed), mask_r, tau, beta, floor)
     weights = torch.where(mask_r, w, valid.double())
     wanted = torch.ones_like(finite) if reshape_rows is None else reshape_rows.bool()
     return TokenWeights(weights.float(), mask_r, floored, boosted, ~finite & mask.any(-1),

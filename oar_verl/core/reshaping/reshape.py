@@ -71,7 +71,7 @@ def reshape_advantages(base_advantages: torch.Tensor, importance: torch.Tensor, 
         importance: (B, T) raw importance, response-aligned.
         reasoning_mask: (B, T) bool tokens to reshape (the others keep w = 1).
         response_mask: (B, T) valid response tokens.
-        cfg: OARConfig (tau, beta, floor, apply_to).
+        cfg: OARConfig (tau, beta, floor, signed_scores, apply_to).
         attributed: (B,) bool rows whose importance was computed (default: all); the others keep w = 1.
         base_returns: (B, T) the base returns, reshaped like the advantages when given.
 
@@ -84,7 +84,7 @@ def reshape_advantages(base_advantages: torch.Tensor, importance: torch.Tensor, 
         rows = rows & attributed.to(rows.device).bool()
     device = base_advantages.device
     tw = oar_token_weights(importance.to(device), reasoning_mask.to(device), response_mask.to(device), cfg.tau,
-                           cfg.beta, cfg.floor, reshape_rows=rows)
+                           cfg.beta, cfg.floor, reshape_rows=rows, signed=cfg.signed_scores)
     w = tw.weights.to(base_advantages.dtype)
     returns = None if base_returns is None else base_returns * w
     return Reshaped(base_advantages * w, returns, base_advantages, tw, response_mask)
