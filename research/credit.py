@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from oar_verl.core.reshaping.gating import SIGNED_SCORES
 from oar_verl.quickstart import last_digit as credit_task
 from oar_verl.quickstart import last_digit_reward
 from research import REPO, digit_task, task
@@ -129,12 +130,15 @@ def make_rollouts(tok, rows, prompt_ids, responses, uids) -> Rollouts:
     return Rollouts(rows, task.verl_batch(prompt_ids, responses, tok.pad_token_id), rewards, uids)
 
 
-def algorithm_config(method: str, seed: int):
+def algorithm_config(method: str, seed: int, signed_scores: str = "clamp"):
     """verl's ``algorithm`` section as the OAR trainer sees it: GRPO base advantage, OAR defaults (paper gating,
-    probe ``auto``), the mode of ``method``, ``algorithm.oar.seed`` = the run's seed."""
+    probe ``auto``), the mode of ``method``, ``algorithm.oar.seed`` = the run's seed, and
+    ``algorithm.oar.signed_scores`` when it is not the default ``clamp`` (``--signed-scores``)."""
     from omegaconf import OmegaConf
 
     oar = {"mode": MODES.get(method, "gradient"), "seed": seed}
+    if signed_scores != "clamp":
+        oar["signed_scores"] = signed_scores
     return OmegaConf.create({"adv_estimator": "oar" if method != "grpo" else "grpo", "norm_adv_by_std_in_grpo": True,
                              "oar": oar})
 
@@ -269,16 +273,21 @@ def gradient_shares(model, logp: torch.Tensor, b: task.VerlBatch, advantages: to
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def run_one(assets: dict, s: Settings, method: str, seed: int, *, log) -> dict:
+def run_one(assets: dict, s: Settings, method: str, seed: int, *, log, signed_scores: str = "clamp") -> dict:
+    """One training run; ``signed_scores`` is how the gate reads signed scores (``algorithm.oar.signed_scores``),
+    kept apart from :class:`Settings` (resumed runs compare ``asdict(Settings)``) and recorded in the run's dict when it
+    is not the default ``clamp``."""
     torch.manual_seed(seed)
     model, tok = load_model(assets["model_dir"])
-    algo = algorithm_config(method, seed)
+    algo = algorithm_config(method, seed, signed_scores)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.999), weight_decay=0.01)
     digits = TASK.digit_token_ids(tok)
     prompt_rng = np.random.default_rng(seed)  # the same prompt sequence for every method of a seed
     sample_gen = torch.Generator().manual_seed(1000 + seed)
     val_gen = torch.Generator().manual_seed(2000 + seed)
     out = {"method": method, "seed": seed, "val": {"steps": [], "values": []}, "train": []}
+    if signed_scores != "clamp":
+        out["signed_scores"] = signed_scores
     t_start = time.perf_counter()
     for step in range(0, s.steps + 1):
         if step % s.eval_every == 0 or step == s.steps:
@@ -468,7 +477,8 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
 
 
 def verl_check(assets: dict, out: Path, *, log, prompt: tuple[int, int] = (3, 5), rollout_n: int = 8,
-               groups: int = 4, modes=("oar_g", "oar_p"), timeout_s: float = 1200) -> dict:
+               groups: int = 4, modes=("oar_g", "oar_p"), timeout_s: float = 1200,
+               signed_scores: str = "clamp") -> dict:
     """One step of verl's real trainer per OAR mode (every training prompt is ``prompt``, so the dumps' rows are
     reconstructible), then this loop's :func:`compute_advantages` on the dumped rollouts; returns the largest
     differences of importance, weights, base and reshaped advantages."""
@@ -494,7 +504,8 @@ def verl_check(assets: dict, out: Path, *, log, prompt: tuple[int, int] = (3, 5)
             extra=[f"algorithm.oar.mode={MODES[method]}", "algorithm.oar.dump_every=1",
                    f"algorithm.oar.dump_groups={groups}", f"algorithm.oar.dump_dir={run_dir / 'dumps'}",
                    "algorithm.oar.seed=0", "actor_rollout_ref.rollout.temperature=1.0", "trainer.test_freq=-1",
-                   "trainer.val_before_train=False"])
+                   "trainer.val_before_train=False", *([f"algorithm.oar.signed_scores={signed_scores}"]
+                                                       if signed_scores != "clamp" else [])])
         log(f"[credit] verl check: {LABELS[method]}, one step of python -m oar_verl.main")
         try:
             run = run_main_ppo(overrides, output_dir=run_dir, env=cpu_env(file_logger_root=run_dir / "metrics"),
@@ -511,7 +522,8 @@ def verl_check(assets: dict, out: Path, *, log, prompt: tuple[int, int] = (3, 5)
                           np.array([uid_index[rec["uid"]] for rec in records], dtype=object))
         if not torch.equal(r.rewards, torch.tensor([rec["reward"] for rec in records])):
             raise RuntimeError("the loop's reward differs from verl's on the dumped responses")
-        adv = compute_advantages(method, model, tok, r, records[0]["step"], algorithm_config(method, 0))
+        algo = algorithm_config(method, 0, signed_scores)
+        adv = compute_advantages(method, model, tok, r, records[0]["step"], algo)
         mask = r.batch.response_mask.bool()
         verl_imp = torch.zeros(mask.shape)
         verl_w = torch.ones(mask.shape)
@@ -522,7 +534,7 @@ def verl_check(assets: dict, out: Path, *, log, prompt: tuple[int, int] = (3, 5)
             verl_reasoning[i, :len(rec["reasoning"])] = torch.tensor(rec["reasoning"], dtype=torch.bool)
         # the gating of verl's own importance: separates the reshaping (must match to the dump's rounding) from the
         # attribution (fp32 rounding between two forwards, which a quantile gate can turn into a flipped token)
-        gated = reshape(r, algorithm_config(method, 0), verl_imp, verl_reasoning & mask.bool(), adv.attributed)
+        gated = reshape(r, algo, verl_imp, verl_reasoning & mask.bool(), adv.attributed)
         seq_adv = (adv.advantages / adv.weights).masked_fill(~mask, 0).sum(-1) / mask.sum(-1)
         verl_seq = torch.tensor([rec["advantage"] for rec in records])
         scale = float(verl_imp[mask].abs().max()) or 1.0
@@ -561,6 +573,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", action="store_true", help="also write research/docs/img/credit.png")
     ap.add_argument("--report-only", action="store_true", help="rebuild the report from an earlier runs.json")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--signed-scores", default="clamp", choices=tuple(SIGNED_SCORES),
+                    help="how the gate reads signed scores (algorithm.oar.signed_scores); a run with another value "
+                    "than clamp records it, writes its own runs_*_signed-<value>.json, and the report and the resume "
+                    "take only the runs of this value")
     ap.add_argument("--task", default="last", choices=["last", *digit_task.TASKS],
                     help="which digit decides the reward: the last (the quickstart's task), the first or the middle one")
     args = ap.parse_args(argv)
@@ -584,31 +600,42 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     assets = build_assets(out, s, log=log)
-    runs_file = out / f"runs_{args.first_seed}-{args.first_seed + s.seeds - 1}_{'-'.join(methods)}.json"
+    signed = args.signed_scores
+    tag = "" if signed == "clamp" else f"_signed-{signed}"
+    runs_file = out / f"runs_{args.first_seed}-{args.first_seed + s.seeds - 1}_{'-'.join(methods)}{tag}.json"
+
+    def this_choice(rs: list[dict]) -> list[dict]:  # the runs of this --signed-scores (clamp runs carry no key)
+        return [r for r in rs if r.get("signed_scores", "clamp") == signed]
+
     if args.report_only:
-        runs = [r for f in sorted(out.glob("runs_*.json")) for r in json.loads(f.read_text())["runs"]]
+        runs = this_choice([r for f in sorted(out.glob("runs_*.json")) for r in json.loads(f.read_text())["runs"]])
     else:
-        # resumable: a run already in this file (same seeds, methods and settings) is kept, not run again
+        # resumable: a run already in this file (same seeds, methods, settings and --signed-scores) is kept, not run
+        # again
         saved = json.loads(runs_file.read_text()) if runs_file.exists() else {}
-        runs = saved["runs"] if saved.get("settings") == asdict(s) else []
+        runs = this_choice(saved["runs"]) if saved.get("settings") == asdict(s) else []
         done = {(r["seed"], r["method"]) for r in runs}
         units = [(seed, method) for seed in range(args.first_seed, args.first_seed + s.seeds) for method in methods
                  if (seed, method) not in done]
         for seed, method in progress(units, desc="[credit] runs (seed x method)", unit="run"):
-            runs.append(run_one(assets, s, method, seed, log=log))
+            runs.append(run_one(assets, s, method, seed, log=log, signed_scores=signed))
             runs_file.write_text(json.dumps({"settings": asdict(s), "runs": runs}))
     summary = summarize(runs, s)
     if args.verl_check:
-        summary["verl_check"] = verl_check(assets, out, log=log, modes=("oar_g",) if args.quick else ("oar_g", "oar_p"))
+        summary["verl_check"] = verl_check(assets, out, log=log, modes=("oar_g",) if args.quick else ("oar_g", "oar_p"),
+                                           signed_scores=signed)
     wall = time.perf_counter() - start
     text = report(summary, s, assets)
+    if signed != "clamp":
+        text += f"\nThe gate read the signed scores by `{signed}` (algorithm.oar.signed_scores; default clamp).\n"
     if "verl_check" in summary:
         text += ("\nverl cross-check (one step of python -m oar_verl.main per mode, the loop on its dumped "
                  "rollouts):\n\n")
         text += "\n".join(f"* {LABELS[m]}: {json.dumps(v)}" for m, v in summary["verl_check"].items()) + "\n"
     (out / "credit.md").write_text(text)
     (out / "credit.json").write_text(json.dumps({"settings": asdict(s), "warm_start": assets, "summary": summary,
-                                                 "wall_s": wall}, indent=1))
+                                                 "wall_s": wall, **({} if signed == "clamp" else
+                                                                    {"signed_scores": signed})}, indent=1))
     plot(runs, summary, out / "credit.png")
     if args.docs:
         plot(runs, summary, REPO / "research" / "docs" / "img" / "credit.png")
