@@ -38,6 +38,7 @@ import json
 import os
 import random
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -360,6 +361,7 @@ def summarise(chunks: list[dict], methods: list[str], min_gap: float = 0.0) -> d
         out["methods"][name] = entry
     for c in CONTROLS[1:]:  # the free alternatives against random: what a user gets for nothing
         out["controls"][c] = {"gain_over": gains_over(ctrl[c], ("random",))}
+    out["paired"] = paired_gains(chunks, methods, groups, min_gap)
     if all("scores" in c for c in chunks):
         out["agreement"] = {low: agreement(chunks, low, base) for low, base in LOW_PRECISION.items()
                             if low in methods and base in methods}
@@ -367,6 +369,38 @@ def summarise(chunks: list[dict], methods: list[str], min_gap: float = 0.0) -> d
 
 
 CONTROLS = ("random", "position", "entropy")  # the free alternatives every method is measured against
+
+
+def paired_gains(chunks: list[dict], methods: list[str], groups: torch.Tensor, min_gap: float = 0.0) -> dict:
+    """The first method against each other one on the same rows (issue #57 item 2): Σ_rows (AOPC_first − AOPC_other)
+    / Σ_rows AOPC_other with a prompt-clustered interval, per measure (KL; ``_logp``): a paired comparison, where the
+    gains over a control only place each method beside the control."""
+    def aopc(name: str) -> torch.Tensor:
+        return torch.tensor([[v for ch in chunks for v in ch["aopc"][name][i]] for i in range(2)], dtype=torch.float64)
+
+    first, out = aopc(methods[0]), {}
+    for other in methods[1:]:
+        ref = aopc(other)
+        ivs = bootstrap_ratio(torch.stack([first[i] - ref[i] for i in range(2)]), torch.stack([ref[i] for i in range(2)]),
+                              groups=groups, min_gap=min_gap)
+        out[f"{methods[0]} - {other}"] = {k: vars(iv) for k, iv in zip(("kl", "logp"), ivs)}
+    return out
+
+
+def results_record(summary: dict, chunks: list[dict], methods: list[str], command: str) -> dict:
+    """The committed results file of a comparison: the summary and every row's AOPC per ranking and measure (no row
+    dropped), small enough to keep in the repository (the raw token scores stay in the run's cache)."""
+    rows = [{"reasoning_tokens": t} for t in summary["reasoning"]]
+    i = 0
+    for ch in chunks:
+        for j in range(len(ch["reasoning"])):
+            rows[i]["static"] = [bool(ch["static"][k][j]) for k in range(2)]
+            rows[i]["aopc"] = {n: [round(ch["aopc"][n][k][j], 8) for k in range(2)] for n in methods}
+            rows[i]["control_aopc"] = {c: [round(ch["control_aopc"][c][k][j], 8) for k in range(2)] for c in CONTROLS}
+            i += 1
+    return {"command": command, "methods": methods, "summary": summary, "rows": rows,
+            "seconds": {n: sum(c["seconds"][n] for c in chunks) for n in methods},
+            "train_s": sum(c["train_s"] for c in chunks)}
 
 
 def agreement(chunks: list[dict], low: str, base: str, seed: int = 0) -> dict:
@@ -475,6 +509,11 @@ def table(summary: dict, model: str, tokens: int) -> str:
         diff = iv(e["naopc_minus_first"]) if "naopc_minus_first" in e else "–"
         lines.append(f"| {name} | {iv(e['naopc'])} | {iv(e['naopc_logp'])} | {iv(e['suppression'])} | "
                      f"{iv(e['mass'])} | {diff} |")
+    if summary.get("paired"):
+        lines += ["", "Paired, on the same rows (Σ_rows (AOPC_a − AOPC_b) / Σ_rows AOPC_b, prompt-clustered 95 %):", "",
+                  "| comparison | KL | log p |", "|---|---|---|"]
+        for name, e in summary["paired"].items():
+            lines.append(f"| {name} | {iv(e['kl'])} | {iv(e['logp'])} |")
     if summary.get("agreement"):
         lines += ["", "bf16 scores against the same method's fp32 scores on the same rows (mean over rows, "
                   "prompt-clustered 95 % interval; removals measured on the fp32 model above):", "",
@@ -502,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
                     "J = 0..N-1 side by side); the others are read from the cache where present")
     ap.add_argument("--fractions", default=",".join(f"{f:g}" for f in FRACTIONS),
                     help="deletion-curve fractions, comma-separated (fewer: a cheaper study, said in the table)")
+    ap.add_argument("--results", type=Path, default=None, help="also write the comparison's committed results file "
+                    "(summary and every row's AOPCs) here, e.g. research/results/fidelity_smollm2_1024.json")
     ap.add_argument("--gates", default="0.25:1,0.4:2,0.4:4,0.6:2,0.6:4,0.8:4",
                     help="tau:beta settings of the mass-on-target sweep (from the cached scores; '' for none)")
     a = ap.parse_args(argv)
@@ -539,6 +580,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(chunks, methods, default_min_gap(m.model))
     (out / f"summary_{'-'.join(methods)}.json").write_text(json.dumps(summary, indent=1))  # one per comparison
     text = table(summary, m.name, a.tokens)
+    if a.results:
+        cmd = "python -m research.long_fidelity " + " ".join(argv if argv is not None else sys.argv[1:])
+        a.results.parent.mkdir(parents=True, exist_ok=True)
+        a.results.write_text(json.dumps(results_record(summary, chunks, methods, cmd), indent=1) + "\n")
     gates = [tuple(float(x) for x in g.split(":")) for g in a.gates.split(",") if g]
     if gates and all("scores" in c for c in chunks):
         sweep = gating_sweep(chunks, methods, gates)

@@ -16,8 +16,8 @@ ARGS = ["--model", "tiny", "--rows", "2", "--tokens", "40", "--chunk", "1", "--m
         "--draws", "2", "--random", "4", "--operators", "token,delete", "--fractions", "0.1,0.2"]
 
 
-def _run(out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "research.long_fidelity", *ARGS, "--out", str(out)],
+def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "research.long_fidelity", *ARGS, "--out", str(out), *extra],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
@@ -60,6 +60,13 @@ def test_long_fidelity_study_quick(tmp_path):
             assert g["rows"] + g["undefined"] == 2
             if g["rows"]:
                 assert abs(g["mean"] - (sum(a) - sum(k)) / sum(k)) < 1e-9 and g["lo"] <= g["mean"] <= g["hi"]
+    # the paired comparison of the first method against the others on the same rows, by hand
+    a = [v for c in cached for v in c["aopc"]["oar_g"][0]]
+    b = [v for c in cached for v in c["aopc"]["fisher_k1"][0]]
+    pair = summary["paired"]["oar_g - fisher_k1"]["kl"]
+    assert pair["rows"] + pair["undefined"] == 2
+    if pair["rows"]:
+        assert abs(pair["mean"] - (sum(a) - sum(b)) / sum(b)) < 1e-9
     assert set(summary["controls"]) == {"position", "entropy"} and len(summary["rows_static"]) == 2
     assert summary["naopc_candidates"] == ["oar_g", "fisher_k1"]
     assert "| entropy (control) |" in proc.stdout + (run / "log.txt").read_text()
@@ -68,6 +75,12 @@ def test_long_fidelity_study_quick(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert [c.stat().st_mtime_ns for c in chunks] == stamp
     assert json.loads((run / "summary_oar_g-fisher_k1.json").read_text()) == summary
+    # the committed-results form: the summary and every row's AOPCs (the rows the summary was computed on)
+    results = tmp_path / "results.json"
+    assert _run(tmp_path, "--results", str(results)).returncode == 0
+    kept = json.loads(results.read_text())
+    assert kept["summary"] == summary and len(kept["rows"]) == 2 and "--results" in kept["command"]
+    assert [r["aopc"]["oar_g"][0] for r in kept["rows"]] == [round(v, 8) for v in a]
     # what mode=auto would decide on these rows: the product's rule on the cached per-row AOPCs (no model pass)
     from research import auto_decisions
 
