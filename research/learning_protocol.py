@@ -34,6 +34,10 @@ SECONDARY = (("fisher", "grpo"), ("oar_g", "grpo"), ("position", "grpo"), ("entr
              ("conservative", "position"), ("conservative", "entropy"), ("conservative", "fisher"),
              ("conservative", "oar_g"))
 ALPHA = 0.05
+# evidence §10: the default with the gate's candidate treatment of signed scores (set from the row measurement,
+# research/results/signed_gate.json, before the arm runs), paired with the default's runs above on the same seeds
+GATE_CANDIDATE: str | None = "magnitude"  # research/results/signed_gate.json, committed before the arm ran
+GATE_MARGIN = 0.02  # non-inferiority: the candidate's pooled Δ AUC lower bound must lie above −GATE_MARGIN
 RESULTS = REPO / "research" / "results" / "learning_protocol.json"
 
 
@@ -64,24 +68,67 @@ def run(out: Path, worker: int, workers: int) -> int:
     return 0
 
 
+def gate_dir(out: Path, task: str, seed: int) -> Path:
+    return out / "gate" / task / f"seed{seed}"
+
+
+def run_gate(out: Path, worker: int, workers: int) -> int:
+    """The §10 arm: the default with ``GATE_CANDIDATE`` on every task and seed, at the default's rate."""
+    if GATE_CANDIDATE is None:
+        raise SystemExit("GATE_CANDIDATE is not set: the row measurement chooses it first (evidence §10)")
+    pairs = [(t, s) for t in TASKS for s in SEEDS][worker::workers]
+    for task, seed in pairs:
+        args = ["--task", task, "--lr", f"{RATES[task]['conservative']:g}", "--seeds", "1", "--first-seed", str(seed),
+                "--methods", "conservative", "--signed-scores", GATE_CANDIDATE, "--out", str(gate_dir(out, task, seed))]
+        if credit.main(args) != 0:
+            return 1
+    return 0
+
+
+def collect_gate(out: Path) -> list[dict]:
+    """The §10 arm's runs (records like :func:`collect`'s, with ``signed_scores``)."""
+    records = []
+    for task in TASKS:
+        for seed in SEEDS:
+            for f in sorted(gate_dir(out, task, seed).glob("runs_*.json")):
+                for r in json.loads(f.read_text())["runs"]:
+                    if r["seed"] == seed and r.get("signed_scores") == GATE_CANDIDATE:
+                        records.append({**_record(task, seed, RATES[task]["conservative"], "conservative", r),
+                                        "signed_scores": GATE_CANDIDATE})
+    return records
+
+
+def analyse_gate(records: list[dict], gate: list[dict]) -> dict | None:
+    """The candidate against the default's own runs, paired on (task, seed): pooled and per task."""
+    if not gate:
+        return None
+    base = {(r["task"], r["seed"]): r for r in records if r["method"] == "conservative"}
+    cand = {(r["task"], r["seed"]): r for r in gate}
+    pooled = paired({k: v["auc"] for k, v in cand.items()}, {k: v["auc"] for k, v in base.items()})
+    per_task = {t: paired({k[1]: v["auc"] for k, v in cand.items() if k[0] == t},
+                          {k[1]: v["auc"] for k, v in base.items() if k[0] == t}) for t in TASKS}
+    lo = pooled["ci95"][0] if pooled["ci95"] else None
+    return {"candidate": GATE_CANDIDATE, "margin": GATE_MARGIN, "pooled": pooled, "per_task": per_task,
+            "non_inferior": bool(lo is not None and lo > -GATE_MARGIN and pooled["seeds"] == len(TASKS) * len(SEEDS))}
+
+
+def _record(task: str, seed: int, lr: float, method: str, r: dict) -> dict:
+    steps, values = r["val"]["steps"], r["val"]["values"]
+    w = [t["w_decisive"] for t in r["train"] if np.isfinite(t["w_decisive"])]
+    return {"task": task, "method": method, "seed": seed, "lr": lr, "steps": steps,
+            "values": [round(float(v), 6) for v in values], "auc": round(credit.auc(steps, values), 6),
+            "final": round(float(values[-1]), 6), "w_decisive": round(float(np.mean(w)), 4) if w else None,
+            "wall_s": round(float(r["wall_s"]), 1)}
+
+
 def collect(out: Path) -> list[dict]:
     """Every run of the plan found under ``out``: one record each (none dropped; a missing run is reported missing)."""
     records = []
     for task, seed, lr, methods in units():
         d = run_dir(out, task, lr, seed)
         runs = {r["method"]: r for f in sorted(d.glob("runs_*.json")) for r in json.loads(f.read_text())["runs"]
-                if r["seed"] == seed}
-        for m in methods:
-            r = runs.get(m)
-            if r is None:
-                continue
-            steps, values = r["val"]["steps"], r["val"]["values"]
-            w = [t["w_decisive"] for t in r["train"] if np.isfinite(t["w_decisive"])]
-            records.append({"task": task, "method": m, "seed": seed, "lr": lr, "steps": steps,
-                            "values": [round(float(v), 6) for v in values], "auc": round(credit.auc(steps, values), 6),
-                            "final": round(float(values[-1]), 6),
-                            "w_decisive": round(float(np.mean(w)), 4) if w else None,
-                            "wall_s": round(float(r["wall_s"]), 1)})
+                if r["seed"] == seed and "signed_scores" not in r}
+        records += [_record(task, seed, lr, m, runs[m]) for m in methods if m in runs]
     return records
 
 
@@ -136,14 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", default="1/0", help="N/J: run every N-th (task, seed) from J (N processes)")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "learning_protocol")
     ap.add_argument("--report-only", action="store_true", help="collect the runs into the results file, no new run")
+    ap.add_argument("--arm", choices=("main", "gate"), default="main", help="which runs to make: §9's or §10's")
     a = ap.parse_args(argv)
     n, j = (int(x) for x in a.workers.split("/"))
-    if not a.report_only and run(a.out, j, n) != 0:
+    if not a.report_only and (run if a.arm == "main" else run_gate)(a.out, j, n) != 0:
         return 1
-    records = collect(a.out)
+    records, gate = collect(a.out), collect_gate(a.out) if GATE_CANDIDATE else []
     result = {"protocol": {"tasks": TASKS, "methods": METHODS, "rates": RATES, "seeds": SEEDS, "primary": PRIMARY,
-                           "secondary": SECONDARY, "alpha": ALPHA, "section": "research/docs/evidence.md §9"},
-              "analysis": analyse(records), "records": records}
+                           "secondary": SECONDARY, "alpha": ALPHA, "section": "research/docs/evidence.md §9",
+                           "gate_candidate": GATE_CANDIDATE, "gate_margin": GATE_MARGIN},
+              "analysis": analyse(records), "gate": analyse_gate(records, gate), "records": records,
+              "gate_records": gate}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     a_ = result["analysis"]

@@ -129,9 +129,12 @@ def synthetic_rows(task_name: str, steps: int, root: Path) -> dict:
         for role in credit.ROLES:
             parts[role].append(pad(roles[role].bool()))
     cat = {k: (np.concatenate(v) if k == "groups" else torch.cat(v)) for k, v in parts.items()}
-    return {"warm_start_success": assets["val_success_t1"],
-            **measure(cat["importance"], cat["reasoning"], cat["rows"], cat["groups"],
-                      {r: cat[r] for r in credit.ROLES})}
+    cat["groups"] = np.array([f"{task_name}-{g}" for g in cat["groups"]])
+    return cat | {"warm_start_success": assets["val_success_t1"]}
+
+
+def measure_rows(cat: dict) -> dict:
+    return measure(cat["importance"], cat["reasoning"], cat["rows"], cat["groups"], {r: cat[r] for r in credit.ROLES})
 
 
 def long_rows(run: Path, methods: str = "conservative-fisher_k1_mean-oar_g") -> dict:
@@ -157,11 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     result = {"command": "python -m research.signed_gate " + " ".join(argv if argv is not None else sys.argv[1:]),
               "gate": {"tau": TAU, "beta": BETA, "floor": FLOOR}, "treatments": list(SIGNED_SCORES),
-              "synthetic": {t: synthetic_rows(t, a.steps, a.out) for t in a.tasks.split(",") if t},
-              "smollm2": long_rows(a.long_fidelity)}
+              "synthetic": {}, "smollm2": long_rows(a.long_fidelity)}
+    cats = {t: synthetic_rows(t, a.steps, a.out) for t in a.tasks.split(",") if t}
+    for t, cat in cats.items():
+        result["synthetic"][t] = {"warm_start_success": cat["warm_start_success"], **measure_rows(cat)}
+    if len(cats) > 1:  # the primary row statistic pools the tasks' rows (evidence §10)
+        keys = [k for k in next(iter(cats.values())) if k != "warm_start_success"]
+        pooled = {k: (np.concatenate if k == "groups" else torch.cat)([c[k] for c in cats.values()]) for k in keys}
+        result["pooled"] = measure_rows(pooled)
+        w = {n: e["w_decisive"]["mean"] for n, e in result["pooled"]["treatments"].items()}
+        result["candidate"] = max((n for n in w if n != "clamp"), key=lambda n: w[n])
     a.results.parent.mkdir(parents=True, exist_ok=True)
     a.results.write_text(json.dumps(result, indent=1) + "\n")
-    for where, r in [*result["synthetic"].items(), ("smollm2", result["smollm2"])]:
+    print(f"candidate (largest pooled weight on the decisive token, clamp aside): {result.get('candidate')}")
+    for where, r in [*result["synthetic"].items(), ("pooled", result.get("pooled", {})), ("smollm2", result["smollm2"])]:
         if not r.get("rows"):
             continue
         print(f"{where}: {r['rows']} rows; cause {r['cause']['mean']:.2f}")

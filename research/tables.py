@@ -146,7 +146,89 @@ def no_span_rows() -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# The gate's treatment of signed scores (research/signed_gate.py, evidence §10, method §5)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _pct(x: dict | None) -> str:
+    return "–" if not x or x.get("mean") is None else f"{100 * x['mean']:.0f} %"
+
+
+def _w(x: dict | None) -> str:
+    return "–" if not x or x.get("mean") is None else f"{x['mean']:.2f} [{x['lo']:.2f}, {x['hi']:.2f}]"
+
+
+def signed_gate_rows() -> str:
+    r = load("signed_gate")
+    tasks = list(r["synthetic"])
+    src = [(t, r["synthetic"][t]) for t in tasks] + ([("SmolLM2", r["smollm2"])] if r["smollm2"].get("rows") else [])
+    lines = ["| treatment (`signed_scores`) | rows where the gate suppresses nothing: " + " / ".join(n for n, _ in src)
+             + " | weight of negative-score tokens: " + " / ".join(n for n, _ in src)
+             + " | weight on the decisive token: " + " / ".join(tasks) + " / pooled | decisive token weighted "
+             "highest: " + " / ".join(tasks) + " / pooled |", "|---|---|---|---|---|"]
+    for name in r["treatments"]:
+        e = [x["treatments"][name] for _, x in src]
+        syn = [r["synthetic"][t]["treatments"][name] for t in tasks]
+        pooled = r["pooled"]["treatments"][name]
+        lines.append(f"| `{name}` | " + " / ".join(_pct(x["no_suppression"]) for x in e) + " | "
+                     + " / ".join("–" if x["w_negative"]["mean"] is None else f"{x['w_negative']['mean']:.2f}"
+                                  for x in e) + " | "
+                     + " / ".join(f"{x['w_decisive']['mean']:.2f}" for x in syn) + f" / **{_w(pooled['w_decisive'])}** | "
+                     + " / ".join(_pct(x["decisive_top"]) for x in syn) + f" / {_pct(pooled['decisive_top'])} |")
+    cause = " / ".join(f"{n} {_pct(x['cause'])} ({x['rows']} rows)" for n, x in src)
+    lines += ["", f"Rows with at least τ = {r['gate']['tau']:g} of their tokens at or below 0 (where `clamp` loses "
+              f"suppression): {cause}. Candidate by the primary row statistic: `{r.get('candidate')}`."]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# OAR-G's σ against bf16 (research/sigma_sweep.py, faithfulness §17)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def sigma_sweep() -> str:
+    r = load("sigma_sweep")
+    lines = [f"| OAR-G σ | bf16 twin (buffers fp32) vs fp32, Spearman ({r['rows']} rows) | `.to(bfloat16)` vs fp32 |",
+             "|---|---|---|"]
+    for sigma, e in r["sigmas"].items():
+        lines.append(f"| {sigma} | {e['bf16_buffers_fp32']['mean']:.2f} | {e['bf16_to']['mean']:.2f} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The default against fisher and OAR-G on the same rows (research/long_fidelity.py --results, method §15)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def fidelity_paired_smollm2() -> str:
+    r = load("fidelity_smollm2_1024")
+    s = r["summary"]
+    methods = list(s["methods"])
+    lines = [f"| ranking (SmolLM2, {s['rows']} rows × ≤ 1,024) | over random | over position | over entropy | "
+             "cost × train |", "|---|---|---|---|---|"]
+    for m in methods:
+        g = s["methods"][m]["gain_over"]
+        lines.append(f"| {m} | {iv(g['random'], 2, 'mean')} | {iv(g['position'], 2, 'mean')} | "
+                     f"{iv(g['entropy'], 2, 'mean')} | {s['methods'][m]['cost']:.2f} |")
+    lines += ["", f"| paired on the same rows | KL measure | log p measure |", "|---|---|---|"]
+    for name, e in s["paired"].items():
+        lines.append(f"| {name.replace(' - ', ' − ')} | {iv(e['kl'], 2, 'mean')} | {iv(e['logp'], 2, 'mean')} |")
+    return "\n".join(lines)
+
+
+def fidelity_paired_headline() -> str:
+    r = load("fidelity_smollm2_1024")
+    s = r["summary"]
+    first = list(s["methods"])[0]
+    pos = iv(s["methods"][first]["gain_over"]["position"], 2, "mean")
+    pairs = "; ".join(f"against {k.split(' - ')[1]} {iv(e['kl'], 2, 'mean')}" for k, e in s["paired"].items())
+    return f"SmolLM2, {s['rows']} rows × ≤ 1,024 tokens: over position {pos}; paired on the same rows {pairs}"
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
+    "signed_gate_rows": signed_gate_rows, "sigma_sweep": sigma_sweep,
+    "fidelity_paired_smollm2": fidelity_paired_smollm2, "fidelity_paired_headline": fidelity_paired_headline,
     "learning_methods": learning_methods, "learning_primary": learning_primary,
     "learning_secondary": learning_secondary, "learning_headline": learning_headline,
     "no_span_rows": no_span_rows,
