@@ -68,6 +68,31 @@ def run(out: Path, worker: int, workers: int) -> int:
     return 0
 
 
+# evidence §7 and §8 report GRPO on `first` at 1.2e-3 as 0.447 ± 0.236 (seeds 0–5) and 0.685 (seeds 0–3): today's
+# code rerun on those seeds says which (if either) reproduces (issue #57 item 3)
+RECONCILE = {"task": "first", "method": "grpo", "lr": 1.2e-3, "seeds": tuple(range(6)),
+             "published": {"§7": {"seeds": "0-5", "auc": 0.447, "auc_sd": 0.236}, "§8": {"seeds": "0-3", "auc": 0.685}}}
+
+
+def run_reconcile(out: Path) -> int:
+    r = RECONCILE
+    return credit.main(["--task", r["task"], "--lr", f"{r['lr']:g}", "--seeds", str(len(r["seeds"])), "--first-seed",
+                        str(r["seeds"][0]), "--methods", r["method"], "--out", str(out / "reconcile")])
+
+
+def collect_reconcile(out: Path) -> dict | None:
+    r = RECONCILE
+    runs = [x for f in sorted((out / "reconcile").glob("runs_*.json")) for x in json.loads(f.read_text())["runs"]]
+    records = [_record(r["task"], x["seed"], r["lr"], r["method"], x) for x in runs if x["seed"] in r["seeds"]]
+    if not records:
+        return None
+    auc = {x["seed"]: x["auc"] for x in records}
+    first4 = [auc[s] for s in range(4) if s in auc]
+    return {**r, "records": records, "auc": float(np.mean(list(auc.values()))),
+            "auc_sd": float(np.std(list(auc.values()), ddof=1)) if len(auc) > 1 else 0.0,
+            "auc_seeds_0_3": float(np.mean(first4)) if first4 else None}
+
+
 def gate_dir(out: Path, task: str, seed: int) -> Path:
     return out / "gate" / task / f"seed{seed}"
 
@@ -183,17 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", default="1/0", help="N/J: run every N-th (task, seed) from J (N processes)")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "learning_protocol")
     ap.add_argument("--report-only", action="store_true", help="collect the runs into the results file, no new run")
-    ap.add_argument("--arm", choices=("main", "gate"), default="main", help="which runs to make: §9's or §10's")
+    ap.add_argument("--arm", choices=("main", "gate", "reconcile"), default="main",
+                    help="which runs to make: §9's, §10's, or the §7/§8 reconciliation's")
     a = ap.parse_args(argv)
     n, j = (int(x) for x in a.workers.split("/"))
-    if not a.report_only and (run if a.arm == "main" else run_gate)(a.out, j, n) != 0:
+    arms = {"main": lambda: run(a.out, j, n), "gate": lambda: run_gate(a.out, j, n),
+            "reconcile": lambda: run_reconcile(a.out)}
+    if not a.report_only and arms[a.arm]() != 0:
         return 1
     records, gate = collect(a.out), collect_gate(a.out) if GATE_CANDIDATE else []
     result = {"protocol": {"tasks": TASKS, "methods": METHODS, "rates": RATES, "seeds": SEEDS, "primary": PRIMARY,
                            "secondary": SECONDARY, "alpha": ALPHA, "section": "research/docs/evidence.md §9",
                            "gate_candidate": GATE_CANDIDATE, "gate_margin": GATE_MARGIN},
               "analysis": analyse(records), "gate": analyse_gate(records, gate), "records": records,
-              "gate_records": gate}
+              "gate_records": gate, "reconcile": collect_reconcile(a.out)}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     a_ = result["analysis"]

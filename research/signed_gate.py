@@ -81,6 +81,7 @@ def measure(importance: torch.Tensor, reasoning: torch.Tensor, rows: torch.Tenso
            "cause": cluster_ci((at_or_below >= TAU).double().numpy()[k], groups[k]),
            "negative_token_share": cluster_ci(np.where(k, (neg.sum(-1) / reasoning.sum(-1).clamp(min=1)).numpy(),
                                                        np.nan)[k], groups[k]), "treatments": {}}
+    dec_clamp = None
     for name in SIGNED_SCORES:
         st = row_stats(importance, reasoning, keep, name)
         w = st["weights"]
@@ -94,6 +95,9 @@ def measure(importance: torch.Tensor, reasoning: torch.Tensor, rows: torch.Tenso
         if roles is not None:
             for role in ("decisive", "decoy", "filler"):
                 e[f"w_{role}"] = cluster_ci(mean_on(roles[role] & reasoning & keep[:, None])[k], groups[k])
+            dec_w = mean_on(roles["decisive"] & reasoning & keep[:, None])
+            dec_clamp = dec_w if name == "clamp" else dec_clamp
+            e["w_decisive_minus_clamp"] = cluster_ci((dec_w - dec_clamp)[k], groups[k])  # paired on the same rows
             dec = roles["decisive"] & reasoning
             top = torch.where(reasoning, w, float("-inf")).amax(-1)
             has = dec.any(-1)

@@ -105,6 +105,29 @@ def learning_secondary() -> str:
     return "\n".join(lines)
 
 
+def learning_cell(method: str) -> str:
+    """One method's Δ AUC against GRPO per task, for method §15's table: the primary test's p for the default, the
+    Holm-adjusted p of the secondary tests for the others."""
+    a = load("learning_protocol")["analysis"]
+    tests = a["primary"] if method == "conservative" else [s for s in a["secondary"]
+                                                           if s["a"] == method and s["b"] == "grpo"]
+    key = "p" if method == "conservative" else "p_holm"
+    return " / ".join("–" if t["diff"] is None else f"{num(t['diff'])} (p {pval(t.get(key))})" for t in tests)
+
+
+def learning_reconcile() -> str:
+    """§7 against §8: GRPO on `first` at 1.2e-3 rerun on the seeds both reported."""
+    r = load("learning_protocol").get("reconcile")
+    if not r:
+        return "(not run)"
+    per = ", ".join(f"{x['seed']}: {x['auc']:.3f}" for x in sorted(r["records"], key=lambda x: x["seed"]))
+    pub = r["published"]
+    return (f"GRPO on `{r['task']}` at {r['lr']:g}, today's code, seeds {r['seeds'][0]}–{r['seeds'][-1]}: AUC "
+            f"{r['auc']:.3f} ± {r['auc_sd']:.3f} (seeds 0–3: {r['auc_seeds_0_3']:.3f}; per seed {per}); published: "
+            f"§7 {pub['§7']['auc']:.3f} ± {pub['§7']['auc_sd']:.3f} (seeds {pub['§7']['seeds']}), §8 "
+            f"{pub['§8']['auc']:.3f} (seeds {pub['§8']['seeds']})")
+
+
 def learning_headline() -> str:
     """The README's one line: the primary result per task."""
     r = load("learning_protocol")
@@ -176,10 +199,25 @@ def signed_gate_rows() -> str:
                                   for x in e) + " | "
                      + " / ".join(f"{x['w_decisive']['mean']:.2f}" for x in syn) + f" / **{_w(pooled['w_decisive'])}** | "
                      + " / ".join(_pct(x["decisive_top"]) for x in syn) + f" / {_pct(pooled['decisive_top'])} |")
+    paired = "; ".join(f"`{n}` {iv(e['w_decisive_minus_clamp'], 2, 'mean')}" for n, e in
+                       r["pooled"]["treatments"].items() if n != "clamp" and "w_decisive_minus_clamp" in e)
     cause = " / ".join(f"{n} {_pct(x['cause'])} ({x['rows']} rows)" for n, x in src)
     lines += ["", f"Rows with at least τ = {r['gate']['tau']:g} of their tokens at or below 0 (where `clamp` loses "
-              f"suppression): {cause}. Candidate by the primary row statistic: `{r.get('candidate')}`."]
+              f"suppression): {cause}. Weight on the decisive token against `clamp`, paired on the same rows (pooled): "
+              f"{paired or '–'}. Candidate by the primary row statistic: `{r.get('candidate')}`."]
     return "\n".join(lines)
+
+
+def gate_learning() -> str:
+    """The §10 learning arm: the candidate against `clamp` on §9's seeds, and the decision the protocol fixed."""
+    g = load("learning_protocol").get("gate")
+    if not g:
+        return "(the learning arm has not run)"
+    per = "; ".join(f"{t} {iv(x)}" for t, x in g["per_task"].items())
+    verdict = (f"non-inferior (lower bound above −{g['margin']:g})" if g["non_inferior"]
+               else f"not shown non-inferior (lower bound at or below −{g['margin']:g})")
+    return (f"`{g['candidate']}` − `clamp`, Δ AUC over the {g['pooled']['seeds']} (task, seed) pairs "
+            f"{iv(g['pooled'])} (sign-flip p {pval(g['pooled']['p'])}): {verdict}; per task {per}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -227,10 +265,13 @@ def fidelity_paired_headline() -> str:
 
 
 RENDERERS: dict[str, Callable[[], str]] = {
-    "signed_gate_rows": signed_gate_rows, "sigma_sweep": sigma_sweep,
+    "signed_gate_rows": signed_gate_rows, "gate_learning": gate_learning, "sigma_sweep": sigma_sweep,
     "fidelity_paired_smollm2": fidelity_paired_smollm2, "fidelity_paired_headline": fidelity_paired_headline,
     "learning_methods": learning_methods, "learning_primary": learning_primary,
     "learning_secondary": learning_secondary, "learning_headline": learning_headline,
+    "learning_reconcile": learning_reconcile,
+    "learning_cell.conservative": lambda: learning_cell("conservative"),
+    "learning_cell.fisher": lambda: learning_cell("fisher"), "learning_cell.oar_g": lambda: learning_cell("oar_g"),
     "no_span_rows": no_span_rows,
 }
 
