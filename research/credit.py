@@ -133,12 +133,11 @@ def make_rollouts(tok, rows, prompt_ids, responses, uids) -> Rollouts:
 def algorithm_config(method: str, seed: int, signed_scores: str = "clamp"):
     """verl's ``algorithm`` section as the OAR trainer sees it: GRPO base advantage, OAR defaults (paper gating,
     probe ``auto``), the mode of ``method``, ``algorithm.oar.seed`` = the run's seed, and
-    ``algorithm.oar.signed_scores`` when it is not the default ``clamp`` (``--signed-scores``)."""
+    ``algorithm.oar.signed_scores`` (``--signed-scores``; always set, so the studies' runs do not move with the
+    product's default: their default is ``clamp``, the treatment every study before evidence §10 ran)."""
     from omegaconf import OmegaConf
 
-    oar = {"mode": MODES.get(method, "gradient"), "seed": seed}
-    if signed_scores != "clamp":
-        oar["signed_scores"] = signed_scores
+    oar = {"mode": MODES.get(method, "gradient"), "seed": seed, "signed_scores": signed_scores}
     return OmegaConf.create({"adv_estimator": "oar" if method != "grpo" else "grpo", "norm_adv_by_std_in_grpo": True,
                              "oar": oar})
 
@@ -504,8 +503,7 @@ def verl_check(assets: dict, out: Path, *, log, prompt: tuple[int, int] = (3, 5)
             extra=[f"algorithm.oar.mode={MODES[method]}", "algorithm.oar.dump_every=1",
                    f"algorithm.oar.dump_groups={groups}", f"algorithm.oar.dump_dir={run_dir / 'dumps'}",
                    "algorithm.oar.seed=0", "actor_rollout_ref.rollout.temperature=1.0", "trainer.test_freq=-1",
-                   "trainer.val_before_train=False", *([f"algorithm.oar.signed_scores={signed_scores}"]
-                                                       if signed_scores != "clamp" else [])])
+                   "trainer.val_before_train=False", f"algorithm.oar.signed_scores={signed_scores}"])
         log(f"[credit] verl check: {LABELS[method]}, one step of python -m oar_verl.main")
         try:
             run = run_main_ppo(overrides, output_dir=run_dir, env=cpu_env(file_logger_root=run_dir / "metrics"),

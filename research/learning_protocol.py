@@ -133,7 +133,12 @@ def analyse_gate(records: list[dict], gate: list[dict]) -> dict | None:
     per_task = {t: paired({k[1]: v["auc"] for k, v in cand.items() if k[0] == t},
                           {k[1]: v["auc"] for k, v in base.items() if k[0] == t}) for t in TASKS}
     lo = pooled["ci95"][0] if pooled["ci95"] else None
+    grpo = {(r["task"], r["seed"]): r for r in records if r["method"] == "grpo"}
+    # not a test the protocol named (exploratory): the candidate against GRPO on the same seeds, per task
+    against_grpo = {t: paired({k[1]: v["auc"] for k, v in cand.items() if k[0] == t},
+                              {k[1]: v["auc"] for k, v in grpo.items() if k[0] == t}) for t in TASKS}
     return {"candidate": GATE_CANDIDATE, "margin": GATE_MARGIN, "pooled": pooled, "per_task": per_task,
+            "exploratory_against_grpo": against_grpo,
             "non_inferior": bool(lo is not None and lo > -GATE_MARGIN and pooled["seeds"] == len(TASKS) * len(SEEDS))}
 
 

@@ -220,6 +220,14 @@ def gate_learning() -> str:
             f"{iv(g['pooled'])} (sign-flip p {pval(g['pooled']['p'])}): {verdict}; per task {per}")
 
 
+def gate_against_grpo() -> str:
+    """Exploratory (no test the protocol named): the default with the candidate treatment against GRPO, same seeds."""
+    g = load("learning_protocol").get("gate")
+    if not g or "exploratory_against_grpo" not in g:
+        return "(not run)"
+    return " / ".join(f"{t} {iv(x)} (p {pval(x['p'])})" for t, x in g["exploratory_against_grpo"].items())
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # OAR-G's σ against bf16 (research/sigma_sweep.py, faithfulness §17)
 # ---------------------------------------------------------------------------------------------------------------------
@@ -255,18 +263,38 @@ def fidelity_paired_smollm2() -> str:
     return "\n".join(lines)
 
 
+def fidelity_pair(other: str) -> str:
+    """One cell of method §15: the default against ``other`` on the same SmolLM2 rows (KL measure)."""
+    s = load("fidelity_smollm2_1024")["summary"]
+    first = list(s["methods"])[0]
+    return iv(s["paired"][f"{first} - {other}"]["kl"], 2, "mean")
+
+
+_STUDY_LABEL = {"conservative": "the default", "fisher_k1_mean": "`fisher`", "oar_g": "OAR-G"}
+
+
 def fidelity_paired_headline() -> str:
     r = load("fidelity_smollm2_1024")
     s = r["summary"]
     first = list(s["methods"])[0]
     pos = iv(s["methods"][first]["gain_over"]["position"], 2, "mean")
-    pairs = "; ".join(f"against {k.split(' - ')[1]} {iv(e['kl'], 2, 'mean')}" for k, e in s["paired"].items())
+    pairs = "; ".join(f"against {_STUDY_LABEL.get(k.split(' - ')[1], k.split(' - ')[1])} {iv(e['kl'], 2, 'mean')}"
+                      for k, e in s["paired"].items())
     return f"SmolLM2, {s['rows']} rows × ≤ 1,024 tokens: over position {pos}; paired on the same rows {pairs}"
 
 
+def no_span_headline() -> str:
+    """The README's figure: the default's scores of a row without a span, on the probe they explain, over random."""
+    r = load("no_span_rows")
+    return f"{r['rows']} rows, {iv(r['own_probe']['eos']['conservative:eos']['random'], 2, 'mean')}"
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
-    "signed_gate_rows": signed_gate_rows, "gate_learning": gate_learning, "sigma_sweep": sigma_sweep,
+    "no_span_headline": no_span_headline,
+    "signed_gate_rows": signed_gate_rows, "gate_learning": gate_learning, "gate_against_grpo": gate_against_grpo, "sigma_sweep": sigma_sweep,
     "fidelity_paired_smollm2": fidelity_paired_smollm2, "fidelity_paired_headline": fidelity_paired_headline,
+    "fidelity_pair.fisher_k1_mean": lambda: fidelity_pair("fisher_k1_mean"),
+    "fidelity_pair.oar_g": lambda: fidelity_pair("oar_g"),
     "learning_methods": learning_methods, "learning_primary": learning_primary,
     "learning_secondary": learning_secondary, "learning_headline": learning_headline,
     "learning_reconcile": learning_reconcile,

@@ -25,6 +25,7 @@ ATTENTION_RULES = ("values", "uniform")  # how `conservative` propagates through
 # how the gate reads signed scores (`signed_scores`): the names of core/reshaping/gating.py's SIGNED_SCORES, whose
 # import fails if the two differ (this module is a leaf: it cannot import the scalings)
 SIGNED_SCORE_NAMES = ("clamp", "signed", "magnitude", "rank")
+SIGNED_SCORES_DEFAULT = "magnitude"  # chosen by measurement: research/docs/evidence.md §10
 AUTO_MAX_CANDIDATES = 8  # the integrations' per-row fields hold this many candidates
 
 # Presets only fill the keys the user did not set.  `paper`: the values the paper's summaries report; `official_code`:
@@ -87,11 +88,14 @@ class OARConfig:
                               "Boost strength, >= 0: boosted raw weights lie in [1, 1 + beta]. null = the preset's "
                               "value.")
     floor: float = _key(0.1, "gating", "Lowest raw weight of a suppressed token, in (0, 1].")
-    signed_scores: str = _key("clamp", "gating",
+    signed_scores: str = _key(SIGNED_SCORES_DEFAULT, "gating",
                               "How the gate reads signed scores (the default mode's relevance is signed: "
-                              "negative = the token argues against the stated answer): `clamp` (negatives "
-                              "count as 0, today's), `signed` (counter-evidence ranks lowest), `magnitude` "
-                              "(|score|), `rank` (ranks of the signed scores).")
+                              "negative = the token argues against the stated answer): `magnitude` (|score|: "
+                              "evidence for or against alike; chosen by measurement, research/docs/evidence.md "
+                              "§10), `clamp` (negatives count as 0, the gate before it), `signed` "
+                              "(counter-evidence ranks lowest), `rank` (ranks of the signed scores). Scores "
+                              "that are never negative (KL, fisher, OAR-G) read the same under `magnitude` and "
+                              "`clamp`.")
     probe: str = _key("auto", "probe",
                       "Outcome probe: `auto` (LT-Logits for the first `probe_warmup_steps` steps, AS-Mean after) | "
                       "`lt_logits` | `as_mean` | `as_joint`.")

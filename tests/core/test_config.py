@@ -144,11 +144,18 @@ def test_trainer_yaml_lists_every_key_with_its_default():
 
 
 def test_signed_scores_are_checked_at_construction():
-    """``signed_scores`` (how the gate reads signed scores): the default keeps today's clamp; a bad value fails when the
-    config is built, naming the key and every scaling of the gate's registry."""
+    """``signed_scores`` (how the gate reads signed scores): the default is the measured choice, ``magnitude``
+    (research/docs/evidence.md §10), shared with the gate's functions; a bad value fails when the config is built,
+    naming the key and every scaling of the gate's registry."""
     from oar_verl.core.reshaping.gating import SIGNED_SCORES
 
-    assert OARConfig().signed_scores == "clamp"
+    import inspect
+
+    from oar_verl.core.reshaping.gating import normalize_scores, oar_token_weights
+
+    assert OARConfig().signed_scores == "magnitude"
+    assert {inspect.signature(f).parameters["signed"].default for f in (normalize_scores, oar_token_weights)} == {
+        "magnitude"}
     for name in SIGNED_SCORES:
         assert OARConfig.from_mapping({"signed_scores": name}).signed_scores == name
     for bad in ("sign", "", None, 1):

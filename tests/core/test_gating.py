@@ -301,11 +301,12 @@ def test_clamp_is_the_old_rule_bit_for_bit(rows, tau, beta, floor):
 
     imp, mask = pad([np.array(s) for s, _ in rows], 24)
     old = old_normalize(imp, mask)
-    assert torch.equal(normalize_scores(imp, mask), old)
     assert torch.equal(normalize_scores(imp, mask, "clamp"), old)
     w_old = torch.where(mask, gate(old, mask, tau, beta, floor)[0], mask.double()).float()
-    assert torch.equal(oar_token_weights(imp, mask, mask.long(), tau, beta, floor).weights, w_old)
     assert torch.equal(oar_token_weights(imp, mask, mask.long(), tau, beta, floor, signed="clamp").weights, w_old)
+    # the default (`magnitude`) reads scores that are never negative exactly as the old rule did
+    plain = imp.abs()
+    assert torch.equal(normalize_scores(plain, mask), old_normalize(plain, mask))
 
 
 @pytest.mark.parametrize("name", ["clamp", "signed", "magnitude", "rank"])
@@ -389,8 +390,10 @@ def test_counter_evidence_under_clamp_and_signed():
     w, floored, _ = gate(n, mask, tau, beta, floor)
     assert not floored.any()
     assert torch.equal(w[0, :7], w[0, :7].min().expand(7))  # -5 .. 0 alike: the counter-evidence is not told apart
-    tw = oar_token_weights(imp, mask, mask.long(), tau, beta, floor)
+    tw = oar_token_weights(imp, mask, mask.long(), tau, beta, floor, signed="clamp")
     assert not tw.floored.any() and float(tw.weights[0, 0]) == float(tw.weights[0, 6])
+    tw = oar_token_weights(imp, mask, mask.long(), tau, beta, floor)  # the default, `magnitude`: |score| decides
+    assert float(tw.weights[0, 0]) > float(tw.weights[0, 6]) and tw.floored[0, 6]
 
     tw = oar_token_weights(imp, mask, mask.long(), tau, beta, floor, signed="signed")
     w = tw.weights[0]

@@ -4,7 +4,8 @@ docs/method.md §5, with the official code's τ overwrite fixed (§7: the config
 every sequence):
 
     u = log1p(max(I, 0));  n = (u − min u) / (max u − min u)   (divisor 1 when constant)
-    u by signed_scores: clamp (above) | signed: sign(I)·log1p|I| | magnitude: log1p|I| | rank: n = rank(I)/(R − 1)
+    u by signed_scores: magnitude (the default): log1p|I| | clamp (above) | signed: sign(I)·log1p|I| |
+                        rank: n = rank(I)/(R − 1)   (the choice measured: research/docs/evidence.md §10)
     θ = quantile(n, τ)     (linear interpolation, numpy's default)
     w = max(n / (θ + 1e-8), floor)            if n < θ   (suppression ramp floor..1)
     w = 1 + β (n − θ) / (1 − θ + 1e-8)        if n ≥ θ   (boost ramp 1..1+β)
@@ -21,7 +22,7 @@ from types import MappingProxyType
 
 import torch
 
-from oar_verl.core.config import SIGNED_SCORE_NAMES
+from oar_verl.core.config import SIGNED_SCORE_NAMES, SIGNED_SCORES_DEFAULT
 
 _EPS = 1e-8
 
@@ -135,7 +136,8 @@ if tuple(SIGNED_SCORES) != SIGNED_SCORE_NAMES:  # pragma: no cover  (a name adde
     raise ImportError(f"SIGNED_SCORES {tuple(SIGNED_SCORES)} != config.SIGNED_SCORE_NAMES {SIGNED_SCORE_NAMES}")
 
 
-def normalize_scores(importance: torch.Tensor, mask: torch.Tensor, signed: str = "clamp") -> torch.Tensor:
+def normalize_scores(importance: torch.Tensor, mask: torch.Tensor,
+                     signed: str = SIGNED_SCORES_DEFAULT) -> torch.Tensor:
     """Raw scores to [0, 1] per row over the masked entries, by the scaling ``signed`` names in :data:`SIGNED_SCORES`.
 
     Args:
@@ -205,7 +207,8 @@ def gate(normalized: torch.Tensor, mask: torch.Tensor, tau: float, beta: float, 
 
 def oar_token_weights(importance: torch.Tensor, reasoning_mask: torch.Tensor, response_mask: torch.Tensor,
                       tau: float, beta: float, floor: float = 0.1,
-                      reshape_rows: torch.Tensor | None = None, *, signed: str = "clamp") -> TokenWeights:
+                      reshape_rows: torch.Tensor | None = None, *,
+                      signed: str = SIGNED_SCORES_DEFAULT) -> TokenWeights:
     """Per-token OAR weights of a response batch.
 
     Args:
