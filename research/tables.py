@@ -136,8 +136,8 @@ def learning_headline() -> str:
     verdict = ("faster than GRPO where the decisive token is " + " and ".join(faster)) if faster else \
         "not faster than GRPO on any task"
     seeds = len(r["protocol"]["seeds"])
-    return (f"{verdict}: the default − GRPO in AUC at rates fixed on other seeds, {seeds} fresh seeds, "
-            + " / ".join(parts))
+    return (f"{verdict}: the default (with the gate's `clamp`; `magnitude` since evidence §10) − GRPO in AUC at rates "
+            f"fixed on other seeds, {seeds} fresh seeds, " + " / ".join(parts))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
