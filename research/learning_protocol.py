@@ -1,14 +1,14 @@
-"""The learning question under a protocol fixed before the run (issue #57 item 3; research/docs/evidence.md §9).
+"""The learning question under protocols fixed before the run (issue #57; research/docs/evidence.md §9 and §11).
 
-Everything the protocol fixes lives here as data, read by both the runs and the analysis, so neither can drift from
-what was written down: the tasks, the methods, each method's learning rate (chosen on the tuning seeds 0–9 of
-evidence §6–8, never on the seeds below), the fresh seeds, the one primary test per task and the secondary tests
-(Holm-adjusted together). Runs go through :mod:`research.credit`'s loop, unchanged; every run is kept in the committed
-results file ``research/results/learning_protocol.json`` (per-run validation curves, AUC, final success, the mean
-weight on the decisive token, wall time), and the tables in evidence §9 are generated from that file
-(``python -m research.tables``).
+Everything a protocol fixes lives here as data (:class:`Protocol`), read by both the runs and the analysis, so neither
+can drift from what was written down: the tasks, the methods, each method's learning rate (chosen on the tuning seeds
+0–9 of evidence §6–8, never on the seeds compared), the fresh seeds, the gate's reading of signed scores, the one
+primary test per task and the secondary tests (Holm-adjusted together). Runs go through :mod:`research.credit`'s loop,
+unchanged; every run is kept in the protocol's committed results file under ``research/results/`` (per-run validation
+curves, AUC, final success, the mean weight on the decisive token, wall time), and the tables in evidence §9–11 are
+generated from those files (``python -m research.tables``).
 
-usage: python -m research.learning_protocol [--workers N/J] [--out DIR] [--report-only]
+usage: python -m research.learning_protocol [--protocol 9|11] [--workers N/J] [--out DIR] [--report-only]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,28 +42,66 @@ GATE_MARGIN = 0.02  # non-inferiority: the candidate's pooled Δ AUC lower bound
 RESULTS = REPO / "research" / "results" / "learning_protocol.json"
 
 
-def units() -> list[tuple[str, int, float, tuple[str, ...]]]:
-    """(task, seed, rate, methods at that rate) in run order: a seed's methods together, so a stopped study is paired."""
+@dataclass(frozen=True)
+class Protocol:
+    """One learning protocol as data: what it runs (tasks × seeds × methods at their fixed rates, the gate's reading
+    of signed scores for every run) and what it tests (one primary pair per task; secondary pairs, Holm together).
+    Methods that appear in no primary pair run after every primary run (a second phase), so a study stopped for
+    time keeps its primary tests whole."""
+
+    section: str
+    tasks: tuple[str, ...]
+    methods: tuple[str, ...]
+    rates: dict
+    seeds: tuple[int, ...]
+    primary: tuple[str, str]
+    secondary: tuple[tuple[str, str], ...]
+    signed_scores: str
+    results: Path
+    out_name: str  # the runs' folder under --out
+
+
+# evidence §9: the six methods, the default with the gate's `clamp` (the default before §10)
+SECTION9 = Protocol("research/docs/evidence.md §9", TASKS, METHODS, RATES, SEEDS, PRIMARY, SECONDARY, "clamp", RESULTS,
+                    "")
+# evidence §11: the default as it ships since §10 (`magnitude`) against GRPO on seeds no study has used, with the
+# free alternatives beside it; the rates are §9's (the default's rate was chosen with `clamp`, on seeds 0–9)
+SECTION11 = Protocol("research/docs/evidence.md §11", TASKS, ("grpo", "conservative", "position", "entropy"),
+                     {t: {m: RATES[t][m] for m in ("grpo", "conservative", "position", "entropy")} for t in TASKS},
+                     tuple(range(20, 30)), PRIMARY,
+                     (("conservative", "position"), ("conservative", "entropy"), ("position", "grpo"),
+                      ("entropy", "grpo")),
+                     "magnitude", REPO / "research" / "results" / "learning_protocol_11.json", "protocol_11")
+PROTOCOLS = {"9": SECTION9, "11": SECTION11}
+
+
+def units(proto: Protocol = SECTION9) -> list[tuple[str, int, float, tuple[str, ...]]]:
+    """(task, seed, rate, methods at that rate) in run order: a seed's methods together, so a stopped study is paired;
+    the primary pair's methods first on every task and seed, then the others (their own phase)."""
+    first = [m for m in proto.methods if m in proto.primary]
+    phases = [first, [m for m in proto.methods if m not in first]]
     out = []
-    for task in TASKS:
-        for seed in SEEDS:
-            for lr in sorted(set(RATES[task].values())):
-                out.append((task, seed, lr, tuple(m for m in METHODS if RATES[task][m] == lr)))
+    for phase in phases:
+        for task in proto.tasks:
+            for seed in proto.seeds:
+                for lr in sorted({proto.rates[task][m] for m in phase}):
+                    out.append((task, seed, lr, tuple(m for m in phase if proto.rates[task][m] == lr)))
     return out
 
 
-def run_dir(out: Path, task: str, lr: float, seed: int) -> Path:
-    return out / task / f"lr{lr:g}" / f"seed{seed}"
+def run_dir(out: Path, task: str, lr: float, seed: int, proto: Protocol = SECTION9) -> Path:
+    return out / proto.out_name / task / f"lr{lr:g}" / f"seed{seed}"
 
 
-def run(out: Path, worker: int, workers: int) -> int:
+def run(out: Path, worker: int, workers: int, proto: Protocol = SECTION9) -> int:
     """This worker's share of the units (every ``workers``-th (task, seed) from ``worker``); resumable."""
-    pairs = sorted({(t, s) for t, s, _, _ in units()}, key=lambda p: (TASKS.index(p[0]), p[1]))
+    pairs = sorted({(t, s) for t, s, _, _ in units(proto)}, key=lambda p: (proto.tasks.index(p[0]), p[1]))
     mine = set(pairs[worker::workers])
-    for task, seed, lr, methods in units():
+    for task, seed, lr, methods in units(proto):
         if (task, seed) in mine:
             args = ["--task", task, "--lr", f"{lr:g}", "--seeds", "1", "--first-seed", str(seed), "--methods",
-                    ",".join(methods), "--out", str(run_dir(out, task, lr, seed))]
+                    ",".join(methods), "--signed-scores", proto.signed_scores,
+                    "--out", str(run_dir(out, task, lr, seed, proto))]
             if credit.main(args) != 0:
                 return 1
     return 0
@@ -151,13 +190,13 @@ def _record(task: str, seed: int, lr: float, method: str, r: dict) -> dict:
             "wall_s": round(float(r["wall_s"]), 1)}
 
 
-def collect(out: Path) -> list[dict]:
+def collect(out: Path, proto: Protocol = SECTION9) -> list[dict]:
     """Every run of the plan found under ``out``: one record each (none dropped; a missing run is reported missing)."""
     records = []
-    for task, seed, lr, methods in units():
-        d = run_dir(out, task, lr, seed)
+    for task, seed, lr, methods in units(proto):
+        d = run_dir(out, task, lr, seed, proto)
         runs = {r["method"]: r for f in sorted(d.glob("runs_*.json")) for r in json.loads(f.read_text())["runs"]
-                if r["seed"] == seed and "signed_scores" not in r}
+                if r["seed"] == seed and r.get("signed_scores", "clamp") == proto.signed_scores}
         records += [_record(task, seed, lr, m, runs[m]) for m in methods if m in runs]
     return records
 
@@ -172,12 +211,12 @@ def holm(ps: list[float]) -> list[float]:
     return [float(x) for x in adj]
 
 
-def analyse(records: list[dict]) -> dict:
+def analyse(records: list[dict], proto: Protocol = SECTION9) -> dict:
     """Per task and method mean ± sd; the primary test per task; the secondary tests with Holm over all of them."""
     by = {}
     for r in records:
         by.setdefault(r["task"], {}).setdefault(r["method"], {})[r["seed"]] = r
-    summary = {t: {m: {"seeds": len(v), "lr": RATES[t][m],
+    summary = {t: {m: {"seeds": len(v), "lr": proto.rates[t][m],
                        "auc": float(np.mean([x["auc"] for x in v.values()])),
                        "auc_sd": float(np.std([x["auc"] for x in v.values()], ddof=1)) if len(v) > 1 else 0.0,
                        "final": float(np.mean([x["final"] for x in v.values()])),
@@ -193,44 +232,52 @@ def analyse(records: list[dict]) -> dict:
         final = paired({s: r["final"] for s, r in ms[a].items()}, {s: r["final"] for s, r in ms[b].items()})
         return {"task": task, "a": a, "b": b, **auc, "final": final}
 
-    primary = [test(t, *PRIMARY) for t in TASKS]
+    primary = [test(t, *proto.primary) for t in proto.tasks]
     for p in primary:
         p["passes"] = bool(p["p"] is not None and p["p"] < ALPHA and p["diff"] > 0)
     ps = [p["p"] for p in primary if p["p"] is not None]
     for p, h in zip([p for p in primary if p["p"] is not None], holm(ps) if ps else []):
         p["p_holm_over_tasks"] = h
-    secondary = [test(t, a, b) for t in TASKS for a, b in SECONDARY]
+    secondary = [test(t, a, b) for t in proto.tasks for a, b in proto.secondary]
     done = [s for s in secondary if s["p"] is not None]
     for s, h in zip(done, holm([s["p"] for s in done]) if done else []):
         s["p_holm"] = h
-    planned = sum(len(m) for _, _, _, m in units())
+    planned = sum(len(m) for _, _, _, m in units(proto))
     return {"summary": summary, "primary": primary, "secondary": secondary, "runs": len(records),
             "planned_runs": planned}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--protocol", choices=tuple(PROTOCOLS), default="9",
+                    help="which protocol: evidence §9 (and its §10 gate arm, §7/§8 reconciliation) or §11")
     ap.add_argument("--workers", default="1/0", help="N/J: run every N-th (task, seed) from J (N processes)")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "learning_protocol")
     ap.add_argument("--report-only", action="store_true", help="collect the runs into the results file, no new run")
     ap.add_argument("--arm", choices=("main", "gate", "reconcile"), default="main",
-                    help="which runs to make: §9's, §10's, or the §7/§8 reconciliation's")
+                    help="which runs to make: the protocol's, or (§9 only) §10's gate arm or the §7/§8 reconciliation")
     a = ap.parse_args(argv)
+    proto = PROTOCOLS[a.protocol]
+    if a.arm != "main" and proto is not SECTION9:
+        ap.error(f"--arm {a.arm} belongs to --protocol 9")
     n, j = (int(x) for x in a.workers.split("/"))
-    arms = {"main": lambda: run(a.out, j, n), "gate": lambda: run_gate(a.out, j, n),
+    arms = {"main": lambda: run(a.out, j, n, proto), "gate": lambda: run_gate(a.out, j, n),
             "reconcile": lambda: run_reconcile(a.out)}
     if not a.report_only and arms[a.arm]() != 0:
         return 1
-    records, gate = collect(a.out), collect_gate(a.out) if GATE_CANDIDATE else []
-    result = {"protocol": {"tasks": TASKS, "methods": METHODS, "rates": RATES, "seeds": SEEDS, "primary": PRIMARY,
-                           "secondary": SECONDARY, "alpha": ALPHA, "section": "research/docs/evidence.md §9",
-                           "gate_candidate": GATE_CANDIDATE, "gate_margin": GATE_MARGIN},
-              "analysis": analyse(records), "gate": analyse_gate(records, gate), "records": records,
-              "gate_records": gate, "reconcile": collect_reconcile(a.out)}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    records = collect(a.out, proto)
+    result = {"protocol": {"tasks": proto.tasks, "methods": proto.methods, "rates": proto.rates, "seeds": proto.seeds,
+                           "primary": proto.primary, "secondary": proto.secondary, "alpha": ALPHA,
+                           "section": proto.section, "signed_scores": proto.signed_scores},
+              "analysis": analyse(records, proto), "records": records}
+    if proto is SECTION9:
+        gate = collect_gate(a.out) if GATE_CANDIDATE else []
+        result["protocol"].update(gate_candidate=GATE_CANDIDATE, gate_margin=GATE_MARGIN)
+        result.update(gate=analyse_gate(records, gate), gate_records=gate, reconcile=collect_reconcile(a.out))
+    proto.results.parent.mkdir(parents=True, exist_ok=True)
+    proto.results.write_text(json.dumps(result, indent=1) + "\n")
     a_ = result["analysis"]
-    print(f"{a_['runs']} of {a_['planned_runs']} planned runs in {RESULTS}")
+    print(f"{a_['runs']} of {a_['planned_runs']} planned runs in {proto.results}")
     for p in a_["primary"]:
         print(f"primary {p['task']}: {p['a']} - {p['b']} {p['diff']} {p['ci95']} p {p['p']}")
     return 0

@@ -63,8 +63,8 @@ def _short(m: str) -> str:
     return {"conservative": "default"}.get(m, _LABEL.get(m, m))
 
 
-def learning_methods() -> str:
-    r = load("learning_protocol")
+def learning_methods(name: str = "learning_protocol") -> str:
+    r = load(name)
     tasks, s = r["protocol"]["tasks"], r["analysis"]["summary"]
     head = "| method | " + " | ".join(f"{t}: rate, AUC (seeds) | final | w decisive" for t in tasks) + " |"
     lines = [head, "|---|" + "---|---|---|" * len(tasks)]
@@ -84,9 +84,15 @@ def learning_methods() -> str:
     return "\n".join(lines)
 
 
-def learning_primary() -> str:
-    r = load("learning_protocol")
-    lines = ["| primary test: the default − GRPO, Δ AUC | Δ [95 % paired bootstrap] | p (exact sign-flip) | "
+def _gate(r: dict) -> str:
+    """`` (`magnitude`)`` where a protocol ran the default with another reading of signed scores than §9's `clamp`."""
+    g = r["protocol"].get("signed_scores", "clamp")
+    return "" if g == "clamp" else f" (`{g}`)"
+
+
+def learning_primary(name: str = "learning_protocol") -> str:
+    r = load(name)
+    lines = [f"| primary test: the default{_gate(r)} − GRPO, Δ AUC | Δ [95 % paired bootstrap] | p (exact sign-flip) | "
              "Holm over the 3 tasks | Δ final [95 %] | verdict |", "|---|---|---|---|---|---|"]
     for p in r["analysis"]["primary"]:
         verdict = "faster" if p["passes"] else "not shown"
@@ -95,8 +101,8 @@ def learning_primary() -> str:
     return "\n".join(lines)
 
 
-def learning_secondary() -> str:
-    r = load("learning_protocol")
+def learning_secondary(name: str = "learning_protocol") -> str:
+    r = load(name)
     n = sum(1 for s in r["analysis"]["secondary"] if s["p"] is not None)
     lines = [f"| secondary (Holm over all {n}) | Δ AUC [95 %] | p | Holm p |", "|---|---|---|---|"]
     for s in r["analysis"]["secondary"]:
@@ -298,6 +304,9 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "learning_methods": learning_methods, "learning_primary": learning_primary,
     "learning_secondary": learning_secondary, "learning_headline": learning_headline,
     "learning_reconcile": learning_reconcile,
+    "learning11_primary": lambda: learning_primary("learning_protocol_11"),
+    "learning11_methods": lambda: learning_methods("learning_protocol_11"),
+    "learning11_secondary": lambda: learning_secondary("learning_protocol_11"),
     "learning_cell.conservative": lambda: learning_cell("conservative"),
     "learning_cell.fisher": lambda: learning_cell("fisher"), "learning_cell.oar_g": lambda: learning_cell("oar_g"),
     "no_span_rows": no_span_rows,

@@ -50,3 +50,18 @@ def test_the_gate_arm_pairs_on_task_and_seed_and_applies_the_margin(monkeypatch)
     worse = lp.analyse_gate(records, [{**g, "auc": g["auc"] - 0.05} for g in gate])
     assert not worse["non_inferior"]
     assert not lp.analyse_gate(records, gate[:-1])["non_inferior"]  # a missing pair: no verdict
+
+
+def test_section_11_runs_its_primary_pair_first_on_seeds_no_study_used_with_the_shipped_gate():
+    p = lp.SECTION11
+    plan = lp.units(p)
+    assert {(t, s, m) for t, s, _, ms in plan for m in ms} == {(t, s, m) for t in p.tasks for s in p.seeds
+                                                                for m in p.methods}
+    first_other = next(i for i, (_, _, _, ms) in enumerate(plan) if not set(ms) <= set(p.primary))
+    assert all(set(ms) <= set(p.primary) for _, _, _, ms in plan[:first_other])  # phase 1: the primary pair only
+    assert all(not set(ms) & set(p.primary) for _, _, _, ms in plan[first_other:])
+    assert not set(p.seeds) & set(range(20)) and len(p.seeds) >= 10  # §6–10 used seeds 0–19
+    assert p.signed_scores == "magnitude" and p.results != lp.SECTION9.results
+    a = lp.analyse([r for r in _records({"conservative": 0.05}) if r["method"] in p.methods], p)
+    assert all(x["passes"] for x in a["primary"]) and len(a["secondary"]) == len(p.tasks) * len(p.secondary)
+    assert a["planned_runs"] == len(p.tasks) * len(p.seeds) * len(p.methods)
