@@ -6,6 +6,8 @@ values, instead of after a full rollout.
 
 from __future__ import annotations
 
+import importlib.util
+
 from omegaconf import DictConfig
 
 from oar_verl.core.checks.mask_token import check_model_mask_token
@@ -47,6 +49,8 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
     msg = engine.startup_error(config)
     if msg is not None:
         raise OARSetupError(msg)
+    if actor.get("strategy", "fsdp") in ("fsdp", "fsdp2") and (msg := trl_breaks_verl()) is not None:
+        raise OARSetupError(msg)
     if cfg.base_estimator in ("gae",):
         raise OARConfigError(f"{cfg.prefix}.base_estimator='gae' needs a critic; OAR reshapes outcome advantages "
                              "(grpo, rloo, reinforce_plus_plus, ...)")
@@ -57,6 +61,28 @@ def validate_oar_setup(config: DictConfig) -> OARConfig:
                             "trainer's bypass path skips the old-log-prob step that OAR attributes in; use the V1 "
                             "trainer (trainer.use_v1=true), which supports bypass mode, or set bypass_mode=false")
     return cfg
+
+
+def trl_breaks_verl() -> str | None:
+    """Why the installed TRL would stop verl's FSDP actor, or None. verl 0.9.1's FSDP engine patches TRL's value-head
+    model whenever TRL is importable (``verl.models.transformers.monkey_patch``); TRL releases that dropped PPO have no
+    such class, and every actor then fails in its Ray worker after the driver has started. Checked in the driver."""
+    if importlib.util.find_spec("trl") is None:
+        return None
+    try:
+        if importlib.util.find_spec("trl.experimental.ppo") is not None:
+            return None
+    except ImportError:
+        pass
+    import trl
+
+    if hasattr(trl, "AutoModelForCausalLMWithValueHead"):
+        return None
+    version = getattr(trl, "__version__", "?")
+    return (f"trl {version} is installed in verl's environment: verl 0.9.1's FSDP engine imports TRL's "
+            "AutoModelForCausalLMWithValueHead whenever TRL is importable, and this TRL no longer has it, so every "
+            "actor would fail in its Ray worker; uninstall trl from this environment (pip uninstall trl) and run "
+            "OAR's TRL adapter from its own environment (docs/trl.md)")
 
 
 def row_tokens(config: DictConfig) -> int | None:

@@ -1,5 +1,8 @@
-"""``python -m oar_verl.quickstart``: the CPU quickstart (:mod:`oar_verl.quickstart.main`)."""
+"""``python -m oar_verl.quickstart``: the CPU quickstart (:mod:`oar_verl.quickstart.main`); its exit status is the
+quickstart's (non-zero when the trainer run failed), so scripts and CI can rely on it."""
+
+import sys
 
 from oar_verl.quickstart.main import main
 
-main()
+sys.exit(main())

@@ -173,3 +173,25 @@ def test_a_bad_name_fails_at_start_up_naming_the_key():
         validate_oar_setup(config("fsdp", mode="sideways"))
     with pytest.raises(OARConfigError, match=r"algorithm\.oar\.perturbation='fast' is not allowed"):
         validate_oar_setup(config("dtensor_magic", mode="perturbation", perturbation="fast"))
+
+
+@pytest.mark.parametrize("has_value_head", [False, True])
+def test_a_trl_without_the_value_head_verl_patches_is_refused_on_fsdp(tmp_path, monkeypatch, has_value_head):
+    """verl 0.9.1's FSDP engine imports TRL's AutoModelForCausalLMWithValueHead whenever TRL is importable; TRL 1.16
+    (PPO removed) has none, and every actor then failed in its Ray worker. A TRL package on the path without that
+    class is refused in the driver, naming the remedy; one with it (older TRL) passes; Megatron is not affected."""
+    import sys
+
+    package = tmp_path / "trl"
+    package.mkdir()
+    (package / "__init__.py").write_text('__version__ = "9.9.9"\n' +
+                                         ("AutoModelForCausalLMWithValueHead = object\n" if has_value_head else ""))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "trl" or m.startswith("trl.")]:
+        monkeypatch.delitem(sys.modules, name)
+    if has_value_head:
+        assert validate_oar_setup(config("fsdp2")).mode == "conservative"
+    else:
+        with pytest.raises(OARSetupError, match=r"trl 9\.9\.9 is installed in verl's environment: .*pip uninstall trl"):
+            validate_oar_setup(config("fsdp2"))
+    assert validate_oar_setup(config("megatron")).mode == "conservative"
