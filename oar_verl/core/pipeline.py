@@ -161,7 +161,8 @@ def _device_of(runner: Runner) -> torch.device | None:
 
 def attribute(backend: Runner, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], tokenizer,
               cfg: OARConfig, step: int = 0, *, ground_truths: Sequence[str] | None = None,
-              device: torch.device | str | None = None) -> RowAttribution:
+              device: torch.device | str | None = None,
+              model_masks: Sequence[torch.Tensor] | None = None) -> RowAttribution:
     """Per-token importance of B (prompt, response) token rows with the configured method.
 
     Args:
@@ -176,13 +177,15 @@ def attribute(backend: Runner, prompts: Sequence[torch.Tensor], responses: Seque
         step: the training step (``probe=auto``, OAR-G noise seeds).
         ground_truths: B answer strings, required with ``target=reference``.
         device: where the attribution batch goes (default: a module's device, else the CPU).
+        model_masks: B 1-D 0/1 masks of the model's own tokens of multi-turn responses (0 on tool outputs and user
+            turns; docs/multi_turn.md); None: every response token is the model's.
 
     Returns:
         RowAttribution (B, T), T the longest response.
     """
     device = _device_of(backend) if device is None else device
     prepared = prepare_attribution(prompts, responses, tokenizer, cfg, step, ground_truths=ground_truths,
-                                   device=device)
+                                   device=device, model_masks=model_masks)
     runner = _backend(backend, prepared, cfg)
     result = run_attribution(runner, prepared.batch, cfg, mask_token_id=prepared.mask_token_id, seeds=prepared.seeds)
     return row_attribution(prepared, result, runner)
@@ -242,7 +245,8 @@ def reshape(base_advantages: torch.Tensor, attribution: RowAttribution, cfg: OAR
 
 def oar_advantages(model: Runner, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
                    advantages: torch.Tensor, tokenizer, cfg: OARConfig, step: int = 0, *,
-                   ground_truths: Sequence[str] | None = None, device: torch.device | str | None = None) -> Reshaped:
+                   ground_truths: Sequence[str] | None = None, device: torch.device | str | None = None,
+                   model_masks: Sequence[torch.Tensor] | None = None) -> Reshaped:
     """OAR's per-token advantages of B (prompt, response) rows from their base advantages, in one call: the rows
     that will be reshaped are attributed (:func:`attribute`), then every row is reshaped (:func:`reshape`).
 
@@ -252,7 +256,9 @@ def oar_advantages(model: Runner, prompts: Sequence[torch.Tensor], responses: Se
         responses: B unpadded 1-D response id tensors.
         advantages: (B,) base advantages (e.g. GRPO's group-normalised rewards), or (B, T) per token; rows with a zero
             advantage (or excluded by ``apply_to``) are not attributed and keep it.
-        tokenizer, cfg, step, ground_truths, device: as :func:`attribute` takes them.
+        tokenizer, cfg, step, ground_truths, device, model_masks: as :func:`attribute` takes them (with
+            ``model_masks`` the tool outputs and user turns of multi-turn rows keep their base advantage, bit for bit,
+            and stay out of the mass: Σw = R over the model's reasoning tokens).
 
     Returns:
         Reshaped: ``advantages`` (B, T) Â = w · A on the responses' tokens (T the longest), ``token_weights``,
@@ -267,6 +273,7 @@ def oar_advantages(model: Runner, prompts: Sequence[torch.Tensor], responses: Se
     if len(rows):
         idx = rows.tolist()
         truths = None if ground_truths is None else [ground_truths[i] for i in idx]
+        masks = None if model_masks is None else [model_masks[i] for i in idx]
         att = attribute(model, [prompts[i] for i in idx], [responses[i] for i in idx], tokenizer, cfg, step,
-                        ground_truths=truths, device=device).placed(rows, response_mask)
+                        ground_truths=truths, device=device, model_masks=masks).placed(rows, response_mask)
     return reshape(base, att, cfg)

@@ -22,8 +22,9 @@ from oar_verl.core.batch.layout import (AttributionBatch, build_attribution_batc
 from oar_verl.core.checks.mask_token import check_mask_token
 from oar_verl.core.text.segments import reasoning_segments
 from oar_verl.core.text.spans import AnswerSpans, locate_answer_spans
+from oar_verl.core.text.turns import split_segments_at_turns, turn_layout
 
-__all__ = ["PreparedAttribution", "pad_rows", "prepare_attribution", "row_fingerprints", "spans_to_weight"]
+__all__ = ["PreparedAttribution", "model_token_mask", "pad_rows", "prepare_attribution", "row_fingerprints", "spans_to_weight"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class PreparedAttribution:
             reshapes and the dumps show: with the response's own target, a row without an answer span has no
             reasoning tokens).
         response_lengths: (B,) tokens of each response.
+        model_mask: (B, T) bool the model's own tokens of each response (multi-turn rows: not the tool outputs, user
+            turns and template tokens between turns; docs/multi_turn.md); None: every response token (single-turn).
     """
 
     batch: AttributionBatch
@@ -47,6 +50,7 @@ class PreparedAttribution:
     mask_token_id: int | None
     spans: AnswerSpans
     response_lengths: list[int]
+    model_mask: torch.Tensor | None = None
 
     @property
     def answer_probe(self) -> torch.Tensor:
@@ -135,9 +139,37 @@ def spans_to_weight(spans: AnswerSpans, target: str) -> AnswerSpans:
     return dataclasses.replace(spans, reasoning_mask=spans.reasoning_mask & spans.found[:, None])
 
 
+def model_token_mask(responses: Sequence[torch.Tensor], model_masks: Sequence[torch.Tensor] | None,
+                     width: int) -> torch.Tensor | None:
+    """(B, width) bool the model's own tokens of B responses from per-row 1-D 0/1 masks (verl's agent-loop
+    ``response_mask``, OpenRLHF's ``action_mask``), right-padded with False; None for ``model_masks`` None or a
+    batch whose every response token is the model's (a single-turn batch: the single-turn path, bit for bit).
+
+    Raises:
+        ValueError: not one mask per response, or a mask whose length differs from its response's.
+    """
+    if model_masks is None:
+        return None
+    if len(model_masks) != len(responses):
+        raise ValueError(f"model_masks: {len(model_masks)} masks for {len(responses)} responses")
+    bad = [i for i, (m, r) in enumerate(zip(model_masks, responses)) if m.numel() != r.numel()]  # per row
+    if bad:
+        i = bad[0]
+        raise ValueError(f"model_masks: row {i} has {model_masks[i].numel()} mask entries for "
+                         f"{responses[i].numel()} response tokens (the model-token mask must cover the response: "
+                         "verl's response_mask, 0 on tool outputs)")
+    mask, _ = pad_rows([m.reshape(-1).long() != 0 for m in model_masks], 0, left=False)
+    mask = mask[:, :width] if mask.shape[1] >= width else torch.nn.functional.pad(mask, (0, width - mask.shape[1]))
+    lengths = torch.tensor([r.numel() for r in responses], dtype=torch.long)
+    valid = torch.arange(width)[None, :] < lengths[:, None]
+    model = mask.bool() & valid
+    return None if bool(torch.equal(model, valid)) else model
+
+
 def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], tokenizer,
                         cfg: OARConfig, global_step: int, *, ground_truths: Sequence[str] | None = None,
-                        device: torch.device | str | None = None) -> PreparedAttribution:
+                        device: torch.device | str | None = None,
+                        model_masks: Sequence[torch.Tensor] | None = None) -> PreparedAttribution:
     """Build the attribution inputs of a batch of (prompt, response) token rows.
 
     Args:
@@ -149,12 +181,16 @@ def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[tor
         global_step: selects the probe (``probe=auto``) and seeds the OAR-G noise.
         ground_truths: B answer strings, required with ``target=reference``.
         device: where the attribution batch goes (the model's device).
+        model_masks: B 1-D 0/1 masks of each response's own tokens (multi-turn rows: 0 on tool outputs, user turns
+            and the template between turns); None: every token. Only the model's tokens are ever reasoning (masked,
+            replaced, scored, reshaped), the answer is searched in the final turn, and OAR-P's segments never cross
+            a turn (:mod:`oar_verl.core.text.turns`, docs/multi_turn.md).
 
     Returns:
         PreparedAttribution.
 
     Raises:
-        ValueError: ``target=reference`` without one ground truth per row.
+        ValueError: ``target=reference`` without one ground truth per row; ``model_masks`` not matching the rows.
         OARConfigError: ``mask=pad`` / ``mask=token`` with an unsafe token (an EOS, end-of-turn or other special
             token; :func:`oar_verl.core.checks.mask_token.unsafe_mask_reason`).
     """
@@ -162,8 +198,9 @@ def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[tor
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     prompt_ids, prompt_mask = pad_rows(prompts, pad_id, left=True)
     response_ids, response_mask = pad_rows(responses, pad_id, left=False)
-    spans = spans_to_weight(locate_answer_spans(response_ids, response_mask, tokenizer, cfg.answer_patterns),
-                            cfg.target)
+    model = model_token_mask(responses, model_masks, response_ids.shape[1])
+    spans = spans_to_weight(locate_answer_spans(response_ids, response_mask, tokenizer, cfg.answer_patterns,
+                                                model_mask=model), cfg.target)
     target = (response_ids, response_mask, spans.reasoning_mask, spans.answer_mask)
     if cfg.target == "reference":
         if ground_truths is None or len(ground_truths) != len(responses) or any(t is None for t in ground_truths):
@@ -179,8 +216,10 @@ def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[tor
     if METHODS.get(cfg.mode).segments(cfg):  # OAR-P's segment-level policies
         segments = reasoning_segments(response_ids, response_mask, spans.reasoning_mask, tokenizer, cfg.segment_split,
                                       cfg.segment_min_tokens, cfg.segment_max_tokens)
+        if model is not None:  # a segment never crosses a tool output: each turn's tokens are masked on their own
+            segments = split_segments_at_turns(segments, turn_layout(response_mask, model).turn)
         batch = with_segments(batch, segments)
     seeds = sequence_seeds(cfg.seed, global_step, row_fingerprints(prompt_ids, prompt_mask, response_ids,
                                                                     response_mask)).to(device)
     mask_id = check_mask_token(cfg, tokenizer)  # pad / token: vetted (not an EOS or end-of-turn marker); else None
-    return PreparedAttribution(batch, seeds, mask_id, spans, [len(r) for r in responses])
+    return PreparedAttribution(batch, seeds, mask_id, spans, [len(r) for r in responses], model)

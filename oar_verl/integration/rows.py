@@ -26,6 +26,8 @@ class BatchRows:
         responses: (B, T) token ids, when a token dump is due (None otherwise).
         lengths: (B,) tokens of each row, prompt + response (``mode=auto``: the sliding-window band and the actor
             update's tokens); None when the trainer does not give them.
+        valid: (B, T) bool every real response token, the tool outputs and user turns of verl's agent loop included
+            (``response_mask`` is 0 on those; docs/multi_turn.md); None when the trainer does not give it.
     """
 
     response_mask: torch.Tensor
@@ -34,6 +36,7 @@ class BatchRows:
     eligible: torch.Tensor
     responses: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
 
 
 def select_rows(wanted: torch.Tensor, eligible: torch.Tensor, dp_size: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ from oar_verl.core.fidelity.step import step_metrics
 from oar_verl.core.methods.attribution import METHODS, shared_mode
 from oar_verl.core.reshaping.reshape import attribution_rows
 from oar_verl.core.reshaping.metrics import flat_warning
+from oar_verl.core.text.turns import turn_layout, turn_shares
 from oar_verl.integration import dumps, handoff
 from oar_verl.integration.estimator import base_advantage
 from oar_verl.integration.fields import AUTO_CONTROLS, AUTO_KEY, CONFIG_KEY, STEP_KEY
@@ -89,6 +90,30 @@ class TrainerIO(Protocol):
     def call_seconds(self) -> float:
         """The slowest rank's attribution seconds inside this step's old-log-prob call (:func:`~oar_verl.integration.
         rows.call_seconds` over every row that call returned), 0.0 where it carried no attribution."""
+
+
+def turn_metrics(batch: BatchRows, result) -> dict[str, float]:
+    """``oar/turns/*`` of a batch with multi-turn rows (verl's agent loop: context tokens, tool outputs or user turns,
+    inside the responses; docs/multi_turn.md), {} for a single-turn batch: assistant turns and tool outputs per row
+    (over the real rows), and the first and the final turn's share of the reshaped credit Σw against GRPO's share
+    (the turn's reasoning tokens / R), over the reshaped rows with at least two turns (``result``: the estimator's
+    Reshaped)."""
+    if batch.valid is None:
+        return {}
+    valid = batch.valid.bool()[:, :batch.response_mask.shape[1]]
+    layout = turn_layout(valid, batch.response_mask)
+    if not bool(layout.context.any()):
+        return {}
+    real = batch.eligible.bool()
+    n = max(int(real.sum()), 1)
+    out = {"oar/turns/per_row": float(layout.turns[real].sum()) / n,
+           "oar/turns/tool_calls_per_row": float(layout.context_runs[real].sum()) / n}
+    tw = result.token_weights
+    shares = turn_shares(tw.weights, tw.reshaped, layout, tw.reshaped.any(-1) & real)
+    if float(shares["rows"]) > 0:
+        out.update({f"oar/turns/share_{k}": float(v) for k, v in shares.items() if k != "rows"})
+        out["oar/turns/multi_turn_rows"] = float(shares["rows"])
+    return out
 
 
 class OARStep:
@@ -330,6 +355,7 @@ class OARStep:
         if len(att.policy_match) and not bool(att.policy_match.isnan().any()):
             # 1: every rank attributed with exactly the weights its old-log-prob pass used (docs/verl.md)
             metrics["oar/policy_matches_old_log_prob"] = float(att.policy_match.min())
+        metrics.update(turn_metrics(att.batch, result))
         if fidelity_due(self.cfg, global_step) and att.fidelity:  # docs/fidelity.md, "Logged while training"
             metrics.update(step_metrics(att.fidelity))
         if self.selector is not None:  # docs/auto.md, "What is logged"

@@ -51,8 +51,11 @@ class LegacyIO:
         uids = np.asarray(self.batch.non_tensor_batch["uid"], dtype=object)
         eligible = torch.ones(response_mask.shape[0], dtype=torch.bool)  # the legacy trainer adds no padding rows
         # rewards are in the batch before the old-log-prob pass (verl reads them with extract_reward there)
+        # every real response token, tool outputs included (response_mask is 0 on them; docs/multi_turn.md)
+        valid = tensors["attention_mask"][:, -response_mask.shape[1]:].bool()
         return BatchRows(response_mask, tensors["rm_scores"], uids, eligible,
-                         tensors["responses"] if with_responses else None, tensors["attention_mask"].sum(-1).long())
+                         tensors["responses"] if with_responses else None, tensors["attention_mask"].sum(-1).long(),
+                         valid)
 
     def dp_size(self) -> int:
         return actor_dp_size(self.trainer.actor_rollout_wg)

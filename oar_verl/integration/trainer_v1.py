@@ -44,23 +44,29 @@ class V1IO:
 
     def rows(self, with_responses: bool) -> BatchRows:
         auto = self.trainer.oar_step is not None and self.trainer.oar_step.selector is not None
-        fields = ["uid", "rm_scores", "response_mask"] + (["responses"] if with_responses else []) + \
-            (["prompts"] if auto else [])
+        # the responses always: their lengths hold the tool outputs of a multi-turn row (response_mask is 0 there)
+        fields = ["uid", "rm_scores", "response_mask", "responses"] + (["prompts"] if auto else [])
         data = tq.kv_batch_get(keys=self.batch.keys, partition_id=self.batch.partition_id, select_fields=fields)
         lengths = None
         if auto:  # mode=auto: each row's prompt + response tokens (its sliding-window band, the update's tokens)
             prompts = data["prompts"]
             plen = (torch.tensor([p.numel() for p in prompts.unbind()]) if prompts.is_nested  # per row, not token
                     else torch.full((prompts.shape[0],), prompts.shape[1]))  # padded: the padded width, an upper bound
+        raw = data["responses"]
+        # each row's response tokens, tool outputs too (per row, not per token)
+        rlen = torch.tensor([r.numel() for r in raw.unbind()], dtype=torch.long) if raw.is_nested else None
         padded = data.to_padded_tensor()
+        width = padded["response_mask"].shape[1]
+        valid = (torch.arange(width)[None, :] < rlen[:, None] if rlen is not None
+                 else padded["response_mask"].bool())  # padded: no lengths held beyond the mask
         if auto:
-            lengths = plen.long().cpu() + padded["response_mask"].sum(-1).long().cpu()
+            lengths = plen.long().cpu() + valid.sum(-1).long().cpu()
         uid = padded["uid"]  # a non-tensor field: a list-like of prompt uids
         uids = np.array(uid.tolist() if hasattr(uid, "tolist") else list(uid), dtype=object)
         # verl pads the batch to a multiple of the data-parallel size with tagged synthetic rows
         eligible = torch.tensor([not tag.get("is_padding", False) for tag in self.batch.tags], dtype=torch.bool)
         responses = padded["responses"].long() if with_responses else None
-        return BatchRows(padded["response_mask"], padded["rm_scores"], uids, eligible, responses, lengths)
+        return BatchRows(padded["response_mask"], padded["rm_scores"], uids, eligible, responses, lengths, valid)
 
     def dp_size(self) -> int:
         return actor_dp_size(self.trainer.actor_rollout_wg)

@@ -32,6 +32,7 @@ from oar_verl.core.backends.shared import SharedTeacher, Stopwatch
 from oar_verl.core.methods.attribution import run_attribution
 from oar_verl.core.methods.contract import AttributionResult
 from oar_verl.core.pipeline import RowAttribution, attribute, row_attribution
+from oar_verl.core.batch.layout import last_index
 from oar_verl.core.preprocess import PreparedAttribution, prepare_attribution
 from oar_verl.integration.actor_budget import actor_token_budget
 from oar_verl.integration.backends import ENGINE_BACKENDS
@@ -52,6 +53,32 @@ def unpack_rows(data: TensorDict) -> tuple[list[torch.Tensor], list[torch.Tensor
     p_rows = [p[m] for p, m in zip(prompts, attn[:, :P])]
     r_rows = [r[m] for r, m in zip(responses, attn[:, P:])]
     return p_rows, r_rows
+
+
+def unpack_model_masks(data: TensorDict) -> list[torch.Tensor] | None:
+    """Per-row 1-D 0/1 masks of the model's own response tokens, aligned with :func:`unpack_rows`' responses: verl's
+    ``response_mask``, 0 on the tool outputs and user turns its agent loop interleaves (``multi_turn.enable``;
+    docs/multi_turn.md); None when the batch carries no response mask (every response token is then the model's)."""
+    if "response_mask" not in data.keys():
+        return None
+    mask, responses = data["response_mask"], data["responses"]
+    if mask.is_nested:
+        return list(mask.unbind())
+    if responses.is_nested:  # per row, not per token
+        return [m[:len(r)] for m, r in zip(mask, responses.unbind())]
+    attn = data["attention_mask"].bool()
+    P = data["prompts"].shape[1]
+    return [m[a] for m, a in zip(mask, attn[:, P:])]  # per row, not per token
+
+
+def response_lengths(data: TensorDict) -> list[int]:
+    """Tokens of each row's response, the tool outputs of a multi-turn row included (not ``response_mask.sum``, which
+    leaves them out)."""
+    responses = data["responses"]
+    if responses.is_nested:
+        return [int(n) for n in responses.offsets().diff().tolist()]
+    P = data["prompts"].shape[1]
+    return data["attention_mask"][:, P:].bool().sum(-1).tolist()
 
 
 def ground_truths(data: TensorDict) -> list | None:
@@ -80,8 +107,14 @@ def response_entropies(data: TensorDict) -> list[torch.Tensor] | None:
             continue
         if values.is_nested:
             return list(values.unbind())
-        mask = data["response_mask"] if "response_mask" in data.keys() else None
-        lengths = (mask.sum(-1) if mask is not None else torch.full((values.shape[0],), values.shape[1])).tolist()
+        # each row's response tokens, tool outputs included (multi-turn rows: response_mask is 0 on them)
+        if "attention_mask" in data.keys() and "prompts" in data.keys():
+            lengths = response_lengths(data)
+        elif "response_mask" in data.keys():  # to the last token the mask holds (sum: not past a tool output)
+            mask = data["response_mask"].bool()
+            lengths = torch.where(mask.any(-1), last_index(mask, 0) + 1, 0).tolist()
+        else:
+            lengths = [values.shape[1]] * values.shape[0]
         return [v[:int(n)] for v, n in zip(values, lengths)]  # per row, not per token
     return None
 
@@ -234,7 +267,8 @@ class TokenImportanceMixin:
             prompts, responses = unpack_rows(data)
             tokenizer = self.actor.model_config.tokenizer
             # the model's own rows (never target=reference: core shared_mode), which verl's pass holds
-            prepared = prepare_attribution(prompts, responses, tokenizer, cfg, step, device=device)
+            prepared = prepare_attribution(prompts, responses, tokenizer, cfg, step, device=device,
+                                           model_masks=unpack_model_masks(data))
             data[ROW_FIELD] = torch.arange(len(responses))
             fingerprint = self._oar_log_prob_fingerprint  # noted by compute_log_prob: the weights of this very pass
             longest = max_over_ranks(prepared.longest, device)
@@ -311,9 +345,11 @@ class TokenImportanceMixin:
             sub = prepared
         else:
             prompts, responses = unpack_rows(data)
+            masks = unpack_model_masks(data)
             sub = prepare_attribution([prompts[i] for i in rows.tolist()], [responses[i] for i in rows.tolist()],
                                       self.actor.model_config.tokenizer, cfg, step,
-                                      device=prepared.batch.input_ids.device)
+                                      device=prepared.batch.input_ids.device,
+                                      model_masks=None if masks is None else [masks[i] for i in rows.tolist()])
         engine = self.actor.engine
         with engine.eval_mode():
             kind.eval_numerics(engine)
@@ -363,6 +399,7 @@ class TokenImportanceMixin:
         log_prob_fingerprint, self._oar_log_prob_fingerprint = self._oar_log_prob_fingerprint, None  # consumed once
         device = kind.device(engine)
         prompts, responses = unpack_rows(data)
+        masks = unpack_model_masks(data)
         truths = ground_truths(data) if cfg.target == "reference" else None
         tokenizer = self.actor.model_config.tokenizer
 
@@ -379,7 +416,8 @@ class TokenImportanceMixin:
 
         with engine.eval_mode():
             kind.eval_numerics(engine)
-            att = attribute(backend, prompts, responses, tokenizer, cfg, step, ground_truths=truths, device=device)
+            att = attribute(backend, prompts, responses, tokenizer, cfg, step, ground_truths=truths, device=device,
+                            model_masks=masks)
             # the step's fidelity, every rank alike (fillers align the pass counts); NaN when not due
             prepared = att.prepared
             gap = default_min_gap(_first_module(engine))
@@ -390,7 +428,7 @@ class TokenImportanceMixin:
             measured = None if not auto else measure_candidates(
                 prompts, responses, tokenizer, cfg, step, candidates, backend_for,
                 has_reasoning=prepared.batch.reasoning_mask.bool().any(-1), ground_truths=truths, device=device,
-                min_gap=gap, entropies=entropies)
+                min_gap=gap, entropies=entropies, model_masks=masks)
         if not engine.is_mp_src_rank_with_outputs():
             return None
         choices = getattr(att.backend, "recomputed", None)

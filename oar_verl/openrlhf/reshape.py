@@ -218,8 +218,9 @@ def _attribute(items: Sequence, rows: ItemRows, sel: torch.Tensor, has_action: t
     was_training = model.training
     model.eval()  # eval numerics (no dropout) for the attribution passes
     try:
+        # the generated tokens only are the model's: tool/environment outputs stay context (docs/multi_turn.md)
         ran = attribute(backend, [rows.prompts[i] for i in idx], [rows.responses[i] for i in idx], tokenizer, cfg,
-                        global_step, ground_truths=truths, device=device)
+                        global_step, ground_truths=truths, device=device, model_masks=[rows.actions[i] for i in idx])
         if fidelity_due(cfg, global_step):  # the in-step fidelity metric, every rank alike (docs/fidelity.md §5)
             ents = None if entropies is None else (lambda picked: entropies([idx[j] for j in picked]))
             fidelity = ran.fidelity(cfg, global_step, min_gap=default_min_gap(model), entropies=ents)

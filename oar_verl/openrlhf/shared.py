@@ -137,7 +137,8 @@ def attributed_forward(model: torch.nn.Module, tokenizer, cfg: OARConfig, step: 
     out = SharedRows(step, cfg.mode)
     with clock():
         rows = item_rows(items)
-        prepared = prepare_attribution(rows.prompts, rows.responses, tokenizer, cfg, step, device=device)
+        prepared = prepare_attribution(rows.prompts, rows.responses, tokenizer, cfg, step, device=device,
+                                       model_masks=rows.actions)  # tool outputs: context (docs/multi_turn.md)
         batch = prepared.batch
         start, end = row_spans(batch.attention_mask)
         held = [it.sequences[it.attention_mask.bool()] for it in items]  # what the forward attends to, row by row

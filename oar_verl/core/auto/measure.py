@@ -31,7 +31,8 @@ def measure_candidates(prompts: Sequence[torch.Tensor], responses: Sequence[torc
                        cfg: OARConfig, step: int, candidates: Sequence[str], backend_for: BackendFor, *,
                        has_reasoning: torch.Tensor | None = None, ground_truths: Sequence[str] | None = None,
                        device: torch.device | str | None = None, min_gap: float = 0.0,
-                       entropies: EntropySource | None = None
+                       entropies: EntropySource | None = None,
+                       model_masks: Sequence[torch.Tensor] | None = None
                        ) -> dict[str, torch.Tensor | dict[str, torch.Tensor]]:
     """Score every candidate on this rank's first ``cfg.fidelity_rows`` rows with reasoning tokens.
 
@@ -49,6 +50,7 @@ def measure_candidates(prompts: Sequence[torch.Tensor], responses: Sequence[torc
         entropies: B 1-D per-response-token policy entropies (the old-log-prob pass's), or a function of the
             measured rows' indices returning theirs (called once on every rank, with the filler row on a rank that
             measures none): the entropy control; None: skipped (no ``entropy`` entry).
+        model_masks: B 1-D masks of the model's own tokens of multi-turn rows (docs/multi_turn.md); None: all.
 
     Returns:
         ``aopc``: name -> (B,) float64 (candidates and controls; NaN on the rows not measured); ``static`` (B,);
@@ -58,13 +60,15 @@ def measure_candidates(prompts: Sequence[torch.Tensor], responses: Sequence[torc
     require_resolved(cfg)
     B = len(responses)
     if has_reasoning is None:
-        has_reasoning = prepare_attribution(prompts, responses, tokenizer, cfg, step, ground_truths=ground_truths
-                                            ).batch.reasoning_mask.bool().any(-1)
+        has_reasoning = prepare_attribution(prompts, responses, tokenizer, cfg, step, ground_truths=ground_truths,
+                                            model_masks=model_masks).batch.reasoning_mask.bool().any(-1)
     picked = measured_rows(has_reasoning.cpu(), cfg)
     rows = picked if picked.numel() else torch.zeros(min(B, 1), dtype=torch.long)  # a filler row only
     sub = ([prompts[i] for i in rows.tolist()], [responses[i] for i in rows.tolist()])
     truths = None if ground_truths is None else [ground_truths[i] for i in rows.tolist()]
-    prepare = (lambda c: prepare_attribution(*sub, tokenizer, c, step, ground_truths=truths, device=device))
+    masks = None if model_masks is None else [model_masks[i] for i in rows.tolist()]
+    prepare = (lambda c: prepare_attribution(*sub, tokenizer, c, step, ground_truths=truths, device=device,
+                                             model_masks=masks))
     base = prepare(cfg)  # the rows every ranking is scored on (same columns for every candidate)
     importances, spt = {}, {}
     tokens = float(base.batch.attention_mask.sum())

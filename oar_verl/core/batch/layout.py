@@ -107,30 +107,34 @@ def build_attribution_batch(prompts: torch.Tensor, prompt_mask: torch.Tensor, re
 
 def build_reference_responses(responses: torch.Tensor, response_mask: torch.Tensor, reasoning_mask: torch.Tensor,
                               conclude_ids: list[int], answer_ids: list[list[int]], pad_token_id: int):
-    """Responses for ``target=reference``: each row's reasoning prefix + conclude text + its ground-truth answer.
+    """Responses for ``target=reference``: each row's response up to its last reasoning token + conclude text + its
+    ground-truth answer.
 
-    The reasoning tokens are a prefix of every response (they end before the answer marker or before EOS), so
-    positions [0, R_b) of the rebuilt response are the original reasoning positions and scores map back unchanged.
+    The kept head is positions [0, c_b) of the response, c_b one past the last reasoning token: on a single-turn row
+    the reasoning itself (a prefix: it ends before the answer marker or before EOS); on a multi-turn row also the
+    tool outputs between its turns, kept as context (docs/multi_turn.md). Positions [0, c_b) of the rebuilt response
+    are the original ones, so scores map back unchanged.
 
     Args:
-        responses: (B, T) long; response_mask: (B, T) 0/1; reasoning_mask: (B, T) bool (a prefix per row).
+        responses: (B, T) long; response_mask: (B, T) 0/1; reasoning_mask: (B, T) bool.
         conclude_ids: token ids of the conclusion text. answer_ids: per row, token ids of the ground-truth answer.
         pad_token_id: filler for the new right padding.
 
     Returns:
         (responses', response_mask', reasoning_mask', answer_mask'), each (B, T') with T' the longest rebuilt row.
     """
-    B = responses.shape[0]
+    B, T = responses.shape
     if len(answer_ids) != B:
         raise ValueError(f"target=reference needs one ground-truth answer per row: got {len(answer_ids)} for {B} rows")
-    r_len = (reasoning_mask.bool() & response_mask.bool()).sum(-1).tolist()  # host metadata, once per batch
-    rows, reas, ans = [], [], []
+    reasoning_mask = reasoning_mask.bool() & response_mask.bool()
+    cut_t = torch.where(reasoning_mask.any(-1), last_index(reasoning_mask, 0) + 1, 0)
+    cut = cut_t.tolist()  # host metadata, once per batch
+    rows, ans = [], []
     for b in range(B):  # per sequence, not per token: concatenation of three token lists
-        head = responses[b, : r_len[b]]
+        head = responses[b, : cut[b]]
         tail = torch.tensor(list(conclude_ids) + list(answer_ids[b]), dtype=responses.dtype, device=responses.device)
         rows.append(torch.cat([head, tail]))
-        reas.append(r_len[b])
-        ans.append((r_len[b] + len(conclude_ids), len(answer_ids[b])))
+        ans.append((cut[b] + len(conclude_ids), len(answer_ids[b])))
     t_new = max([len(r) for r in rows], default=0)
     out = torch.full((B, t_new), pad_token_id, dtype=responses.dtype, device=responses.device)
     lengths = torch.tensor([len(r) for r in rows], device=responses.device)
@@ -138,7 +142,8 @@ def build_reference_responses(responses: torch.Tensor, response_mask: torch.Tens
         out[torch.arange(t_new, device=responses.device)[None, :] < lengths[:, None]] = torch.cat(rows)
     col = torch.arange(t_new, device=responses.device)[None, :]
     mask = (col < lengths[:, None]).long()
-    reasoning = col < torch.tensor(reas, device=responses.device)[:, None]
+    kept = F.pad(reasoning_mask, (0, max(t_new - T, 0)))[:, :t_new]
+    reasoning = kept & (col < cut_t.to(responses.device)[:, None])
     a0 = torch.tensor([a for a, _ in ans], device=responses.device)[:, None]
     an = torch.tensor([n for _, n in ans], device=responses.device)[:, None]
     answer = (col >= a0) & (col < a0 + an)

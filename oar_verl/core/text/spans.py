@@ -12,6 +12,7 @@ import torch
 
 from oar_verl.core.text.answer_patterns import BUILTIN_PATTERNS, find_answer_span
 from oar_verl.core.text.token_bytes import selected_byte_lengths
+from oar_verl.core.text.turns import turn_layout
 
 
 __all__ = ["AnswerSpans", "locate_answer_spans"]
@@ -52,6 +53,7 @@ def locate_answer_spans(
     tokenizer,
     patterns: Sequence[str] = BUILTIN_PATTERNS,
     eos_token_ids: int | Iterable[int] | None = None,
+    model_mask: torch.Tensor | None = None,
 ) -> AnswerSpans:
     """Reasoning and answer token masks of a batch of responses.
 
@@ -62,6 +64,10 @@ def locate_answer_spans(
         patterns: answer patterns, see :func:`find_answer_span`.
         eos_token_ids: int or ids never counted as reasoning; default ``tokenizer.eos_token_id``.  Positions holding
             ``tokenizer.pad_token_id`` (if the tokenizer has one) are never reasoning either.
+        model_mask: (B, T) 0/1 the model's own tokens of multi-turn responses (verl's agent-loop ``response_mask``:
+            0 on tool outputs and user turns); None: every valid token (single-turn). The answer is searched in each
+            row's final turn only and only the model's tokens are ever reasoning or answer
+            (:mod:`oar_verl.core.text.turns`); a span inside a tool output or an earlier turn is not found.
 
     Returns:
         :class:`AnswerSpans` with (B, T) bool masks and (B,) ``found`` / ``pattern_index``, on ``response_ids.device``.
@@ -87,8 +93,11 @@ def locate_answer_spans(
 
     ids = response_ids.detach().to("cpu", torch.long)
     valid = response_mask.detach().to("cpu") != 0
-    # Byte offsets of every token, batch-wide: padding gets length 0 so it does not shift later offsets.
-    table, known, tok_len = selected_byte_lengths(ids, valid, tokenizer, "response")
+    layout = turn_layout(valid, None if model_mask is None else model_mask.detach().to("cpu"))
+    # Byte offsets of the final turn's tokens, batch-wide: every other token (padding, context, earlier turns) gets
+    # length 0 so it shifts no offset; earlier turns end at byte 0, before any marker (docs/multi_turn.md §1).
+    scanned = valid if model_mask is None else layout.final  # single-turn: every valid token, as always
+    table, known, tok_len = selected_byte_lengths(ids, scanned, tokenizer, "response")
     ends = tok_len.cumsum(dim=1)
     starts = ends - tok_len
 
@@ -108,10 +117,10 @@ def locate_answer_spans(
         special = torch.isin(ids, torch.tensor(never_reasoning, dtype=torch.long))
     else:
         special = torch.zeros_like(valid)
-    candidates = valid & ~special
+    candidates = layout.model & ~special
     f = found[:, None]
     reasoning = candidates & (~f | (ends <= marker[:, None]))
-    answer = valid & f & (starts < v_end[:, None]) & (ends > v_start[:, None])
+    answer = scanned & f & (starts < v_end[:, None]) & (ends > v_start[:, None])
     return AnswerSpans(
         reasoning.to(device), answer.to(device), found.to(device), pattern_index.contiguous().to(device)
     )

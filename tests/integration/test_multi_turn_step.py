@@ -1,0 +1,168 @@
+"""One OAR step over multi-turn rows as verl's agent loop lays them out (docs/multi_turn.md): tool outputs inside the
+response with ``response_mask`` 0, the row's real tokens in ``attention_mask``. verl's own legacy ``compute_advantage``
+runs inside the step; the tool tokens keep GRPO's advantage bit for bit, the mass stays on the model's tokens, the span
+is the final turn's, and ``oar/turns/*`` report the turns. The worker-side unpacking of verl's layouts
+(:func:`~oar_verl.integration.worker.unpack_model_masks`) is checked on both layouts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from tensordict import TensorDict
+
+import verl  # noqa: F401  loads the plugin (estimator registration)
+from verl.protocol import DataProto
+from verl.trainer.ppo.ray_trainer import compute_advantage
+
+from oar_verl.core import OARConfig, module_backend, prepare_attribution, run_attribution
+from oar_verl.core.text.turns import turn_layout
+from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
+from oar_verl.integration.rows import BatchRows
+from oar_verl.integration.step import OARStep, turn_metrics
+from oar_verl.integration.worker import response_entropies, response_lengths, unpack_model_masks, unpack_rows
+from oar_helpers import text_lm
+
+CALL = "Let me call the calculator. <tool_call>add 3 4</tool_call>"
+TOOL = "\n<tool_response>7</tool_response>\n"
+TOOL_SPAN = "\n<tool_response>tool says 9. The answer is 9.</tool_response>\n"
+FINAL = "so 3 plus 4 is 7. The answer is 7."
+SCORES = [1.0, 0.0, 1.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok, model = text_lm(["What is 3 plus 4?", CALL, TOOL, TOOL_SPAN, FINAL, "so the sum is 7"] * 40)
+    enc = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
+    eos = [tok.eos_token_id]
+    layouts = [  # p0: the span in the final turn / only in a tool output; p1: three turns / single-turn
+        [(enc(CALL) + eos, 1), (enc(TOOL), 0), (enc(FINAL) + eos, 1)],
+        [(enc(CALL) + eos, 1), (enc(TOOL_SPAN), 0), (enc("so the sum is 7") + eos, 1)],
+        [(enc(CALL) + eos, 1), (enc(TOOL), 0), (enc(CALL) + eos, 1), (enc(TOOL), 0), (enc(FINAL) + eos, 1)],
+        [(enc(FINAL) + eos, 1)],
+    ]
+    prompts = [torch.tensor(enc("What is 3 plus 4?"))] * 4
+    responses = [torch.tensor([t for ids, _ in parts for t in ids]) for parts in layouts]
+    masks = [torch.tensor([m for ids, m in parts for _ in ids]) for parts in layouts]
+    return tok, model, prompts, responses, masks
+
+
+class MultiTurnIO:
+    """TrainerIO over a padded agent-loop batch: response_mask 0 on tool tokens, ``valid`` every real token."""
+
+    def __init__(self, tok, model, prompts, responses, masks, scores):
+        self.tok, self.model, self.prompts, self.responses, self.masks = tok, model, prompts, responses, masks
+        T = max(len(r) for r in responses)
+        self.valid = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in responses]).bool()
+        self.response_mask = torch.stack([torch.nn.functional.pad(m, (0, T - len(m))) for m in masks]).long()
+        self.response_ids = torch.tensor([r.tolist() + [tok.pad_token_id] * (T - len(r)) for r in responses])
+        self.scores = torch.zeros(len(responses), T)
+        self.scores[torch.arange(len(responses)), self.valid.sum(-1) - 1] = torch.tensor(scores)  # verl: rm_scores[-1]
+        self.uids = np.array([f"p{i // 2}" for i in range(len(responses))], dtype=object)
+
+    def rows(self, with_responses):
+        return BatchRows(self.response_mask, self.scores, self.uids, torch.ones(len(self.uids), dtype=torch.bool),
+                         self.response_ids if with_responses else None, None, self.valid)
+
+    def dp_size(self):
+        return 1
+
+    def call_seconds(self):
+        return 0.0
+
+    def compute_importance(self, rows, options):
+        cfg = OARConfig.from_mapping(options[CONFIG_KEY])
+        idx = rows.tolist()
+        prepared = prepare_attribution([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.tok,
+                                       cfg, options[STEP_KEY], model_masks=[self.masks[i] for i in idx])
+        imp = run_attribution(module_backend(self.model, cfg), prepared.batch, cfg,
+                              mask_token_id=prepared.mask_token_id, seeds=prepared.seeds).importance
+
+        def pad(xs):
+            return torch.nested.as_nested_tensor(xs, layout=torch.jagged).to_padded_tensor(0.0)
+
+        spans, lens = prepared.spans, prepared.response_lengths
+        n = len(idx)
+        return {"token_importance": pad(prepared.response_importance(imp)),
+                "oar_reasoning_mask": pad([spans.reasoning_mask[i, :k].float() for i, k in enumerate(lens)]),
+                "oar_answer_mask": pad([spans.answer_mask[i, :k].float() for i, k in enumerate(lens)]),
+                "oar_span_found": spans.found.float(), "oar_answer_probe": prepared.answer_probe.float(),
+                "oar_passes": torch.full((n,), 2.0)}
+
+
+def algorithm(**oar):
+    return OmegaConf.create({"adv_estimator": "oar", "norm_adv_by_std_in_grpo": True, "use_kl_in_reward": False,
+                             "oar": oar})
+
+
+def verl_advantage(io, estimator, alg, step=None, att=None, metrics=None):
+    data = DataProto.from_dict(tensors={"token_level_rewards": io.scores, "response_mask": io.response_mask},
+                               non_tensors={"uid": io.uids})
+    if step is None:
+        return compute_advantage(data, adv_estimator=estimator, num_repeat=2, config=alg).batch["advantages"]
+    with step.advantage(att, 3, metrics):
+        return compute_advantage(data, adv_estimator=estimator, num_repeat=2, config=alg).batch["advantages"]
+
+
+@pytest.mark.parametrize("mode", ["conservative", "gradient", "perturbation"])
+def test_tool_tokens_keep_grpo_and_the_mass_stays_on_the_model_s_tokens(setup, mode):
+    tok, model, prompts, responses, masks = setup
+    alg = algorithm(mode=mode, probe="as_mean")
+    step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None)
+    io = MultiTurnIO(tok, model, prompts, responses, masks, SCORES)
+    timing, metrics = {}, {}
+    att = step.attribute(io, 3, timing)
+    adv = verl_advantage(io, "oar", alg, step, att, metrics)
+    grpo = verl_advantage(io, "grpo", algorithm())
+    model_mask, context = io.response_mask.bool(), io.valid & ~io.response_mask.bool()
+    assert torch.equal(adv[context], grpo[context])  # bit for bit (verl's GRPO: 0 there, and the loss masks them)
+    A = grpo.sum(-1) / model_mask.sum(-1)  # each row's sequence advantage
+    mass = (adv * model_mask).sum(-1) / A  # Σw over the model's tokens
+    assert (mass - model_mask.sum(-1)).abs().max() / model_mask.sum(-1).max() <= 1e-6
+    # the span: found in the final turn only (row 1 holds one in a tool output only: not used, GRPO's weights)
+    lay = turn_layout(io.valid, io.response_mask)
+    assert att.found.tolist() == [True, False, True, True]
+    assert not (att.answer & ~lay.final).any() and not (att.estimator_inputs.reasoning_mask & lay.context).any()
+    assert torch.equal(adv[1], grpo[1])
+    assert float(adv[0][att.estimator_inputs.reasoning_mask[0]].std()) > 0  # the span rows are reshaped
+    assert metrics["oar/adv_mass_rel_err"] <= 1e-6 and metrics["oar/no_reasoning_seq_frac"] == 0.25
+    assert metrics["oar/turns/per_row"] == pytest.approx((2 + 2 + 3 + 1) / 4)
+    assert metrics["oar/turns/tool_calls_per_row"] == pytest.approx((1 + 1 + 2 + 0) / 4)
+    assert metrics["oar/turns/multi_turn_rows"] == 2.0  # rows 0 and 2 (row 1 is not reshaped, row 3 single-turn)
+    assert 0 < metrics["oar/turns/share_last"] < 1 and 0 < metrics["oar/turns/share_first"] < 1
+    assert 0 < metrics["oar/turns/share_last_uniform"] < 1
+
+
+def test_single_turn_batches_log_no_turn_metrics(setup):
+    tok, model, prompts, responses, masks = setup
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    rows = BatchRows(valid.long(), torch.zeros(2, 4), np.array(["a", "a"], dtype=object), valid[:, 0], None, None,
+                     valid)
+    assert turn_metrics(rows, None) == {}
+    assert turn_metrics(BatchRows(valid.long(), torch.zeros(2, 4), rows.uids, valid[:, 0]), None) == {}
+
+
+def test_worker_reads_the_model_s_tokens_from_both_layouts(setup):
+    tok, model, prompts, responses, masks = setup
+    nested = TensorDict({"prompts": torch.nested.as_nested_tensor(prompts, layout=torch.jagged),
+                         "responses": torch.nested.as_nested_tensor(responses, layout=torch.jagged),
+                         "response_mask": torch.nested.as_nested_tensor(masks, layout=torch.jagged)},
+                        batch_size=[4])
+    got = unpack_model_masks(nested)
+    assert all(torch.equal(g, m) for g, m in zip(got, masks))
+    assert response_lengths(nested) == [len(r) for r in responses]
+    # the legacy trainer's padded layout: prompts left-padded, responses right-padded, attention over both
+    io = MultiTurnIO(tok, model, prompts, responses, masks, SCORES)
+    P = max(len(p) for p in prompts)
+    pad_p = torch.stack([torch.nn.functional.pad(p, (P - len(p), 0)) for p in prompts])
+    attn = torch.cat([torch.ones(4, P, dtype=torch.long), io.valid.long()], dim=1)
+    entropy = torch.rand(4, io.valid.shape[1])
+    padded = TensorDict({"prompts": pad_p, "responses": io.response_ids, "response_mask": io.response_mask,
+                         "attention_mask": attn, "entropys": entropy}, batch_size=[4])
+    got = unpack_model_masks(padded)
+    assert all(torch.equal(g, m) for g, m in zip(got, masks))
+    assert [len(r) for r in unpack_rows(padded)[1]] == [len(r) for r in responses]
+    # the old-log-prob entropies cover every response token, tool outputs included (not response_mask.sum)
+    assert [len(e) for e in response_entropies(padded)] == [len(r) for r in responses]
+    assert unpack_model_masks(TensorDict({"prompts": pad_p, "responses": io.response_ids}, batch_size=[4])) is None
