@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import shutil
 import statistics
 import sys
@@ -133,6 +135,10 @@ def main() -> int:
     ap.add_argument("--response-length", type=int, default=48)
     ap.add_argument("--out", default="outputs/benchmarks")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--results", type=Path, default=None,
+                    help="also write the rows and the run's settings and machine load to this committed results file "
+                         "(research/results/overhead_cpu.json: the README's cost row and docs/performance.md's table "
+                         "are generated from it by python -m research.tables)")
     ap.add_argument("--trainer-mode", default="sync", choices=["sync", "colocate_async"],
                     help="verl's V1 trainer mode, for GRPO and OAR alike (separate_async needs a GPU weight-sync "
                          "backend: see README)")
@@ -152,7 +158,7 @@ def main() -> int:
     out = Path(args.out).resolve() / ("overhead" if args.trainer_mode == "sync" else f"overhead_{args.trainer_mode}")
     shutil.rmtree(out, ignore_errors=True)
     assets = build_tiny_assets(out / "assets", seed=0)
-    rows = []
+    rows, load_before = [], os.getloadavg()
     for name in args.methods.split(","):
         run_dir = out / name
         ray_tmp = new_ray_temp_dir()
@@ -173,8 +179,10 @@ def main() -> int:
             return 1
         m = run.metrics
         step = median_after_first(m, "timing_s/step")
-        oar = median_after_first(m, "timing_s/oar")
-        # attribution runs inside the old-log-prob step (timing_s/oar is part of timing_s/old_log_prob)
+        # OAR's cost wherever it ran: after the old-log-prob call (timing_s/oar) and inside it when read from that
+        # pass (timing_s/oar_in_old_log_prob); timing_s/oar_total is both (issue #57 item 4)
+        oar = median_after_first(m, "timing_s/oar_total") if name != "GRPO" else 0.0
+        # attribution inside or after the old-log-prob step: both are counted in timing_s/old_log_prob
         train = median_after_first(m, "timing_s/old_log_prob") + median_after_first(m, "timing_s/update_actor") - oar
         logp, update = median_after_first(m, "timing_s/old_log_prob"), median_after_first(m, "timing_s/update_actor")
         rows.append({"method": name, "step_s": step, "oar_s": oar, "oar_share_of_step": oar / step,
@@ -196,6 +204,16 @@ def main() -> int:
     for r in rows:
         print(" | ".join(f"{r[k]:>21.3f}" if isinstance(r[k], float) else f"{r[k]:>21}" for k in keys))
     (out / "overhead.json").write_text(json.dumps(rows, indent=1))
+    if args.results:
+        meta = {"date": str(date.today()), "command": "python -m research.overhead " + " ".join(sys.argv[1:]),
+                "trainer_mode": args.trainer_mode, "steps": args.steps, "batch": args.batch,
+                "rollout_n": args.rollout_n, "response_length": args.response_length,
+                "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads per process: "
+                           f"{os.environ.get('OMP_NUM_THREADS', 'default')}",
+                "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {args.results}")
     _plot(rows, out / "overhead.png")
     print(f"\nwrote {out / 'overhead.json'} and overhead.png")
     return 0

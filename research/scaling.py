@@ -278,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model-only", action="store_true", help="print the cost model at Qwen2.5-7B / 32B shapes")
     ap.add_argument("--out", default="outputs/benchmarks")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="also write the points and ratios to this committed results file (research/results/"
+                         "scaling_cpu.json: the README's row and docs/performance.md's table are generated from it)")
     ap.add_argument("--point", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--point-length", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--fisher-outcomes", type=int, default=None,
@@ -322,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     path = out / f"scaling_{args.device}_{args.shape}.json"
     path.write_text(json.dumps({"meta": meta, "points": points, "ratios": table}, indent=1))
     print(f"\nwrote {path} ({meta['wall_s']:.0f} s)")
+    if args.results:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps({"meta": meta, "points": points, "ratios": table}, indent=1) + "\n")
+        print(f"wrote {args.results}")
     return 0
 
 

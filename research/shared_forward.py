@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from datetime import date
@@ -211,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-separate", dest="separate", action="store_false")
     ap.add_argument("--peer", action="store_true", help="also the GRAIL-structure OAR-G (full logits, no recompute)")
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here (research/results/shared_forward_cpu.json: "
+                    "the README's fits-beside-training row is generated from it)")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.lengths = [int(x) for x in args.lengths.split(",")]
@@ -225,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"date": str(date.today()), "device": device, "shape": args.shape, "dtype": args.dtype,
-                       "rows": rows}, f, indent=1)
+                       "command": "python -m research.shared_forward " + " ".join(
+                           argv if argv is not None else sys.argv[1:]),
+                       "load_average": round(os.getloadavg()[0], 2), "rows": rows}, f, indent=1)
     return 0
 
 

@@ -295,7 +295,48 @@ def no_span_headline() -> str:
     return f"{r['rows']} rows, {iv(r['own_probe']['eos']['conservative:eos']['random'], 2, 'mean')}"
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# OAR's cost in verl's trainer on CPU (research/overhead.py --results, docs/performance.md, the README's cost row)
+# ---------------------------------------------------------------------------------------------------------------------
+
+_OVERHEAD_LABEL = {"GRPO": "GRPO", "OAR-G": "OAR-G", "OAR-P": "OAR-P (prefix reuse)",
+                   "conservative-shared": "the default (`conservative`), read from the old-log-prob pass",
+                   "conservative-separate": "the default, its own passes", "fisher-shared": "`fisher`, read from the pass",
+                   "fisher-separate": "`fisher`, its own passes", "OAR-G-shared": "OAR-G, teachers read from the pass",
+                   "OAR-G-separate": "OAR-G, its own teacher passes"}
+
+
+def overhead_cpu() -> str:
+    """docs/performance.md's table: every method's step time against GRPO's, OAR's cost wherever it ran."""
+    r = load("overhead_cpu")
+    m = r["meta"]
+    lines = ["| method | step s | × GRPO | OAR s (`timing_s/oar_total`) | share of step | OAR / (old log-prob + update) |"
+             " sequences attributed |", "|---|---|---|---|---|---|---|"]
+    for x in r["rows"]:
+        if x["method"] == "GRPO":
+            lines.append(f"| GRPO | {x['step_s']:.2f} | 1.00 | – | – | – | – |")
+            continue
+        lines.append(f"| {_OVERHEAD_LABEL.get(x['method'], x['method'])} | {x['step_s']:.2f} | "
+                     f"**{x['ratio_to_grpo']:.2f}** | {x['oar_s']:.2f} | {x['oar_share_of_step']:.0%} | "
+                     f"{x['oar_share_of_training']:.2f} | {x['attributed_frac']:.2f} |")
+    lines += ["", f"`{m['command']}`, {m['date']}: trainer mode `{m['trainer_mode']}`, {m['batch']} prompts × "
+              f"{m['rollout_n']} responses of ≤ {m['response_length']} tokens, median of steps 2–{m['steps']}; "
+              f"{m['machine']}; load average {m['load_average_before_after'][0]} before, "
+              f"{m['load_average_before_after'][1]} after."]
+    return "\n".join(lines)
+
+
+def cost_row() -> str:
+    """The README's cost row: step time × GRPO, the default first."""
+    rows = {x["method"]: x for x in load("overhead_cpu")["rows"]}
+    parts = [f"{label} {rows[k]['ratio_to_grpo']:.2f}" for k, label in
+             (("conservative-shared", "the default (read from the old-log-prob pass)"),
+              ("conservative-separate", "its own passes"), ("OAR-G", "OAR-G"), ("OAR-P", "OAR-P")) if k in rows]
+    return "step time × GRPO: " + ", ".join(parts)
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
+    "overhead_cpu": overhead_cpu, "cost_row": cost_row,
     "no_span_headline": no_span_headline,
     "signed_gate_rows": signed_gate_rows, "gate_learning": gate_learning, "gate_against_grpo": gate_against_grpo, "sigma_sweep": sigma_sweep,
     "fidelity_paired_smollm2": fidelity_paired_smollm2, "fidelity_paired_headline": fidelity_paired_headline,
