@@ -24,10 +24,15 @@ case "$MODEL" in
     _model_path=Qwen/Qwen2.5-1.5B; _tp=1; _mcore_tp=1; _token_len=32768 ;;
   qwen2.5-7b)
     _model_path=Qwen/Qwen2.5-7B; _tp=2; _mcore_tp=2; _token_len=16384 ;;
+  qwen2.5-1.5b-instruct)  # the tool recipes' (run_oar_tools*.sh): the chat template knows tools
+    _model_path=Qwen/Qwen2.5-1.5B-Instruct; _tp=1; _mcore_tp=1; _token_len=32768 ;;
+  qwen2.5-7b-instruct)
+    _model_path=Qwen/Qwen2.5-7B-Instruct; _tp=2; _mcore_tp=2; _token_len=16384 ;;
   qwen2.5-math-7b)  # max_position_embeddings 4096: MAX_PROMPT_LEN + MAX_RESPONSE_LEN must stay <= 4096
     _model_path=Qwen/Qwen2.5-Math-7B; _tp=2; _mcore_tp=2; _token_len=16384 ;;
   *)
-    echo "recipes: unknown MODEL=$MODEL (qwen2.5-1.5b | qwen2.5-7b | qwen2.5-math-7b; MODEL_PATH overrides the path)" >&2
+    echo "recipes: unknown MODEL=$MODEL (qwen2.5-1.5b | qwen2.5-7b | qwen2.5-math-7b | qwen2.5-1.5b-instruct |" \
+         "qwen2.5-7b-instruct; MODEL_PATH overrides the path)" >&2
     exit 2 ;;
 esac
 MODEL_PATH=${MODEL_PATH:-$_model_path}

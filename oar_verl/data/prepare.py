@@ -8,6 +8,8 @@ usage::
     # offline: local JSON / JSONL / parquet files with the hub's columns; the split comes from `split=PATH`
     # or from "train"/"test" in the file name
     python -m oar_verl.data.prepare gsm8k --out DIR --input train=gsm8k_train.jsonl --input test=gsm8k_test.jsonl
+    # multi-turn with the calculator tool (recipes/gsm8k/run_oar_tools.sh; docs/multi_turn.md): agent_name tool_agent
+    python -m oar_verl.data.prepare gsm8k --tools --out ~/data/oar/gsm8k_tools
 
 Without ``--input`` the data come from the Hugging Face hub (``datasets.load_dataset``). Every row has verl's columns
 (``data_source``, ``prompt``, ``ability``, ``reward_model``, ``extra_info``), as verl's own ``examples/data_preprocess``
@@ -28,6 +30,8 @@ __all__ = [
     "DATASETS",
     "GSM8K_INSTRUCTION",
     "MATH_INSTRUCTION",
+    "TOOL_AGENT",
+    "TOOLS_INSTRUCTION",
     "extract_boxed",
     "gsm8k_ground_truth",
     "load_local",
@@ -38,6 +42,11 @@ __all__ = [
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+# --tools: rows verl's ToolAgentLoop runs (``agent_name``), with the calculator of recipes/tools/calculator.yaml
+# (oar_verl.tools.calculator.CalculatorTool, the tool named ``calc``)
+TOOL_AGENT = "tool_agent"
+TOOLS_INSTRUCTION = ('Let\'s think step by step; use the calc tool for arithmetic, then output the final answer after '
+                     '"####".')
 
 
 @dataclass(frozen=True)
@@ -91,8 +100,8 @@ def extract_boxed(solution: str) -> str | None:
     return None
 
 
-def to_verl_rows(name: str, records: Iterable[Mapping], split: str) -> tuple[list[dict], int]:
-    """Convert source records to verl rows.
+def to_verl_rows(name: str, records: Iterable[Mapping], split: str, tools: bool = False) -> tuple[list[dict], int]:
+    """Convert source records to verl rows (``tools``: for verl's tool agent loop, with the calculator instruction).
 
     Returns:
         ``(rows, skipped)``: records without an extractable answer are skipped and counted.
@@ -113,13 +122,16 @@ def to_verl_rows(name: str, records: Iterable[Mapping], split: str) -> tuple[lis
             continue
         extra = {"split": split, "index": len(rows), "question": question, "solution": solution}
         extra.update({k: str(record.get(k, "")) for k in _EXTRA_KEYS[name]})
-        rows.append({
+        row = {
             "data_source": spec.data_source,
-            "prompt": [{"role": "user", "content": f"{question} {spec.instruction}"}],
+            "prompt": [{"role": "user", "content": f"{question} {TOOLS_INSTRUCTION if tools else spec.instruction}"}],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": truth},
             "extra_info": extra,
-        })
+        }
+        if tools:
+            row["agent_name"] = TOOL_AGENT
+        rows.append(row)
     return rows, skipped
 
 
@@ -170,7 +182,7 @@ def _load_hub(spec: DatasetSpec, split: str) -> list[dict]:
 
 
 def prepare(name: str, out_dir: str | os.PathLike, inputs: list[str] | None = None,
-            max_samples: int | None = None) -> dict[str, Path]:
+            max_samples: int | None = None, tools: bool = False) -> dict[str, Path]:
     """Write ``<out_dir>/<split>.parquet`` for every split of ``name`` (given by ``inputs``, else from the hub).
 
     Returns:
@@ -192,7 +204,7 @@ def prepare(name: str, out_dir: str | os.PathLike, inputs: list[str] | None = No
     for split, records in sources.items():
         if max_samples:
             records = records[:max_samples]
-        rows, skipped = to_verl_rows(name, records, split)
+        rows, skipped = to_verl_rows(name, records, split, tools)
         if not rows:
             raise ValueError(f"{name}/{split}: no usable records (all {skipped} lacked a question or an answer)")
         path = out_dir / f"{split}.parquet"
@@ -210,9 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", action="append", default=None, metavar="[SPLIT=]PATH",
                         help="local .json/.jsonl/.parquet instead of the hub (repeatable)")
     parser.add_argument("--max-samples", type=int, default=None, help="keep the first N records of each split")
+    parser.add_argument("--tools", action="store_true",
+                        help="rows for verl's tool agent loop (agent_name tool_agent) with the calculator instruction")
     args = parser.parse_args(argv)
     try:
-        prepare(args.dataset, args.out, args.input, args.max_samples)
+        prepare(args.dataset, args.out, args.input, args.max_samples, args.tools)
     except (RuntimeError, ValueError, FileNotFoundError) as exc:
         print(f"[prepare] error: {exc}", file=sys.stderr)
         return 1

@@ -92,12 +92,14 @@ class TrainerIO(Protocol):
         rows.call_seconds` over every row that call returned), 0.0 where it carried no attribution."""
 
 
-def turn_metrics(batch: BatchRows, result) -> dict[str, float]:
+def turn_metrics(batch: BatchRows, result, answer: torch.Tensor | None = None) -> dict[str, float]:
     """``oar/turns/*`` of a batch with multi-turn rows (verl's agent loop: context tokens, tool outputs or user turns,
     inside the responses; docs/multi_turn.md), {} for a single-turn batch: assistant turns and tool outputs per row
-    (over the real rows), and the first and the final turn's share of the reshaped credit Σw against GRPO's share
-    (the turn's reasoning tokens / R), over the reshaped rows with at least two turns (``result``: the estimator's
-    Reshaped)."""
+    (over the real rows); the first and the final turn's share of the reshaped credit Σw against GRPO's share (the
+    turn's reasoning tokens / R), over the reshaped rows with at least two turns (``result``: the estimator's
+    Reshaped); and the layout's invariants, 0 when they hold: ``context_adv_max_abs_diff`` (the largest |Â − A| on a
+    context token: their advantage is the base estimator's, bit for bit), ``context_reshaped_tokens`` (context tokens
+    the gate weighted) and, with ``answer`` (B, T) bool the step's answer-span tokens, ``answer_outside_final_turn``."""
     if batch.valid is None:
         return {}
     valid = batch.valid.bool()[:, :batch.response_mask.shape[1]]
@@ -106,9 +108,15 @@ def turn_metrics(batch: BatchRows, result) -> dict[str, float]:
         return {}
     real = batch.eligible.bool()
     n = max(int(real.sum()), 1)
-    out = {"oar/turns/per_row": float(layout.turns[real].sum()) / n,
-           "oar/turns/tool_calls_per_row": float(layout.context_runs[real].sum()) / n}
     tw = result.token_weights
+    context = layout.context.to(tw.weights.device)
+    diff = (result.advantages.double() - result.base_advantages.double()).abs()
+    out = {"oar/turns/per_row": float(layout.turns[real].sum()) / n,
+           "oar/turns/tool_calls_per_row": float(layout.context_runs[real].sum()) / n,
+           "oar/turns/context_adv_max_abs_diff": float(torch.where(context, diff, 0.0).max()),
+           "oar/turns/context_reshaped_tokens": float((tw.reshaped & context).sum())}
+    if answer is not None:
+        out["oar/turns/answer_outside_final_turn"] = float((answer.bool() & ~layout.final).sum())
     shares = turn_shares(tw.weights, tw.reshaped, layout, tw.reshaped.any(-1) & real)
     if float(shares["rows"]) > 0:
         out.update({f"oar/turns/share_{k}": float(v) for k, v in shares.items() if k != "rows"})
@@ -355,7 +363,7 @@ class OARStep:
         if len(att.policy_match) and not bool(att.policy_match.isnan().any()):
             # 1: every rank attributed with exactly the weights its old-log-prob pass used (docs/verl.md)
             metrics["oar/policy_matches_old_log_prob"] = float(att.policy_match.min())
-        metrics.update(turn_metrics(att.batch, result))
+        metrics.update(turn_metrics(att.batch, result, att.answer))
         if fidelity_due(self.cfg, global_step) and att.fidelity:  # docs/fidelity.md, "Logged while training"
             metrics.update(step_metrics(att.fidelity))
         if self.selector is not None:  # docs/auto.md, "What is logged"

@@ -132,6 +132,10 @@ def test_tool_tokens_keep_grpo_and_the_mass_stays_on_the_model_s_tokens(setup, m
     assert metrics["oar/turns/multi_turn_rows"] == 2.0  # rows 0 and 2 (row 1 is not reshaped, row 3 single-turn)
     assert 0 < metrics["oar/turns/share_last"] < 1 and 0 < metrics["oar/turns/share_first"] < 1
     assert 0 < metrics["oar/turns/share_last_uniform"] < 1
+    # the invariants the step logs on every multi-turn batch (the e2e run reads them from verl's logger)
+    assert metrics["oar/turns/context_adv_max_abs_diff"] == 0.0
+    assert metrics["oar/turns/context_reshaped_tokens"] == 0.0
+    assert metrics["oar/turns/answer_outside_final_turn"] == 0.0
 
 
 def test_single_turn_batches_log_no_turn_metrics(setup):

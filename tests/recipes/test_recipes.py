@@ -20,6 +20,8 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "oar_verl" / "integration" / "config"
 RECIPES = sorted((ROOT / "recipes").glob("*/run_*.sh"))
+# GSM8K's multi-turn recipes with the calculator tool (docs/multi_turn.md), beside the single-turn algorithms
+TOOL_RECIPES = {"recipes/gsm8k/run_oar_tools.sh", "recipes/gsm8k/run_oar_tools_megatron.sh"}
 SHELL_SCRIPTS = [*RECIPES, ROOT / "recipes" / "common.sh", ROOT / "recipes" / "quickstart_cpu.sh"]
 MODELS = ["qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-math-7b"]
 MODEL_PATHS = {"qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B", "qwen2.5-7b": "Qwen/Qwen2.5-7B",
@@ -35,7 +37,7 @@ def _id(path: Path) -> str:
 
 def test_expected_recipes_exist():
     assert {_id(p) for p in RECIPES} == {f"recipes/{t}/run_{a}{e}.sh" for t in ("gsm8k", "math")
-                                          for a in ALGOS for e in ("", "_megatron")}
+                                          for a in ALGOS for e in ("", "_megatron")} | TOOL_RECIPES
 
 
 def _recipe_kind(script: Path) -> tuple[str, str, bool]:
@@ -122,15 +124,59 @@ def test_recipe_composes_and_validates(script, model):
     assert cfg.actor_rollout_ref.model.use_liger is False  # verl's default, USE_LIGER's too
     assert cfg.algorithm.adv_estimator == ("grpo" if algo == "grpo" else "oar")
     if algo != "grpo":
-        assert cfg.algorithm.oar.mode == OAR_MODES[algo]
+        assert cfg.algorithm.oar.mode == {**OAR_MODES, "oar_tools": "conservative"}[algo]
+    assert cfg.actor_rollout_ref.rollout.multi_turn.enable is (algo == "oar_tools")
     val_files = OmegaConf.to_container(cfg.data.val_files) if OmegaConf.is_list(cfg.data.val_files) \
         else [cfg.data.val_files]
     if task == "math":
         assert cfg.data.train_files == "/data/oar/math/train.parquet"
         assert val_files == ["/data/oar/math500/test.parquet", "/data/oar/gsm8k/test.parquet"]
         assert cfg.data.max_prompt_length + cfg.data.max_response_length <= 4096  # Qwen2.5-Math-7B's context
+    elif algo == "oar_tools":
+        assert cfg.data.train_files == "/data/oar/gsm8k_tools/train.parquet"
+        assert val_files == ["/data/oar/gsm8k_tools/test.parquet"]
     else:
         assert val_files == ["/data/oar/gsm8k/test.parquet"]
+
+
+@pytest.mark.parametrize("script", sorted(TOOL_RECIPES))
+def test_tool_recipes_run_verl_s_agent_loop_with_the_calculator(script):
+    """The multi-turn recipes (docs/multi_turn.md): Qwen2.5-Instruct by default (its chat template renders tools),
+    verl's agent loop with the hermes parser, and a tool config verl itself loads into the calculator."""
+    from verl.tools.tool_registry import initialize_tools_from_config
+
+    from oar_verl.tools.calculator import CalculatorTool
+
+    megatron = script.endswith("_megatron.sh")
+    cfg = compose(dry_run(ROOT / script))
+    validate(cfg)
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    assert mt.enable is True and mt.format == "hermes" and mt.max_assistant_turns == 4
+    assert cfg.actor_rollout_ref.model.path == ("Qwen/Qwen2.5-7B-Instruct" if megatron else "Qwen/Qwen2.5-1.5B-Instruct")
+    assert cfg.actor_rollout_ref.actor.strategy == ("megatron" if megatron else "fsdp2")
+    assert mt.tool_config_path == str(ROOT / "recipes" / "tools" / "calculator.yaml")
+    tools = initialize_tools_from_config(mt.tool_config_path)
+    assert [type(t) for t in tools] == [CalculatorTool] and tools[0].name == "calc"
+    # the data the recipe reads: python -m oar_verl.data.prepare gsm8k --tools
+    from oar_verl.data.prepare import TOOL_AGENT, to_verl_rows
+
+    rows, _ = to_verl_rows("gsm8k", [{"question": "1 + 2?", "answer": "3\n#### 3"}], "train", tools=True)
+    assert rows[0]["agent_name"] == TOOL_AGENT == "tool_agent" and "calc" in rows[0]["prompt"][0]["content"]
+    twin = dry_run(ROOT / "recipes" / "gsm8k" / "run_oar_tools_megatron.sh")
+    assert twin == dry_run(ROOT / "recipes" / "gsm8k" / "run_oar_tools.sh", ENGINE="megatron",
+                           MODEL="qwen2.5-7b-instruct")
+
+
+def test_calculator_tool():
+    import asyncio
+
+    from oar_verl.tools.calculator import CalculatorTool, evaluate
+
+    assert [evaluate(e) for e in ("23+45", "7/2", "(12*3)//5", "1,000 + 2", "2**3")] == ["68", "3.5", "7", "1002", "8"]
+    assert all(evaluate(e).startswith("error:") for e in ("__import__('os')", "1/0", "2**999", "x+1", "9" * 300))
+    tool = CalculatorTool({"type": "native"})
+    assert asyncio.run(tool.execute("i", {"expr": "3*4"}))[0].text == "12"
+    assert asyncio.run(tool.execute("i", {"wrong": 1}))[0].text.startswith("error:")
 
 
 def _leaves(cfg) -> dict[str, object]:
