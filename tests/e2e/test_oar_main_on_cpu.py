@@ -3,7 +3,9 @@
 ``python -m oar_verl.main`` runs, for 3 steps each, OAR-P (auto policy: hierarchical on long rows, exact on short
 ones) on the V1 sync trainer in rollout-correction bypass mode (old log-probs from the rollout) with verl's FSDP1
 engine (``strategy=fsdp``, verl's default; ``devtools/fsdp1_cpu.py`` on CPU ranks), OAR-G on verl's
-``colocate_async`` trainer (its clean teachers read from the old-log-prob forward, the actor in bf16) and ``mode=auto``
+``colocate_async`` trainer (its clean teachers read from the old-log-prob forward, the actor in bf16) over verl's
+multi-turn agent loop with a calculator tool (docs/multi_turn.md: tool calls in the rows, the tool tokens' advantages
+GRPO's bit for bit, the span in the final turn, the mass on the model's tokens) and ``mode=auto``
 with its default
 candidates on the legacy ``RayPPOTrainer`` with a LoRA actor (read from that forward once decided); and OAR-G on the
 V1 trainer at scale settings -- 2 data-parallel ranks, dynamic batch sizes, a bf16 actor with gradient checkpointing
@@ -41,6 +43,12 @@ OAR_KEYS = ["oar/weight_mean", "oar/weight_std", "oar/weight_max", "oar/frac_flo
             "oar/attributed_seq_frac", "oar/flat_seq_frac", "timing_s/oar", "timing_s/oar_in_old_log_prob",
             "timing_s/oar_total", "timing_s/old_log_prob"]
 
+
+# verl's multi-turn agent loop with the calculator tool (the tool config's path is added per run): responses of a
+# tool call, the tool's output and a final turn fit in 64 tokens
+MULTI_TURN = ["actor_rollout_ref.rollout.multi_turn.enable=True", "actor_rollout_ref.rollout.multi_turn.format=hermes",
+              "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "data.max_response_length=64",
+              "actor_rollout_ref.rollout.max_model_len=96"]
 
 # the tiny random model writes no "The answer is N": its last number stands for its answer, so that its rows have the
 # answer span OAR needs (a row without one keeps GRPO's weights, docs/method.md §2)
@@ -131,8 +139,11 @@ def _check_oar_run(name, run, steps, dump_dir=None):
     # attribution measured on step 2 right after that pass (docs/fidelity.md, "Logged while training"); the actor in
     # bf16 (verl's default), so that attribution with frozen parameters is the FSDP2 module's first forward and the
     # update after it must still get fp32 gradients
+    # The rollout is verl's multi-turn agent loop (docs/multi_turn.md): a tiny model warm-started to call the
+    # calculator (oar_verl.tools.calculator, a BaseTool through verl's hermes tool parser) and to state its result;
+    # the tool's output sits inside each response with response_mask 0 (devtools/tool_assets.py)
     ("oar_g_colocate_async", ["algorithm.oar.mode=gradient", "trainer.v1.trainer_mode=colocate_async",
-                              "algorithm.oar.fidelity_every=2", BF16_ACTOR]),
+                              "algorithm.oar.fidelity_every=2", BF16_ACTOR, *MULTI_TURN]),
     # mode=auto (docs/auto.md) with its default candidates on the legacy trainer: conservative (auto_default) until
     # the first decision at step 1, the decision's mode after (step 2 read from the old-log-prob forward: both
     # candidates can), a re-check at step 3, the selector's state saved beside the step-3 checkpoint
@@ -142,11 +153,18 @@ def _check_oar_run(name, run, steps, dump_dir=None):
                      "algorithm.oar.auto_prompts=1", "algorithm.oar.auto_every=2", "algorithm.oar.auto_fallback=best",
                      "trainer.save_freq=3", *LORA]),
 ])
-def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, name, extra):
+def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, request, name, extra):
     dump_dir = tmp_path / "dumps"
-    run = _run(tiny_assets, tmp_path, name,
-               [*extra, "algorithm.oar.dump_every=2", f"algorithm.oar.dump_dir={dump_dir}"])
-    _check_oar_run(name, run, range(1, STEPS + 1), dump_dir)
+    multi_turn = MULTI_TURN[0] in extra
+    assets = tiny_assets
+    if multi_turn:
+        assets = request.getfixturevalue("tool_assets")
+        extra = [*extra, f"actor_rollout_ref.rollout.multi_turn.tool_config_path={assets.tool_config}"]
+    run = _run(assets, tmp_path, name, [*extra, "algorithm.oar.dump_every=2", f"algorithm.oar.dump_dir={dump_dir}"])
+    # (the token dumps of multi-turn rows are not checked here: their writer cuts rows at response_mask.sum)
+    _check_oar_run(name, run, range(1, STEPS + 1), None if multi_turn else dump_dir)
+    if multi_turn:
+        _check_multi_turn(run)
     reported = ["oar/policy_matches_old_log_prob" in m for m in run.metrics]
     assert not any(reported) if "bypass" in name else all(reported)
     perturbed = [m for m in run.metrics if "oar/perturbation_copies" in m]
@@ -239,6 +257,31 @@ def test_oar_g_at_scale_settings_saves_and_resumes(tiny_assets, tmp_path):
     assert len(modes) == 1 and modes <= {0.0, 1.0}, modes
     state = json.loads((tmp_path / "checkpoints" / "global_step_2" / "oar_auto.json").read_text())
     assert state["bands"]["all"]["decided"] and state["candidates"] == ["gradient", "fisher"]
+
+
+def _check_multi_turn(run):
+    """The multi-turn rollouts (docs/multi_turn.md): tool calls in the rows, the tool tokens' advantages verl's GRPO's
+    bit for bit, no tool token weighted, the span in the final turn, the mass kept on the model's tokens."""
+    for m in run.metrics:
+        print({k: v for k, v in m.items() if k.startswith(("oar/turns/", "num_turns/"))
+               or k in ("oar/span_found_frac", "oar/no_reasoning_seq_frac", "oar/adv_mass_rel_err",
+                        "critic/score/mean")})
+        assert m["oar/turns/tool_calls_per_row"] >= 0.5, m  # most rows called the tool
+        assert m["num_turns/max"] >= 3  # user, assistant, tool, assistant
+        assert m["oar/turns/context_adv_max_abs_diff"] == 0.0 and m["oar/turns/context_reshaped_tokens"] == 0.0
+        assert m["oar/turns/answer_outside_final_turn"] == 0.0
+        assert m["oar/adv_mass_rel_err"] <= 1e-6
+    shares = [m for m in run.metrics if "oar/turns/share_last" in m]
+    assert shares and all(0.0 <= m["oar/turns/share_last"] <= 1.0 for m in shares)
+    assert any(m["oar/span_found_frac"] > 0 for m in run.metrics)
+
+
+@pytest.fixture(scope="module")
+def tool_assets(tmp_path_factory):
+    """The multi-turn run's warm-started tool caller (devtools/tool_assets.py; ~1 min, cached by content)."""
+    from devtools.tool_assets import build_tool_assets
+
+    return build_tool_assets(tmp_path_factory.mktemp("tool_assets"))
 
 
 def _check_dumps(dump_dir):
