@@ -7,7 +7,9 @@ usage::
 Input: the trainer's token dumps (``algorithm.oar.dump_every=K``: ``step_<N>.jsonl``, one JSON object per rollout in
 the format of :mod:`oar_verl.integration.dumps`; an optional ``"prompt"`` is shown above its group). Per step and
 prompt group, the correct rollouts on the left and the incorrect ones on the right, each reasoning token coloured by
-its weight (blue < 1 < red), the rest grey. Layout and colours: docs/verl.md, "Token dumps and heatmaps".
+its weight (blue < 1 < red), the rest grey. Multi-turn rows (an optional per-token ``"turn"``: the assistant turn
+of each of the model's tokens, -1 on context; docs/multi_turn.md) show tool outputs and user turns boxed as context
+and a marker where each later turn starts. Layout and colours: docs/verl.md, "Token dumps and heatmaps".
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def load_dump(source: str | os.PathLike, max_steps: int | None = None) -> list[d
                 continue
             record = json.loads(line)
             n = len(record["tokens"])
-            for key in ("importance", "weight", "reasoning", "answer"):
+            for key in ("importance", "weight", "reasoning", "answer", *(("turn",) if "turn" in record else ())):
                 if len(record[key]) != n:
                     raise ValueError(f"{path}:{line_no}: len({key})={len(record[key])} != len(tokens)={n}")
             records.append(record)
@@ -91,11 +93,17 @@ def _token_text(token: str) -> str:
 
 def _render_tokens(record: dict, w_min: float, w_max: float) -> str:
     spans = []
-    for tok, w, imp, r, a in zip(record["tokens"], record["weight"], record["importance"], record["reasoning"],
-                                 record["answer"]):
-        role = "reasoning" if r else ("answer" if a else "outside reasoning")
+    turns = record.get("turn") or [0] * len(record["tokens"])  # single-turn dumps hold no "turn"
+    last_turn = 0
+    for tok, w, imp, r, a, turn in zip(record["tokens"], record["weight"], record["importance"], record["reasoning"],
+                                       record["answer"], turns):
+        if turn > last_turn:  # a later assistant turn starts here
+            spans.append(f'<span class="turn">▸ turn {turn + 1}</span>')
+            last_turn = turn
+        role = "reasoning" if r else ("answer" if a else ("context: tool output / user turn" if turn < 0
+                                                            else "outside reasoning"))
         tip = f"{tok!r}  w={w:.3f}  importance={imp:.3g}  ({role})"
-        classes = ["tok", "r" if r else "nr"] + (["ans"] if a else [])
+        classes = ["tok", "r" if r else "nr"] + (["ans"] if a else []) + (["ctx"] if turn < 0 else [])
         style = ""
         if r:
             bg = weight_colour(float(w), w_min, w_max)
@@ -111,6 +119,10 @@ def _rollout_card(record: dict, w_min: float, w_max: float, correct: bool) -> st
     w_range = f"w {min(reasoning_w):.2f}–{max(reasoning_w):.2f} over {len(reasoning_w)} reasoning tokens" \
         if reasoning_w else "no reasoning tokens"
     span = "answer span found" if record.get("span_found") else "no answer span"
+    if record.get("turn"):  # multi-turn: turns and context runs (tool outputs, user turns)
+        t = record["turn"]
+        runs = sum(1 for i, x in enumerate(t) if x < 0 and (i == 0 or t[i - 1] >= 0))
+        span += f" (final turn) · {max(t) + 1} turns · {runs} tool outputs"
     head = (f'<div class="head"><b>#{record["sample"]}</b> · reward <b>{record["reward"]:.2f}</b> · '
             f'advantage <b>{record["advantage"]:+.3f}</b> · {span} · {w_range}</div>')
     return (f'<div class="rollout {"ok" if correct else "bad"}">{head}'
@@ -141,6 +153,9 @@ h1 {{ font-size: 20px; margin: 0 0 4px; }} h2 {{ font-size: 17px; margin: 26px 0
 .tok.nr {{ color: #888; background: #eee; font-style: italic; }}
 .tok.ans {{ outline: 2px solid {_rgb(ANSWER_RGB)}; outline-offset: -1px; text-decoration: underline;
   color: #111; font-weight: 700; font-style: normal; }}
+.tok.ctx {{ color: #345; background: #e8eef5; font-style: normal; border: 1px dashed #9ab; }}
+.turn {{ display: inline-block; margin: 0 4px; padding: 0 4px; font-size: 11px; color: #fff; background: #567;
+  border-radius: 3px; }}
 .none {{ color: #999; font-style: italic; }}
 """
 
@@ -162,7 +177,10 @@ def render_html(records: list[dict], *, title: str = "OAR token weights", correc
         'coloured by weight w</div>'
         '<div><span class="tok nr">outside reasoning</span> marker / EOS / after answer: w = 1</div>'
         '<div><span class="tok nr ans">42</span> answer span</div>'
-        '<div>hover a token: weight and importance</div></div>')
+        + ('<div><span class="tok nr ctx">tool output</span> context (multi-turn): never weighted '
+           '<span class="turn">▸ turn 2</span> a later assistant turn</div>' if any(r.get("turn") for r in records)
+           else '')
+        + '<div>hover a token: weight and importance</div></div>')
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>",
              f'<div class="meta">{len(records)} rollouts · {sum(len(g) for g in steps.values())} prompt groups · '

@@ -137,3 +137,30 @@ def test_heatmap_in_headless_chromium(tmp_path, chromium):
     # this window size, the one boosted maximum token (" ×") ~230, the suppressed tokens together over a thousand
     assert _pixels_near(image, heatmap.BOOST_RGB) > 150
     assert _pixels_near(image, heatmap.SUPPRESS_RGB) > 500
+
+
+def test_multi_turn_rows_mark_tool_outputs_and_turns(tmp_path):
+    """A multi-turn record (docs/multi_turn.md): its tool output boxed as context (never coloured by a weight), a
+    marker where the second turn starts, the card naming turns and tool outputs; a single-turn record unchanged."""
+    tokens = ["<call>", "3+4", "<|im_end|>", "\n<tool>", "7", "</tool>\n", "The answer is ", "7", "<|im_end|>"]
+    record = {"step": 1, "uid": "u", "sample": 0, "reward": 1.0, "advantage": 0.5, "tokens": tokens,
+              "importance": [0.2, 0.9, 0, 0, 0, 0, 0.1, 0, 0], "weight": [0.5, 1.5, 1, 1, 1, 1, 1.0, 1, 1],
+              "reasoning": [1, 1, 0, 0, 0, 0, 1, 0, 0], "answer": [0, 0, 0, 0, 0, 0, 0, 1, 0],
+              "span_found": True, "turn": [0, 0, 0, -1, -1, -1, 1, 1, 1]}
+    path = tmp_path / "step_1.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    page = heatmap.render_html(heatmap.load_dump(path))
+    toks = parse(page).tokens
+    context = [t for t in toks if "ctx" in t["cls"]]
+    assert [t["text"] for t in context] == ["↵\n<tool>", "7", "</tool>↵\n"]
+    assert all(not t["style"] and "context" in t["title"] for t in context)
+    assert page.count('<span class="turn">') == 2  # one marker in the row, one in the legend
+    assert "2 turns · 1 tool outputs" in page
+    bad = dict(record, turn=[0])
+    path.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match="len\\(turn\\)"):
+        heatmap.load_dump(path)
+    single = {k: v for k, v in record.items() if k != "turn"}
+    path.write_text(json.dumps(single) + "\n")
+    page = heatmap.render_html(heatmap.load_dump(path))
+    assert '<span class="turn">' not in page and not any("ctx" in t["cls"] for t in parse(page).tokens)
