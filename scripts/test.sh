@@ -5,11 +5,12 @@
 #   (no flag)   the whole suite: the product's tests (tests/) and the research studies' (research/tests/), the Megatron
 #               and OpenRLHF environments included (what CI runs)
 #   --fast      the fast lane: the product's tests not marked e2e (a verl trainer run), slow, megatron or research;
-#               builds neither separate environment
+#               builds no separate environment (the Megatron, OpenRLHF and TRL tests that need one skip)
 #   --research  the research lane: research/tests only (the studies' quick modes)
 #   tests/README.md lists what each lane covers and how long it takes.
 #   e.g. bash scripts/test.sh --fast tests/core -x
-#   OAR_VENV  venv directory (default: <repo>/.venv); OAR_SKIP_MCORE=1 skips the Megatron environment build
+#   OAR_VENV  venv directory (default: <repo>/.venv); OAR_SKIP_MCORE=1 / OAR_SKIP_OPENRLHF=1 / OAR_SKIP_TRL=1 skip the
+#             Megatron / OpenRLHF / TRL environment builds
 #   OAR_TEST_WORKERS  pytest-xdist workers of the whole suite (default 2; 0 runs it in one process): the trainer runs
 #             and the research studies are a work unit each (conftest.py), the rest is shared test by test; with
 #             workers, OMP_NUM_THREADS defaults to 1
@@ -36,6 +37,11 @@ fi
 # OAR_SKIP_OPENRLHF=1 skips building it (those tests then skip with a reason); the fast lane does not run them
 if [ "${OAR_SKIP_OPENRLHF:-0}" != 1 ] && [ "$lane" = full ]; then
   bash "$ROOT/scripts/setup_openrlhf_env.sh"
+fi
+# the TRL adapter tests run in their own environment (verl 0.9.1's FSDP engine imports a TRL class TRL 1.16 dropped);
+# OAR_SKIP_TRL=1 skips building it (those tests then skip with a reason); the fast lane does not run them
+if [ "${OAR_SKIP_TRL:-0}" != 1 ] && [ "$lane" = full ]; then
+  bash "$ROOT/scripts/setup_trl_env.sh"
 fi
 cd "$ROOT"
 # torch.compile/inductor would compile C++ on first use; verl's own CPU lane disables them the same way

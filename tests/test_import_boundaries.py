@@ -77,6 +77,19 @@ def test_openrlhf_glue_imports_neither_verl_nor_the_cpu_tooling(forbidden):
     assert not any(leaks.values()), {f: m for f, m in leaks.items() if m}
 
 
+@pytest.mark.parametrize("forbidden", ["verl", "oar_verl.integration", "oar_verl.openrlhf", "oar_verl.quickstart",
+                                       "openrlhf", "devtools"])
+def test_trl_glue_imports_only_trl_and_the_core(forbidden):
+    """Read from the sources: the TRL adapter imports TRL and the core, never verl, the other adapters or the CPU
+    tooling (a TRL user installs neither verl nor OpenRLHF)."""
+    files = sorted((ROOT / "oar_verl" / "trl").rglob("*.py"))
+    assert files
+    leaks = {str(f.relative_to(ROOT)): sorted(m for m in _imported_modules(f)
+                                              if m == forbidden or m.startswith(forbidden + "."))
+             for f in files}
+    assert not any(leaks.values()), {f: m for f, m in leaks.items() if m}
+
+
 @pytest.mark.parametrize("forbidden", ["research", "benchmarks", "devtools", "tests"])
 def test_the_product_imports_no_research(forbidden):
     """The product (``oar_verl``, the wheel) never imports the research package: research imports the product."""
@@ -88,8 +101,8 @@ def test_the_product_imports_no_research(forbidden):
 
 
 # the package's layers, bottom up: a module imports only from its own layer or below
-LAYERS = {"oar_verl.core": 0, "oar_verl.integration": 1, "oar_verl.openrlhf": 1, "oar_verl.rewards": 1,
-          "oar_verl.data": 1, "oar_verl.viz": 1, "oar_verl.main": 1, "oar_verl.quickstart": 2}
+LAYERS = {"oar_verl.core": 0, "oar_verl.integration": 1, "oar_verl.openrlhf": 1, "oar_verl.trl": 1,
+          "oar_verl.rewards": 1, "oar_verl.data": 1, "oar_verl.viz": 1, "oar_verl.main": 1, "oar_verl.quickstart": 2}
 
 
 def _module_name(path: Path) -> str:

@@ -20,6 +20,7 @@ from devtools.imports import imported_modules as _imported_modules
 ROOT = Path(__file__).resolve().parents[1]
 DOTTED = re.compile(r"\boar_verl(?:\.[A-Za-z_][A-Za-z_0-9]*)+")
 COMMAND = re.compile(r"python3? -m (oar_verl(?:\.[A-Za-z_][A-Za-z_0-9]*)*)")
+IMPORT = re.compile(r"^from (oar_verl(?:\.[A-Za-z_][A-Za-z_0-9]*)*) import", re.M)  # what the user docs' code imports
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,8 @@ def _module(name: str) -> str:
 
 
 def _user_roots() -> set[str]:
-    """What a user runs: the plugin entry point, the commands in the README, recipes and user docs, the ``pkg://`` paths
-    of recipes and shipped configs, and the core's public API."""
+    """What a user runs: the plugin entry point, the commands in the README, recipes and user docs, the modules their
+    code examples import, the ``pkg://`` paths of recipes and shipped configs, and the core's public API."""
     roots = {"oar_verl", "oar_verl.core"}
     pyproject = (ROOT / "pyproject.toml").read_text()
     roots |= set(re.findall(r'^\w+ = "(oar_verl[\w.]*)"', pyproject, flags=re.M))
@@ -53,6 +54,7 @@ def _user_roots() -> set[str]:
     for page in pages:
         text = page.read_text()
         roots |= set(COMMAND.findall(text))
+        roots |= set(IMPORT.findall(text)) if page.suffix == ".md" else set()
         roots |= {m.split("pkg://", 1)[1] for m in re.findall(r"pkg://oar_verl[\w.]*", text)}
     return roots
 

@@ -1,0 +1,80 @@
+"""Token-level dumps of attributed rollouts for heatmaps (``python -m oar_verl.viz.heatmap``), written by every trainer
+integration (verl's step, the TRL trainer).
+
+Every ``dump_every`` steps a trainer writes ``step_<N>.jsonl`` with the rollouts of ``dump_groups`` prompt groups, one
+JSON object per rollout:
+
+    {"step", "uid", "sample", "reward", "advantage", "tokens": [str], "importance": [float], "weight": [float],
+     "reasoning": [0|1], "answer": [0|1], "span_found": bool}
+
+``tokens`` are the exact text of each response token (from the token byte table: no re-tokenisation, multi-byte
+characters split across tokens show as replacement characters). Framework-free: the integrations pick the rows.
+"""
+
+from __future__ import annotations
+
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oar_verl.core.config import OARConfig
+from oar_verl.core.text.token_bytes import token_byte_table
+
+
+def due(cfg: OARConfig, step: int) -> bool:
+    return cfg.dump_every > 0 and step % cfg.dump_every == 0
+
+
+def dump_dir(cfg: OARConfig, default_local_dir: str | None) -> Path:
+    return Path(cfg.dump_dir) if cfg.dump_dir else Path(default_local_dir or ".") / "oar_dumps"
+
+
+def pick_groups(uids: np.ndarray, attributed: torch.Tensor, groups: int) -> list[int]:
+    """Row indices of the first ``groups`` prompt groups that had rows attributed (all rows of each group)."""
+    chosen: list = []
+    for i in attributed.nonzero().squeeze(1).tolist():
+        if uids[i] not in chosen:
+            chosen.append(uids[i])
+        if len(chosen) == groups:
+            break
+    return [i for i in range(len(uids)) if uids[i] in chosen]
+
+
+def write_dump(path: Path, step: int, rows: list[int], uids: np.ndarray, scores: torch.Tensor,
+               advantages: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
+               importance: torch.Tensor, weights: torch.Tensor, reasoning: torch.Tensor, answer: torch.Tensor,
+               span_found: torch.Tensor, tokenizer) -> Path:
+    """Write the rows' token records.
+
+    Args:
+        scores: (B,) sequence rewards. advantages: (B,) sequence (base) advantages.
+        responses, response_mask, importance, weights, reasoning, answer: (B, T) response-aligned.
+        span_found: (B,) bool.
+    """
+    table = token_byte_table(tokenizer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    seen: dict = {}
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w") as f:
+        for i in rows:  # a few rows per dump
+            n = int(response_mask[i].sum())
+            ids = responses[i, :n].tolist()
+            sample = seen.get(uids[i], 0)
+            seen[uids[i]] = sample + 1
+            f.write(json.dumps({
+                "step": step, "uid": str(uids[i]), "sample": sample, "reward": float(scores[i]),
+                "advantage": float(advantages[i]),
+                "tokens": [table[t].decode("utf-8", errors="replace") if 0 <= t < len(table) else "" for t in ids],
+                # 9 significant digits hold a float32 exactly: OAR-G scores are often ~1e-7, which a fixed number
+                # of decimals would flatten (and the weights could not be recomputed from the dump)
+                "importance": [float(f"{v:.9g}") for v in importance[i, :n].float().tolist()],
+                "weight": [round(float(v), 5) for v in weights[i, :n]],
+                "reasoning": reasoning[i, :n].int().tolist(), "answer": answer[i, :n].int().tolist(),
+                "span_found": bool(span_found[i]),
+            }) + "\n")
+    os.replace(tmp, path)  # readers never see half a file
+    return path

@@ -1,0 +1,84 @@
+"""TRL's own trainer end to end with OAR (slow: subprocesses, ~25 s each): 2 gloo processes under accelerate's DDP
+(``torch.distributed.run``; TRL's Accelerator picks gloo on CPU) with gradient checkpointing and token dumps, a
+PEFT LoRA policy, and a resume from a TRL checkpoint. The tiny offline Qwen2 of the quickstart's assets, TRL's own
+``generate`` path (tests/trl/trl_job.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl", reason="needs TRL 1.16: runs in .venv-trl (tests/trl/test_trl_env.py, "
+                                            "scripts/setup_trl_env.sh)")
+
+pytestmark = [pytest.mark.trl, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "tests" / "trl" / "trl_job.py"
+
+
+def _run(model_dir, out: Path, overrides: dict, processes: int = 1, timeout: int = 400) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+    launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                      "--standalone", "--nproc_per_node", str(processes)]
+    proc = subprocess.run([*launch, str(JOB), str(model_dir), str(out), json.dumps(overrides)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads((out / "log_history.json").read_text())
+
+
+def _steps(logs: list[dict]) -> list[dict]:
+    return [h for h in logs if "oar/global_step" in h]
+
+
+def _check_oar(step: dict) -> None:
+    assert step["oar/adv_mass_rel_err"] < 1e-6
+    assert step["oar/reshaped_seq_frac"] > 0 and step["oar/weight_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert step["oar/weight_max"] > 1.0 > step["oar/weight_min"], "the weights move credit"
+    assert step["timing/oar"] > 0
+
+
+def test_two_gloo_processes_ddp_gradient_checkpointing_and_dumps(tiny_assets, tmp_path):
+    out = tmp_path / "ddp"
+    logs = _run(tiny_assets.model_dir, out, {"gradient_checkpointing": True, "oar_dump_every": 2, "max_steps": 2},
+                processes=2)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["wrapped"] == "DistributedDataParallel", summary
+    steps = _steps(logs)
+    assert [s["oar/global_step"] for s in steps] == [1.0, 2.0] and [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        _check_oar(s)
+    # the heatmap dump of step 2, in the core's format, readable by the heatmap page
+    from oar_verl.viz.heatmap import load_dump
+
+    dump = out / "oar_dumps" / "step_2.jsonl"
+    records = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert records and all(len(r["tokens"]) == len(r["weight"]) == len(r["importance"]) for r in records)
+    assert load_dump(out / "oar_dumps")
+
+
+def test_lora_policy(tiny_assets, tmp_path):
+    out = tmp_path / "lora"
+    logs = _run(tiny_assets.model_dir, out, {"lora": 4, "max_steps": 2})
+    assert json.loads((out / "summary.json").read_text())["model"].startswith("Peft")
+    for s in _steps(logs):
+        _check_oar(s)
+
+
+def test_resume_from_a_trl_checkpoint(tiny_assets, tmp_path):
+    """TRL's checkpoint at step 2, resumed to step 3: OAR's step (probe schedule, noise seeds) continues with TRL's.
+    Single-process: transformers 5.9 reloads the optimiser with ``map_location=args.device`` when world_size > 1,
+    which is ``cpu:0`` on CPU and which torch cannot restore (its own bug, not the adapter's)."""
+    out = tmp_path / "resume"
+    first = _run(tiny_assets.model_dir, out, {"save_strategy": "steps", "save_steps": 1, "max_steps": 2})
+    assert (out / "checkpoint-2").is_dir()
+    assert [s["oar/global_step"] for s in _steps(first)] == [1.0, 2.0]
+    resumed = _run(tiny_assets.model_dir, out, {"save_strategy": "steps", "save_steps": 1, "max_steps": 3,
+                                                "resume": True})
+    steps = _steps(resumed)
+    assert [s["step"] for s in steps][-1] == 3 and steps[-1]["oar/global_step"] == 3.0
+    assert steps[-1]["oar/adv_mass_rel_err"] < 1e-6
