@@ -7,6 +7,9 @@ JSON object per rollout:
     {"step", "uid", "sample", "reward", "advantage", "tokens": [str], "importance": [float], "weight": [float],
      "reasoning": [0|1], "answer": [0|1], "span_found": bool}
 
+and, on a multi-turn row (tool outputs or user turns inside the response; docs/multi_turn.md), ``"turn": [int]``: the
+assistant turn of each of the model's tokens (0, 1, ...) and -1 on the context, which the heatmap boxes.
+
 ``tokens`` are the exact text of each response token (from the token byte table: no re-tokenisation, multi-byte
 characters split across tokens show as replacement characters). Framework-free: the integrations pick the rows.
 """
@@ -23,6 +26,7 @@ import torch
 
 from oar_verl.core.config import OARConfig
 from oar_verl.core.text.token_bytes import token_byte_table
+from oar_verl.core.text.turns import turn_layout
 
 
 def due(cfg: OARConfig, step: int) -> bool:
@@ -47,21 +51,29 @@ def pick_groups(uids: np.ndarray, attributed: torch.Tensor, groups: int) -> list
 def write_dump(path: Path, step: int, rows: list[int], uids: np.ndarray, scores: torch.Tensor,
                advantages: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
                importance: torch.Tensor, weights: torch.Tensor, reasoning: torch.Tensor, answer: torch.Tensor,
-               span_found: torch.Tensor, tokenizer) -> Path:
+               span_found: torch.Tensor, tokenizer, valid: torch.Tensor | None = None) -> Path:
     """Write the rows' token records.
 
     Args:
         scores: (B,) sequence rewards. advantages: (B,) sequence (base) advantages.
         responses, response_mask, importance, weights, reasoning, answer: (B, T) response-aligned.
         span_found: (B,) bool.
+        valid: (B, T) every real response token, where ``response_mask`` holds the model's only (verl's agent loop:
+            0 on tool outputs); rows are written to their last real token, with ``"turn"`` on multi-turn rows. None:
+            ``response_mask`` is every real token (single-turn).
     """
+    layout = None
+    if valid is not None:
+        valid = valid.bool()[:, :response_mask.shape[1]]
+        layout = turn_layout(valid, response_mask)
+    lengths = (valid if valid is not None else response_mask.bool()).sum(-1).tolist()
     table = token_byte_table(tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
     seen: dict = {}
     tmp = path.with_suffix(".jsonl.tmp")
     with open(tmp, "w") as f:
         for i in rows:  # a few rows per dump
-            n = int(response_mask[i].sum())
+            n = int(lengths[i])
             ids = responses[i, :n].tolist()
             sample = seen.get(uids[i], 0)
             seen[uids[i]] = sample + 1
@@ -75,6 +87,8 @@ def write_dump(path: Path, step: int, rows: list[int], uids: np.ndarray, scores:
                 "weight": [round(float(v), 5) for v in weights[i, :n]],
                 "reasoning": reasoning[i, :n].int().tolist(), "answer": answer[i, :n].int().tolist(),
                 "span_found": bool(span_found[i]),
+                **({"turn": layout.turn[i, :n].tolist()} if layout is not None and bool(layout.context[i].any())
+                   else {}),
             }) + "\n")
     os.replace(tmp, path)  # readers never see half a file
     return path

@@ -23,4 +23,4 @@ def dump_step(cfg: OARConfig, step: int, att, result, tokenizer, default_local_d
     return write_dump(dump_dir(cfg, default_local_dir) / f"step_{step}.jsonl", step, rows, batch.uids,
                       batch.scores.sum(-1), sequence_advantage(result.base_advantages, inputs.response_mask),
                       batch.responses, inputs.response_mask, inputs.token_importance, result.token_weights.weights,
-                      inputs.reasoning_mask, att.answer, att.found, tokenizer)
+                      inputs.reasoning_mask, att.answer, att.found, tokenizer, valid=batch.valid)

@@ -81,6 +81,8 @@ def test_segments_never_cross_a_turn():
     assert split_segments_at_turns(seg, turn).tolist() == [[0, 0, -1, -1, 1, 2, 2, -1, 3, 3]]
     same = torch.tensor([[0, 0, 1, 1, 2, -1]])
     assert torch.equal(split_segments_at_turns(same, torch.tensor([[0, 0, 0, 0, 0, -1]])), same)
+    empty = torch.zeros(0, 4, dtype=torch.long)
+    assert split_segments_at_turns(empty, empty).shape == (0, 4)
 
 
 def test_spans_are_searched_in_the_final_turn_only(tok):

@@ -161,10 +161,9 @@ def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, request, name, extra):
         assets = request.getfixturevalue("tool_assets")
         extra = [*extra, f"actor_rollout_ref.rollout.multi_turn.tool_config_path={assets.tool_config}"]
     run = _run(assets, tmp_path, name, [*extra, "algorithm.oar.dump_every=2", f"algorithm.oar.dump_dir={dump_dir}"])
-    # (the token dumps of multi-turn rows are not checked here: their writer cuts rows at response_mask.sum)
-    _check_oar_run(name, run, range(1, STEPS + 1), None if multi_turn else dump_dir)
+    _check_oar_run(name, run, range(1, STEPS + 1), dump_dir)
     if multi_turn:
-        _check_multi_turn(run)
+        _check_multi_turn(run, dump_dir)
     reported = ["oar/policy_matches_old_log_prob" in m for m in run.metrics]
     assert not any(reported) if "bypass" in name else all(reported)
     perturbed = [m for m in run.metrics if "oar/perturbation_copies" in m]
@@ -259,7 +258,7 @@ def test_oar_g_at_scale_settings_saves_and_resumes(tiny_assets, tmp_path):
     assert state["bands"]["all"]["decided"] and state["candidates"] == ["gradient", "fisher"]
 
 
-def _check_multi_turn(run):
+def _check_multi_turn(run, dump_dir):
     """The multi-turn rollouts (docs/multi_turn.md): tool calls in the rows, the tool tokens' advantages verl's GRPO's
     bit for bit, no tool token weighted, the span in the final turn, the mass kept on the model's tokens."""
     for m in run.metrics:
@@ -274,6 +273,13 @@ def _check_multi_turn(run):
     shares = [m for m in run.metrics if "oar/turns/share_last" in m]
     assert shares and all(0.0 <= m["oar/turns/share_last"] <= 1.0 for m in shares)
     assert any(m["oar/span_found_frac"] > 0 for m in run.metrics)
+    # the dumped rows (the heatmap's input): tool outputs marked as context, never reasoning; the answer in the final turn
+    records = [json.loads(line) for line in (dump_dir / "step_2.jsonl").read_text().splitlines()]
+    multi = [r for r in records if "turn" in r]
+    assert multi, "no dumped row called the tool"
+    for r in multi:
+        assert all(not m for m, t in zip(r["reasoning"], r["turn"]) if t < 0)
+        assert all(t == max(r["turn"]) for a, t in zip(r["answer"], r["turn"]) if a)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ is the final turn's, and ``oar/turns/*`` report the turns. The worker-side unpac
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -106,9 +108,9 @@ def verl_advantage(io, estimator, alg, step=None, att=None, metrics=None):
 
 
 @pytest.mark.parametrize("mode", ["conservative", "gradient", "perturbation"])
-def test_tool_tokens_keep_grpo_and_the_mass_stays_on_the_model_s_tokens(setup, mode):
+def test_tool_tokens_keep_grpo_and_the_mass_stays_on_the_model_s_tokens(setup, tmp_path, mode):
     tok, model, prompts, responses, masks = setup
-    alg = algorithm(mode=mode, probe="as_mean")
+    alg = algorithm(mode=mode, probe="as_mean", dump_every=3, dump_dir=str(tmp_path))
     step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None)
     io = MultiTurnIO(tok, model, prompts, responses, masks, SCORES)
     timing, metrics = {}, {}
@@ -136,6 +138,21 @@ def test_tool_tokens_keep_grpo_and_the_mass_stays_on_the_model_s_tokens(setup, m
     assert metrics["oar/turns/context_adv_max_abs_diff"] == 0.0
     assert metrics["oar/turns/context_reshaped_tokens"] == 0.0
     assert metrics["oar/turns/answer_outside_final_turn"] == 0.0
+    # the token dump (the heatmap's input): whole rows, tool outputs included, marked as context by "turn"
+    records = {r["sample"] + 2 * int(r["uid"][1]): r for r in
+               map(json.loads, (tmp_path / "step_3.jsonl").read_text().splitlines())}
+    for b, r in records.items():
+        n = len(responses[b])
+        assert len(r["tokens"]) == len(r["weight"]) == n
+        if b == 3:  # single-turn: no "turn"
+            assert "turn" not in r
+            continue
+        assert [t < 0 for t in r["turn"]] == (masks[b] == 0).tolist()
+        assert max(r["turn"]) == lay.turns[b] - 1
+        final = [i for i, t in enumerate(r["turn"]) if t == max(r["turn"])]
+        assert all(i in final for i, a in enumerate(r["answer"]) if a)
+        assert all(w == 1.0 for w, t in zip(r["weight"], r["turn"]) if t < 0) or all(
+            w == 0.0 for w, t in zip(r["weight"], r["turn"]) if t < 0)
 
 
 def test_single_turn_batches_log_no_turn_metrics(setup):

@@ -92,6 +92,8 @@ def split_segments_at_turns(segments: torch.Tensor, turn: torch.Tensor) -> torch
     Returns:
         (B, T) long ids 0..S'-1 in order of position, -1 where ``segments`` is -1; unchanged on single-turn rows.
     """
+    if segments.numel() == 0:
+        return segments
     on = segments >= 0
     key = torch.where(on, segments * (turn.max().clamp(min=0) + 1) + turn.clamp(min=0), -1)
     # the previous reasoning token's key (of the row), by carrying the last seen key forward over the gaps
