@@ -1,6 +1,6 @@
-"""TRL's own trainer end to end with OAR (slow: subprocesses, ~25 s each): 2 gloo processes under accelerate's DDP
-(``torch.distributed.run``; TRL's Accelerator picks gloo on CPU) with gradient checkpointing and token dumps, a
-PEFT LoRA policy, and a resume from a TRL checkpoint. The tiny offline Qwen2 of the quickstart's assets, TRL's own
+"""TRL's own trainer end to end with OAR (slow: subprocesses, ~20 s each): 2 gloo processes under accelerate's DDP
+(``torch.distributed.run``; TRL's Accelerator picks gloo on CPU) with gradient checkpointing, token dumps, checkpoints
+and a resume from TRL's checkpoint on 2 processes, and a PEFT LoRA policy. The tiny offline Qwen2 of the quickstart's assets, TRL's own
 ``generate`` path (tests/trl/trl_job.py)."""
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ def _check_oar(step: dict) -> None:
     assert step["timing/oar"] > 0
 
 
-def test_two_gloo_processes_ddp_gradient_checkpointing_and_dumps(tiny_assets, tmp_path):
+def test_two_gloo_processes_ddp_gradient_checkpointing_dumps_and_resume(tiny_assets, tmp_path):
+    """2 steps on 2 processes with checkpoints, then TRL's checkpoint at step 2 resumed to step 3 on 2 processes: OAR's
+    step (probe schedule, noise seeds) continues with TRL's."""
     out = tmp_path / "ddp"
-    logs = _run(tiny_assets.model_dir, out, {"gradient_checkpointing": True, "oar_dump_every": 2, "max_steps": 2},
-                processes=2)
+    run = {"gradient_checkpointing": True, "oar_dump_every": 2, "save_strategy": "steps", "save_steps": 1}
+    logs = _run(tiny_assets.model_dir, out, {**run, "max_steps": 2}, processes=2)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["wrapped"] == "DistributedDataParallel", summary
     steps = _steps(logs)
@@ -59,6 +61,10 @@ def test_two_gloo_processes_ddp_gradient_checkpointing_and_dumps(tiny_assets, tm
     records = [json.loads(line) for line in dump.read_text().splitlines()]
     assert records and all(len(r["tokens"]) == len(r["weight"]) == len(r["importance"]) for r in records)
     assert load_dump(out / "oar_dumps")
+    assert (out / "checkpoint-2").is_dir()
+    resumed = _steps(_run(tiny_assets.model_dir, out, {**run, "max_steps": 3, "resume": True}, processes=2))
+    assert resumed[-1]["step"] == 3 and resumed[-1]["oar/global_step"] == 3.0
+    assert resumed[-1]["oar/adv_mass_rel_err"] < 1e-6
 
 
 def test_lora_policy(tiny_assets, tmp_path):
@@ -67,18 +73,3 @@ def test_lora_policy(tiny_assets, tmp_path):
     assert json.loads((out / "summary.json").read_text())["model"].startswith("Peft")
     for s in _steps(logs):
         _check_oar(s)
-
-
-def test_resume_from_a_trl_checkpoint(tiny_assets, tmp_path):
-    """TRL's checkpoint at step 2, resumed to step 3: OAR's step (probe schedule, noise seeds) continues with TRL's.
-    Single-process: transformers 5.9 reloads the optimiser with ``map_location=args.device`` when world_size > 1,
-    which is ``cpu:0`` on CPU and which torch cannot restore (its own bug, not the adapter's)."""
-    out = tmp_path / "resume"
-    first = _run(tiny_assets.model_dir, out, {"save_strategy": "steps", "save_steps": 1, "max_steps": 2})
-    assert (out / "checkpoint-2").is_dir()
-    assert [s["oar/global_step"] for s in _steps(first)] == [1.0, 2.0]
-    resumed = _run(tiny_assets.model_dir, out, {"save_strategy": "steps", "save_steps": 1, "max_steps": 3,
-                                                "resume": True})
-    steps = _steps(resumed)
-    assert [s["step"] for s in steps][-1] == 3 and steps[-1]["oar/global_step"] == 3.0
-    assert steps[-1]["oar/adv_mass_rel_err"] < 1e-6
