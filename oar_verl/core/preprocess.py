@@ -24,7 +24,8 @@ from oar_verl.core.text.segments import reasoning_segments
 from oar_verl.core.text.spans import AnswerSpans, locate_answer_spans
 from oar_verl.core.text.turns import split_segments_at_turns, turn_layout
 
-__all__ = ["PreparedAttribution", "model_token_mask", "pad_rows", "prepare_attribution", "row_fingerprints", "spans_to_weight"]
+__all__ = ["PreparedAttribution", "model_token_mask", "pad_rows", "prepare_attribution", "row_fingerprints",
+           "spans_to_weight"]
 
 
 @dataclass(frozen=True)

@@ -273,7 +273,8 @@ def _check_multi_turn(run, dump_dir):
     shares = [m for m in run.metrics if "oar/turns/share_last" in m]
     assert shares and all(0.0 <= m["oar/turns/share_last"] <= 1.0 for m in shares)
     assert any(m["oar/span_found_frac"] > 0 for m in run.metrics)
-    # the dumped rows (the heatmap's input): tool outputs marked as context, never reasoning; the answer in the final turn
+    # the dumped rows (the heatmap's input): tool outputs marked as context, never reasoning; the answer in the
+    # final turn
     records = [json.loads(line) for line in (dump_dir / "step_2.jsonl").read_text().splitlines()]
     multi = [r for r in records if "turn" in r]
     assert multi, "no dumped row called the tool"

@@ -189,9 +189,14 @@ def test_a_trl_without_the_value_head_verl_patches_is_refused_on_fsdp(tmp_path, 
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m == "trl" or m.startswith("trl.")]:
         monkeypatch.delitem(sys.modules, name)
-    if has_value_head:
-        assert validate_oar_setup(config("fsdp2")).mode == "conservative"
-    else:
-        with pytest.raises(OARSetupError, match=r"trl 9\.9\.9 is installed in verl's environment: .*pip uninstall trl"):
-            validate_oar_setup(config("fsdp2"))
-    assert validate_oar_setup(config("megatron")).mode == "conservative"
+    try:
+        if has_value_head:
+            assert validate_oar_setup(config("fsdp2")).mode == "conservative"
+        else:
+            with pytest.raises(OARSetupError,
+                               match=r"trl 9\.9\.9 is installed in verl's environment: .*pip uninstall trl"):
+                validate_oar_setup(config("fsdp2"))
+        assert validate_oar_setup(config("megatron")).mode == "conservative"
+    finally:  # the stand-in imported here must not outlive the test (later start-up checks would find it)
+        for name in [m for m in sys.modules if m == "trl" or m.startswith("trl.")]:
+            del sys.modules[name]

@@ -152,7 +152,8 @@ def test_tool_recipes_run_verl_s_agent_loop_with_the_calculator(script):
     validate(cfg)
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     assert mt.enable is True and mt.format == "hermes" and mt.max_assistant_turns == 4
-    assert cfg.actor_rollout_ref.model.path == ("Qwen/Qwen2.5-7B-Instruct" if megatron else "Qwen/Qwen2.5-1.5B-Instruct")
+    instruct = "Qwen/Qwen2.5-7B-Instruct" if megatron else "Qwen/Qwen2.5-1.5B-Instruct"
+    assert cfg.actor_rollout_ref.model.path == instruct
     assert cfg.actor_rollout_ref.actor.strategy == ("megatron" if megatron else "fsdp2")
     assert mt.tool_config_path == str(ROOT / "recipes" / "tools" / "calculator.yaml")
     tools = initialize_tools_from_config(mt.tool_config_path)
