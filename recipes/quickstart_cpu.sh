@@ -4,8 +4,8 @@
 # with verl's validation success before -> after. Writes outputs/quickstart/{heatmap.html,curves.png,metrics/,
 # oar_dumps/,main_ppo.log}.
 #
-# usage: bash recipes/quickstart_cpu.sh [--mode gradient|perturbation] [--task arith|credit] [--steps N] [--out DIR]
-#          [Hydra overrides...]
+# usage: bash recipes/quickstart_cpu.sh [--mode conservative|gradient|perturbation|fisher|path] [--task arith|credit]
+#          [--steps N] [--out DIR] [Hydra overrides...]
 #   --task arith                 the earlier arithmetic task (answer-format warm-up, a noisy reward, no validation)
 #   OAR_QUICKSTART_STEPS=N       default of --steps (40 for credit, 5 for arith); CI uses 3
 #   OAR_QUICKSTART_SFT_STEPS=N   arith's answer-format warm-up steps (300; 0 = keep the random model)

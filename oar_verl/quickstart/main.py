@@ -5,7 +5,8 @@ above T, then "The answer is N"): a tiny Qwen2 warm-started on responses with un
 0.4 of the time at temperature 1, and RL has one thing to learn, so validation success visibly rises in ~40 steps.
 
 1. builds a tiny random Qwen2 and the task's data offline; 2. a supervised warm start (plain torch, ~1 min);
-3. runs ``python -m oar_verl.main`` (V1 trainer, FSDP2 actor, vLLM-CPU rollout, OAR-G by default; 8 prompts x 8
+3. runs ``python -m oar_verl.main`` (V1 trainer, FSDP2 actor, vLLM-CPU rollout, the product's default mode unless
+   ``--mode`` says otherwise; 8 prompts x 8
    rollouts, lr 3e-4 as in the credit study), with verl's validation before training and after the last step,
    printing each step as it is logged;
 4. prints a summary (reward, OAR metrics, share of step time spent on attribution wherever it ran: the OAR step
@@ -14,7 +15,7 @@ above T, then "The answer is N"): a tiny Qwen2 warm-started on responses with un
 
 ``--task arith`` keeps the earlier arithmetic task (format warm-up on worked answers, a noisy reward; no validation).
 
-usage: python -m oar_verl.quickstart [--task credit|arith] [--mode gradient|perturbation|fisher] [--steps N] [--out DIR]
+usage: python -m oar_verl.quickstart [--task credit|arith] [--mode MODE] [--steps N] [--out DIR]
        [extra Hydra overrides]; runs from any directory (an installed wheel holds the task).
        OAR_QUICKSTART_STEPS=N sets the default of --steps (CI uses 3); OAR_QUICKSTART_SFT_STEPS the arith warm-up.
 """
@@ -37,6 +38,7 @@ from pathlib import Path
 from oar_verl.quickstart.launcher import (cpu_env, main_ppo_overrides, metrics_file, new_ray_temp_dir,
                                           run_main_ppo)
 from oar_verl.core.checks.registries import METHODS
+from oar_verl.core.config import OARConfig
 from oar_verl.quickstart import arith_reward
 from oar_verl.quickstart.tiny_assets import ANSWER_STYLES, build_tiny_assets, make_arith_problem, render_answer
 
@@ -310,11 +312,18 @@ def summarize(metrics: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def mode_label(mode: str) -> str:
+    """How the quickstart names an attribution mode in its lines, curves and heatmap: the paper's names for its two
+    methods, ``OAR (<mode>)`` for the others (the default ``conservative`` included)."""
+    return {"gradient": "OAR-G", "perturbation": "OAR-P"}.get(mode, f"OAR ({mode})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m oar_verl.quickstart", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", default="gradient", choices=METHODS.names(),
-                        help="algorithm.oar.mode: the registered attribution methods")
+    parser.add_argument("--mode", default=OARConfig().mode, choices=METHODS.names(),
+                        help="algorithm.oar.mode: the registered attribution methods (default: the product's, "
+                             "algorithm.oar.mode's default)")
     parser.add_argument("--steps", type=int, default=int(os.environ[STEPS_ENV]) if os.environ.get(STEPS_ENV) else None,
                         help="training steps (default: 40 for the credit task, 5 for arith)")
     parser.add_argument("--sft-steps", type=int, default=int(os.environ.get(SFT_STEPS_ENV, "300")),
@@ -362,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         overrides = trainer_overrides(assets, out, ray_tmp, mode=args.mode, steps=args.steps, extra=extra)
         model_dir = assets.model_dir
-    _say(f"3/4 running verl's trainer with OAR-{args.mode[0].upper()} for {args.steps} steps (Ray + vLLM start-up "
+    _say(f"3/4 running verl's trainer with {mode_label(args.mode)} for {args.steps} steps (Ray + vLLM start-up "
          f"takes ~1.5 min); log: {out / 'main_ppo.log'}")
     env = cpu_env(file_logger_root=out / "metrics")
     done = threading.Event()
@@ -391,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from oar_verl.viz.curves import plot_curves
 
-        plot_curves([run.metrics_file], out / "curves.png", labels=[f"OAR-{args.mode[0].upper()}"])
+        plot_curves([run.metrics_file], out / "curves.png", labels=[mode_label(args.mode)])
         outputs.insert(0, ("metric curves", out / "curves.png"))
     except ImportError as exc:
         _say(f"no curves PNG ({exc}; pip install matplotlib)")
@@ -399,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         from oar_verl.viz.heatmap import write_heatmap
 
         write_heatmap(dump_dir, out / "heatmap.html", max_steps=None,
-                      title=f"OAR-{args.mode[0].upper()} token weights (CPU quickstart)")
+                      title=f"{mode_label(args.mode)} token weights (CPU quickstart)")
         outputs.insert(0, ("token heatmap", out / "heatmap.html"))
         outputs.append(("token dumps", dump_dir))
     else:  # dumps are written for groups with a non-zero advantage only: all-equal rewards in every step leave none

@@ -3,9 +3,9 @@ recipes/quickstart_cpu.sh`` sets up the environment and runs ``python -m oar_ver
 runs from the project's wheel installed in a fresh venv, outside the checkout (the quickstart's task, reward and warm
 start are the product's, not the research package's).
 
-It must build the tiny model, warm-start it on the last-digit task, run verl's real trainer with OAR-G, print the
-per-step summary, write the token heatmap and the metric curves, and end with verl's validation success before ->
-after."""
+It must build the tiny model, warm-start it on the last-digit task, run verl's real trainer with OAR in the product's
+default mode (``algorithm.oar.mode``'s default), print the per-step summary, write the token heatmap and the metric
+curves, and end with verl's validation success before -> after."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+
+from oar_verl.core.config import OARConfig
+from oar_verl.quickstart.main import mode_label
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -76,7 +79,9 @@ def test_quickstart_from_the_wheel_end_to_end(tmp_path):
     assert re.search(rf"metric curves:\s+{re.escape(str(curves))}$", stdout, flags=re.M), stdout
     html = heatmap.read_text()
     assert html.lstrip().lower().startswith("<!doctype html") and "</html>" in html
-    assert "OAR-G token weights" in html and "<script src" not in html  # self-contained: no external assets
+    # the product's default mode, named as the quickstart names it
+    assert f"{mode_label(OARConfig().mode)} token weights" in html
+    assert "<script src" not in html  # self-contained: no external assets
     # the warm-up makes rewards mixed, so the page can put correct and incorrect rollouts of a prompt side by side
     assert "groups with both correct and incorrect rollouts: none" not in html
     png = curves.read_bytes()

@@ -99,3 +99,21 @@ def test_validation_line_reads_verls_first_and_last_validation():
                {"step": 30, "critic/score/mean": 0.9, key: 0.8125, "val-aux/last_digit/score/std@4": 0.1}]
     assert quickstart.validation_line(metrics) == f"validation success ({key}): 0.375 at step 0 -> 0.812 at step 30"
     assert quickstart.validation_line([{"step": 1, "critic/score/mean": 0.4}]) is None
+
+
+def test_python_m_quickstart_exits_with_the_quickstart_s_status():
+    """``python -m oar_verl.quickstart`` ends with main()'s status: a failed trainer run (main() returns 1) must not
+    exit 0 (it did: ``__main__`` dropped the status, so a script saw success after a crash)."""
+    import subprocess
+    import sys
+
+    code = ("import runpy, oar_verl.quickstart.main as m; m.main = lambda *a, **k: 3; "
+            "runpy.run_module('oar_verl.quickstart', run_name='__main__')")
+    assert subprocess.run([sys.executable, "-c", code], timeout=300).returncode == 3
+
+
+def test_the_quickstart_runs_the_product_s_default_mode():
+    from oar_verl.core.config import OARConfig
+
+    assert quickstart.mode_label("gradient") == "OAR-G" and quickstart.mode_label("perturbation") == "OAR-P"
+    assert quickstart.mode_label(OARConfig().mode) == f"OAR ({OARConfig().mode})"
