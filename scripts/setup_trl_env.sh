@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create or update the SEPARATE environment of the TRL adapter's tests (tests/trl/): a fresh venv with TRL 1.16
 # installed WITH its dependencies and pins through this project's `[trl]` extra, exactly as a user installs it
-# (`pip install -e ".[trl]"`), plus peft (the LoRA test) and pytest. No verl here.
+# (`pip install -e ".[trl]"`), plus peft (the LoRA test), DeepSpeed (the ZeRO test) and pytest. No verl here.
 #
 # Why its own environment: TRL 1.16 resolves beside verl 0.9.1's pins (`uv pip install --dry-run` installs it alone),
 # but verl 0.9.1's FSDP engine imports TRL's AutoModelForCausalLMWithValueHead whenever TRL is importable, and TRL 1.16
@@ -25,8 +25,8 @@ FORCE=${OAR_SETUP_FORCE:-0}
 [[ "${1:-}" == "--force" ]] && FORCE=1
 
 TORCH_VERSION=2.13.0+cpu
-# peft: the LoRA test's policy; psutil: tests/trl/trl_cost.py's memory sampler
-TEST_PINS=('pytest>=8' 'hypothesis>=6.100' 'pytest-timeout' 'peft>=0.17' 'psutil')
+# peft: the LoRA test's policy; deepspeed (OpenRLHF's pin): the ZeRO-2/3 test; psutil: tests/trl/trl_cost.py's sampler
+TEST_PINS=('pytest>=8' 'hypothesis>=6.100' 'pytest-timeout' 'peft>=0.17' 'deepspeed==0.19.6' 'psutil')
 
 say() { printf '[setup_trl_env] %s\n' "$*"; }
 run() { say "\$ $*"; "$@"; }

@@ -1,6 +1,6 @@
 """TRL's own trainer end to end with OAR (slow: subprocesses, ~20 s each): 2 gloo processes under accelerate's DDP
 (``torch.distributed.run``; TRL's Accelerator picks gloo on CPU) with gradient checkpointing, token dumps, checkpoints
-and a resume from TRL's checkpoint on 2 processes, a PEFT LoRA policy, and the reshape on an FSDP2-sharded policy. The tiny offline Qwen2 of the quickstart's assets, TRL's own
+and a resume from TRL's checkpoint on 2 processes, a PEFT LoRA policy, and the reshape on an FSDP2 / DeepSpeed ZeRO-3 sharded policy. The tiny offline Qwen2 of the quickstart's assets, TRL's own
 ``generate`` path (tests/trl/trl_job.py)."""
 
 from __future__ import annotations
@@ -75,19 +75,24 @@ def test_lora_policy(tiny_assets, tmp_path):
         _check_oar(s)
 
 
-@pytest.mark.parametrize("mode", ["conservative", "perturbation"])
-def test_fsdp2_sharded_policy_with_a_filler_rank(tiny_assets, tmp_path, mode):
-    """The adapter's reshape on a ``fully_shard``-ed policy on 2 gloo processes (accelerate runs FSDP2 on accelerators
-    only, so not through TRL's trainer here): rank 1 has only a zero-advantage group, runs a filler row so that the
-    collective forwards line up, and keeps its advantages; rank 0's equal the core's on a plain copy."""
-    out = tmp_path / "fsdp2.json"
+# ZeRO-3 (parameters gathered in every forward, as FSDP2's): the stage where the filler and the aligned passes matter;
+# ZeRO-2 keeps whole parameters on every rank (the sharded_job.py runs it: `... conservative zero2`)
+@pytest.mark.parametrize("wrap,mode", [("fsdp2", "conservative"), ("zero3", "perturbation")])
+def test_sharded_policy_with_a_filler_rank(tiny_assets, tmp_path, wrap, mode):
+    """The adapter's reshape on a sharded policy on 2 gloo processes (FSDP2's ``fully_shard``; DeepSpeed ZeRO-3's
+    module, then one update through the engine): accelerate runs FSDP and DeepSpeed on accelerators only, so not
+    through TRL's trainer here. Rank 1 has only a zero-advantage group, runs a filler row so that the collective
+    forwards line up, and keeps its advantages; rank 0's equal the core's on a plain copy."""
+    out = tmp_path / f"{wrap}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "trl" / "fsdp2_job.py"), str(tiny_assets.model_dir), str(out), mode],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+                           str(ROOT / "tests" / "trl" / "sharded_job.py"), str(tiny_assets.model_dir), str(out), mode,
+                           wrap], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     first, second = json.loads(out.read_text())
     assert first["attributed"] == 4 and first["diff"] < 1e-3 and first["mass_diff"] < 1e-4, first
     assert second["attributed"] == 0 and second["untouched"], second
     assert first["metrics"]["oar/adv_mass_rel_err"] < 1e-6
     assert first["metrics"]["oar/reshaped_seq_frac"] == pytest.approx(4 / 6)  # over both ranks' rows
+    if wrap != "fsdp2":
+        assert first["loss"] is not None and first["loss"] == first["loss"], "the engine's update ran"
