@@ -111,10 +111,10 @@ def learning_secondary(name: str = "learning_protocol") -> str:
     return "\n".join(lines)
 
 
-def learning_cell(method: str) -> str:
+def learning_cell(method: str, name: str = "learning_protocol") -> str:
     """One method's Δ AUC against GRPO per task, for method §15's table: the primary test's p for the default, the
     Holm-adjusted p of the secondary tests for the others."""
-    a = load("learning_protocol")["analysis"]
+    a = load(name)["analysis"]
     tests = a["primary"] if method == "conservative" else [s for s in a["secondary"]
                                                            if s["a"] == method and s["b"] == "grpo"]
     key = "p" if method == "conservative" else "p_holm"
@@ -134,16 +134,20 @@ def learning_reconcile() -> str:
             f"{pub['§8']['auc']:.3f} (seeds {pub['§8']['seeds']})")
 
 
-def learning_headline() -> str:
-    """The README's one line: the primary result per task."""
-    r = load("learning_protocol")
-    parts = [f"{p['task']} {iv(p)} (p {pval(p['p'])})" for p in r["analysis"]["primary"]]
-    faster = [p["task"] for p in r["analysis"]["primary"] if p["passes"]]
+def learning_headline(name: str = "learning_protocol") -> str:
+    """The README's one line: the primary result per task, and how many of the protocol's runs it rests on."""
+    r = load(name)
+    a = r["analysis"]
+    parts = [f"{p['task']} {iv(p)} (p {pval(p['p'])})" for p in a["primary"]]
+    faster = [p["task"] for p in a["primary"] if p["passes"]]
     verdict = ("faster than GRPO where the decisive token is " + " and ".join(faster)) if faster else \
         "not faster than GRPO on any task"
     seeds = len(r["protocol"]["seeds"])
-    return (f"{verdict}: the default (with the gate's `clamp`; `magnitude` since evidence §10) − GRPO in AUC at rates "
-            f"fixed on other seeds, {seeds} fresh seeds, " + " / ".join(parts))
+    gate = r["protocol"].get("signed_scores", "clamp")
+    which = ("the default (with the gate's `clamp`; `magnitude` since evidence §10)" if gate == "clamp" else
+             f"the default as it ships (the gate's `{gate}`)")
+    return (f"{verdict}: {which} − GRPO in AUC at rates fixed on other seeds, {seeds} fresh seeds, "
+            + " / ".join(parts))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -346,6 +350,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "learning_secondary": learning_secondary, "learning_headline": learning_headline,
     "learning_reconcile": learning_reconcile,
     "learning11_primary": lambda: learning_primary("learning_protocol_11"),
+    "learning11_headline": lambda: learning_headline("learning_protocol_11"),
+    "learning11_cell.conservative": lambda: learning_cell("conservative", "learning_protocol_11"),
     "learning11_methods": lambda: learning_methods("learning_protocol_11"),
     "learning11_secondary": lambda: learning_secondary("learning_protocol_11"),
     "learning_cell.conservative": lambda: learning_cell("conservative"),
