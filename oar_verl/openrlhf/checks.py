@@ -12,9 +12,9 @@ Imports OpenRLHF lazily (the entry point's flag handling runs without it).
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Any
+
+from oar_verl.core.checks.versions import check_tested_release
 
 TESTED_OPENRLHF = "0.11.2"  # the release the adapter is tested against (tests/openrlhf, docs/openrlhf.md)
 ALLOW_UNTESTED_ENV = "OAR_OPENRLHF_ALLOW_UNTESTED"
@@ -52,18 +52,8 @@ def check_openrlhf_version(version: str | None = None, *, allow_untested: bool |
         except PackageNotFoundError:
             raise OpenRLHFVersionError(f"OpenRLHF is not installed; the adapter needs openrlhf=={TESTED_OPENRLHF} "
                                        f'(pip install "oar-verl[openrlhf]")') from None
-    if allow_untested is None:
-        allow_untested = os.environ.get(ALLOW_UNTESTED_ENV, "0") == "1"
-    base = version.split("+")[0]
-    if base == TESTED_OPENRLHF:
-        return version
-    message = (f"OpenRLHF {version} is installed; the OAR adapter is tested with OpenRLHF {TESTED_OPENRLHF} only "
-               f'(pip install "oar-verl[openrlhf]" installs it)')
-    if not allow_untested:
-        raise OpenRLHFVersionError(f"{message}; set {ALLOW_UNTESTED_ENV}=1 to run on {version} anyway and check that "
-                                   "the oar/* metrics appear in the logs")
-    warnings.warn(f"{message}; running anyway ({ALLOW_UNTESTED_ENV}=1)", stacklevel=2)
-    return version
+    return check_tested_release(version, TESTED_OPENRLHF, framework="OpenRLHF", extra="openrlhf",
+                                allow_env=ALLOW_UNTESTED_ENV, allow_untested=allow_untested, error=OpenRLHFVersionError)
 
 
 # Loss forms of OpenRLHF 0.11.2 (`--actor.policy_loss_type`, openrlhf/models/loss.py PolicyLoss) whose gradient a

@@ -12,14 +12,13 @@ and the TRL settings OAR cannot be sound with (:func:`check_trl_args`); errors n
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import typing
-import warnings
 from typing import Any
 
 from trl import GRPOConfig
 
+from oar_verl.core.checks.versions import check_tested_release
 from oar_verl.core.config import OARConfig, OARConfigError
 
 __all__ = ["FIELD_PREFIX", "OARGRPOConfig", "OARTRLArgsError", "TESTED_TRL", "check_trl_args", "check_trl_version",
@@ -43,17 +42,8 @@ def check_trl_version(version: str | None = None, *, allow_untested: bool | None
         from importlib.metadata import version as dist_version
 
         version = dist_version("trl")
-    if allow_untested is None:
-        allow_untested = os.environ.get(ALLOW_UNTESTED_ENV, "0") == "1"
-    if version.split("+")[0].rsplit(".", 1)[0] == TESTED_TRL:
-        return version
-    message = (f"TRL {version} is installed; the OAR trainer is tested with TRL {TESTED_TRL}.x only "
-               f'(pip install "oar-verl[trl]" installs it)')
-    if not allow_untested:
-        raise OARTRLArgsError(f"{message}; set {ALLOW_UNTESTED_ENV}=1 to run on {version} anyway and check that the "
-                              "oar/* metrics appear in the logs")
-    warnings.warn(f"{message}; running anyway ({ALLOW_UNTESTED_ENV}=1)", stacklevel=2)
-    return version
+    return check_tested_release(version, TESTED_TRL, framework="TRL", extra="trl", allow_env=ALLOW_UNTESTED_ENV,
+                                allow_untested=allow_untested, error=OARTRLArgsError, digits=2)
 
 
 def _rename(message: str) -> str:
