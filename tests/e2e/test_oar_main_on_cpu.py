@@ -362,7 +362,8 @@ def test_bad_configuration_fails_before_any_rollout(bad_configuration_runs, over
 def test_plain_verl_entry_with_oar_fails_fast_with_instructions(tiny_assets, tmp_path):
     """verl's own main_ppo cannot pass importance to an estimator: refuse at trainer construction, before rollout.
     "Before rollout" is asserted from the output (nothing generated), not by a clock: the driver's Ray and worker
-    start-up took 267 s on a loaded machine and passed 600 s under heavier load, so the subprocess limit is a hang guard."""
+    start-up took 267 s on a loaded machine and over 600 s under heavier load, so the subprocess limit is a hang
+    guard."""
     ray_tmp = new_ray_temp_dir()
     try:
         rc, out, seconds = _fails_fast(["-m", "verl.trainer.main_ppo",
