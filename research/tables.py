@@ -280,6 +280,22 @@ def fidelity_pair(other: str) -> str:
     return iv(s["paired"][f"{first} - {other}"]["kl"], 2, "mean")
 
 
+def fidelity_gain(method: str) -> str:
+    """One cell of method §15: ``method``'s gain over position on the SmolLM2 rows (KL measure)."""
+    s = load("fidelity_smollm2_1024")["summary"]
+    return iv(s["methods"][method]["gain_over"]["position"], 2, "mean")
+
+
+def fidelity_cost(method: str) -> str:
+    """One cell of method §15: ``method``'s seconds over one training forward+backward on the same SmolLM2 rows."""
+    return f"{load('fidelity_smollm2_1024')['summary']['methods'][method]['cost']:.2f}"
+
+
+def fidelity_rows() -> str:
+    """How many SmolLM2 rows the §15 figures rest on."""
+    return str(load("fidelity_smollm2_1024")["summary"]["rows"])
+
+
 _STUDY_LABEL = {"conservative": "the default", "fisher_k1_mean": "`fisher`", "oar_g": "OAR-G"}
 
 
@@ -314,7 +330,7 @@ def overhead_cpu() -> str:
     """docs/performance.md's table: every method's step time against GRPO's, OAR's cost wherever it ran."""
     r = load("overhead_cpu")
     m = r["meta"]
-    lines = ["| method | step s | × GRPO | OAR s (`timing_s/oar_total`) | share of step | OAR / (old log-prob + update) |"
+    lines = ["| method | step s | × GRPO | OAR s (`timing_s/oar_total`) | share of step | OAR / training compute (old log-prob + update, OAR's part excluded) |"
              " sequences attributed |", "|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
         if x["method"] == "GRPO":
@@ -327,25 +343,133 @@ def overhead_cpu() -> str:
               f"{m['rollout_n']} responses of ≤ {m['response_length']} tokens, median of steps 2–{m['steps']}; "
               f"{m['machine']}; load average {m['load_average_before_after'][0]} before, "
               f"{m['load_average_before_after'][1]} after."]
+    updates = [x["update_s"] for x in r["rows"]]
+    lines[-1] += (f" The actor update, which OAR does not change, took {min(updates):.2f}–{max(updates):.2f} s across "
+                  "these runs (this machine's run-to-run spread): the step ratios carry that spread, the column "
+                  "against the training compute divides each run by its own.")
     return "\n".join(lines)
 
 
 def cost_row() -> str:
-    """The README's cost row: step time × GRPO, the default first."""
+    """The README's cost row: OAR's time against the training compute of the same run (each run divided by its own),
+    the default first, then the whole step against GRPO's."""
     rows = {x["method"]: x for x in load("overhead_cpu")["rows"]}
-    parts = [f"{label} {rows[k]['ratio_to_grpo']:.2f}" for k, label in
+    share = {k: rows[k]["oar_share_of_training"] for k in rows if k != "GRPO"}
+    parts = [f"{label} {share[k]:.2f}" for k, label in
              (("conservative-shared", "the default (read from the old-log-prob pass)"),
               ("conservative-separate", "its own passes"), ("OAR-G", "OAR-G"), ("OAR-P", "OAR-P")) if k in rows]
-    return "step time × GRPO: " + ", ".join(parts)
+    steps = [rows[k]["ratio_to_grpo"] for k in ("conservative-shared", "OAR-G", "OAR-P") if k in rows]
+    m = load("overhead_cpu")["meta"]
+    return (f"OAR's time × the same run's training compute (old log-prob + update): {', '.join(parts)}; the "
+            f"whole step × GRPO's {min(steps):.2f}–{max(steps):.2f} (tiny model, responses ≤ {m['response_length']} "
+            "tokens, one run each)")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Attribution beside the training step as responses grow (research/scaling.py --results, docs/scaling.md, README)
+# ---------------------------------------------------------------------------------------------------------------------
+
+_SCALING_LABEL = {"oar_g": "OAR-G", "conservative": "the default (`conservative`)", "fisher": "`fisher`",
+                  "oar_p": "OAR-P (exact)"}
+
+
+def scaling_cpu() -> str:
+    """docs/scaling.md's measured table: each method's peak and time over the training step's, per length."""
+    r = load("scaling_cpu")
+    lines = ["| response tokens | method | peak MiB | training peak MiB | peak ratio | vs training activations | s | "
+             "training s | time ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for x in r["ratios"]:
+        s = f"{x['seconds']:.0f} (extrap.)" if x["extrapolated"] else f"{x['seconds']:.1f}"
+        time = f"{x['time_ratio']:.0f}" if x["extrapolated"] else f"**{x['time_ratio']:.2f}**"
+        lines.append(f"| {x['length']} | {_SCALING_LABEL.get(x['method'], x['method'])} | {x['peak_mib']:.0f} | "
+                     f"{x['train_peak_mib']:.0f} | **{x['peak_ratio']:.2f}** | {x['peak_ratio_vs_activations']:.2f} | "
+                     f"{s} | {x['train_seconds']:.1f} | {time} |")
+    m = r["meta"]
+    lines += ["", f"`{m['command']}`, {m['date']}: {m['machine']}, {m.get('cores', '?')} cores, torch {m['torch']}, "
+              f"{m['dtype']}, shape `{m['shape']}`, {m['rows']} rows of {m['prompt']} prompt + N response tokens; "
+              f"{m['wall_s']:.0f} s; load average {m.get('load_average_before', '?')} before, "
+              f"{m.get('load_average_after', '?')} after."]
+    return "\n".join(lines)
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}"
+
+
+def scaling_row() -> str:
+    """The README's row: the default's and OAR-G's peak and time over the training step, across the lengths."""
+    r = load("scaling_cpu")
+    lengths = sorted({x["length"] for x in r["ratios"]})
+    parts = []
+    for m in ("conservative", "oar_g"):
+        xs = [x for x in r["ratios"] if x["method"] == m]
+        if xs:
+            parts.append(f"{_SCALING_LABEL[m]} peak {_span([x['peak_ratio'] for x in xs])}×, time "
+                         f"{_span([x['time_ratio'] for x in xs])}× a training step")
+    return f"{lengths[0]}–{lengths[-1]} tokens (fp32, a 12-layer Qwen2 shape): " + "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Planted causal tokens (research/fidelity.py --results, evidence §1, README)
+# ---------------------------------------------------------------------------------------------------------------------
+
+_RECALL_LABEL = {"OAR-P": "OAR-P", "conservative": "the default", "fisher": "`fisher`", "OAR-G": "OAR-G",
+                 "entropy": "entropy", "random": "random"}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def planted_recall_row() -> str:
+    """The README's figure: recall@k of the planted causal tokens, one number per method."""
+    s = load("planted_recall")["synthetic"]
+    ms = s["methods"]
+    return "recall@k: " + ", ".join(f"{label} {_mean(ms[k]['recall']):.2f}" for k, label in _RECALL_LABEL.items()
+                                    if k in ms)
+
+
+def planted_recall_table() -> str:
+    """Evidence §1's table: every scored method's recall@k and what the gate does with its scores."""
+    r = load("planted_recall")
+    s, m = r["synthetic"], r["meta"]
+
+    def cell(values: list[float]) -> str:
+        if len(values) == 1:
+            return f"{values[0]:.3f}"
+        mean = _mean(values)
+        sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+        return f"{mean:.3f} ± {sd:.3f}"
+
+    lines = ["| method | recall@k | Spearman vs OAR-P | top-20% overlap with OAR-P | mean w, causal | mean w, filler | "
+             "causal share of Σw | seconds |", "|---|---|---|---|---|---|---|---|"]
+    for name, x in s["methods"].items():
+        label = {"conservative": "the default (`conservative`)", "fisher": "`fisher`"}.get(name, name)
+        seconds = _mean(x["seconds"])
+        lines.append(f"| {label} | {cell(x['recall'])} | {cell(x['spearman_vs_p'])} | "
+                     f"{cell(x['top20_overlap_vs_p'])} | {cell(x['w_causal'])} | {cell(x['w_filler'])} | "
+                     f"{cell(x['causal_weight_share'])} | {'–' if not seconds else f'{seconds:.1f}'} |")
+    lines += ["", f"`{m['command']}`, {m['date']}: {s['n_eval']} held-out responses, {s['mean_reasoning_tokens']:.1f} "
+              f"reasoning tokens and {s['mean_causal_tokens']:.2f} causal on average (random expectation "
+              f"{s['expected_random_recall']:.3f}); ± the sample sd over OAR-G's noise seeds or the random draws; "
+              f"{m['machine']}, {m['threads']} torch thread(s)."]
+    return "\n".join(lines)
 
 
 RENDERERS: dict[str, Callable[[], str]] = {
     "overhead_cpu": overhead_cpu, "cost_row": cost_row,
+    "scaling_cpu": scaling_cpu, "scaling_row": scaling_row,
+    "planted_recall_row": planted_recall_row, "planted_recall_table": planted_recall_table,
     "no_span_headline": no_span_headline,
     "signed_gate_rows": signed_gate_rows, "gate_learning": gate_learning, "gate_against_grpo": gate_against_grpo, "sigma_sweep": sigma_sweep,
     "fidelity_paired_smollm2": fidelity_paired_smollm2, "fidelity_paired_headline": fidelity_paired_headline,
     "fidelity_pair.fisher_k1_mean": lambda: fidelity_pair("fisher_k1_mean"),
     "fidelity_pair.oar_g": lambda: fidelity_pair("oar_g"),
+    **{f"fidelity_{kind}.{m}": (lambda f, m: lambda: f(m))(f, m) for kind, f in (("gain", fidelity_gain),
+                                                                                   ("cost", fidelity_cost))
+       for m in ("conservative", "fisher_k1_mean", "oar_g")},
+    "fidelity_rows": fidelity_rows,
     "learning_methods": learning_methods, "learning_primary": learning_primary,
     "learning_secondary": learning_secondary, "learning_headline": learning_headline,
     "learning_reconcile": learning_reconcile,
