@@ -1,11 +1,12 @@
 """Attribution against the training step as responses grow: peak memory and time, measured side by side.
 
-For each response length, four measurements, each in a fresh process (so that each peak is its own), on the same
+For each response length, one measurement per pass, each in a fresh process (so that each peak is its own), on the same
 random-initialised model, the same rows and the same token budget (one training micro-step holds all rows):
 
 * **train**: the actor's training forward + backward with gradient checkpointing (full logits over the response,
   fp32 log-softmax, parameter gradients), as verl's update runs one micro-batch;
 * **oar_g**: OAR-G with the training step's budget, under the same gradient checkpointing;
+* **conservative**: the default mode's one input-gradient pass under its propagation rules, likewise (``--methods``);
 * **oar_p**: exact OAR-P (prefix reuse) with the same budget. Where exact OAR-P over every reasoning token would take
   too long (``--oar-p-sample``), it runs a sample of its passes spread over the sequence -- the first, which recomputes
   the longest suffix and so holds the most, one in the middle and the last -- and its total time is extrapolated from
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -228,7 +230,7 @@ def extrapolate(prompt: int = 1024, budget: int = 16384, gpus: int = 8) -> list[
 
 def run_points(args, lengths: list[int]) -> list[dict]:
     out = []
-    units = [(n, method) for n in lengths for method in ("train", "oar_g", "oar_p")]
+    units = [(n, method) for n in lengths for method in ("train", *args.methods.split(","))]
     for n, method in progress(units, desc="[scaling] points (length x method)", unit="point"):
         cmd = [sys.executable, "-m", "research.scaling", "--point", method, "--point-length", str(n),
                "--device", args.device, "--dtype", args.dtype, "--shape", args.shape, "--rows", str(args.rows),
@@ -253,8 +255,9 @@ def ratios(points: list[dict]) -> list[dict]:
         by = {p["method"]: p for p in points if p["length"] == n}
         train = by["train"]
         act = train["peak_mib"] - train.get("grads_mib", 0.0)
-        for m in ("oar_g", "oar_p"):
-            p = by[m]
+        for m, p in by.items():
+            if m == "train":
+                continue
             table.append({"length": n, "method": m, "peak_mib": p["peak_mib"], "train_peak_mib": train["peak_mib"],
                           "peak_ratio": p["peak_mib"] / train["peak_mib"],
                           "peak_ratio_vs_activations": p["peak_mib"] / max(act, 1e-9),
@@ -275,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="sample exact OAR-P's passes when it has more than 3 x this many passes per row (0: never)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--noise-samples", type=int, default=1, help="OAR-G noise draws (algorithm.oar.noise_samples)")
+    ap.add_argument("--methods", default="oar_g,conservative,oar_p",
+                    help="attribution methods measured beside the training step: oar_g, conservative (the default "
+                         "mode), fisher, oar_p")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model-only", action="store_true", help="print the cost model at Qwen2.5-7B / 32B shapes")
     ap.add_argument("--out", default="outputs/benchmarks")
@@ -306,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
             "torch": torch.__version__, "device": args.device, "dtype": args.dtype, "shape": args.shape,
             "shape_values": SHAPES[args.shape], "rows": args.rows, "prompt": PROMPT,
-            "command": "python -m research.scaling " + " ".join(argv if argv is not None else sys.argv[1:])}
+            "command": "python -m research.scaling " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "cores": os.cpu_count(), "load_average_before": round(os.getloadavg()[0], 2)}
     if args.device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(0)
     print(f"scaling: {meta}", flush=True)
@@ -314,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     points = run_points(args, lengths)
     table = ratios(points)
     meta["wall_s"] = time.perf_counter() - start
+    meta["load_average_after"] = round(os.getloadavg()[0], 2)
     print("\nlength | method | peak MiB | train peak MiB | peak ratio | vs train activations | s | train s | "
           "time ratio")
     for r in table:

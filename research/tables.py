@@ -392,6 +392,19 @@ def scaling_cpu() -> str:
     return "\n".join(lines)
 
 
+def scaling_model_check() -> str:
+    """docs/scaling.md: each measured activation peak over the cost model's prediction, per method and length."""
+    points = load("scaling_cpu")["points"]
+    lengths = sorted({x["length"] for x in points})
+    parts = []
+    for m in dict.fromkeys(x["method"] for x in points):
+        by = {x["length"]: x for x in points if x["method"] == m}
+        ratios = [(by[n]["peak_mib"] - by[n].get("grads_mib", 0.0)) / by[n]["predicted_mib"] for n in lengths]
+        parts.append(f"{'training' if m == 'train' else _SCALING_LABEL.get(m, m)} "
+                     + " / ".join(f"{r:.2f}" for r in ratios))
+    return f"measured / model at {' / '.join(map(str, lengths))} tokens: " + ", ".join(parts)
+
+
 def _span(values: list[float]) -> str:
     lo, hi = min(values), max(values)
     return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}"
@@ -459,7 +472,7 @@ def planted_recall_table() -> str:
 
 RENDERERS: dict[str, Callable[[], str]] = {
     "overhead_cpu": overhead_cpu, "cost_row": cost_row,
-    "scaling_cpu": scaling_cpu, "scaling_row": scaling_row,
+    "scaling_cpu": scaling_cpu, "scaling_row": scaling_row, "scaling_model_check": scaling_model_check,
     "planted_recall_row": planted_recall_row, "planted_recall_table": planted_recall_table,
     "no_span_headline": no_span_headline,
     "signed_gate_rows": signed_gate_rows, "gate_learning": gate_learning, "gate_against_grpo": gate_against_grpo, "sigma_sweep": sigma_sweep,

@@ -22,7 +22,7 @@ def test_scaling_benchmark_quick(tmp_path, capsys):
                           capture_output=True, text=True, timeout=850, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "scaling_cpu_cpu-quick.json").read_text())
-    assert {(p["method"], p["length"]) for p in res["points"]} == {(m, n) for m in ("train", "oar_g", "oar_p")
+    assert {(p["method"], p["length"]) for p in res["points"]} == {(m, n) for m in ("train", "oar_g", "conservative", "oar_p")
                                                                     for n in (256, 1024)}
     for r in res["ratios"]:
         assert r["peak_ratio"] < 1.0, r  # the target: attribution peak <= the training step's
