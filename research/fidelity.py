@@ -4,8 +4,10 @@ Part 1, planted causal tokens (the digit-sum task of :mod:`research.task`). A ti
 plain torch, until it states the right sum after a reasoning it is given. On held-out correct responses the reasoning
 tokens are scored by
 
-* **OAR-P** and **OAR-G**, through :func:`oar_verl.core.methods.attribution.response_importance` with the response's own answer
-  span (``The answer is N``) as the outcome-probe target (AS-Mean by default; ``--probe``),
+* **OAR-P** and **OAR-G**, through :func:`oar_verl.core.methods.attribution.response_importance` with the response's
+  own answer span (``The answer is N``) as the outcome-probe target (AS-Mean by default; ``--probe``), and likewise
+  the default mode (``conservative``, ranked both as signed scores and as the gate reads them) and ``fisher`` (first
+  probe),
 * **token entropy**: the entropy of the model's predictive distribution at each response position (the distribution
   the token was drawn from: the "high-entropy minority tokens" heuristic),
 * **random** scores,
@@ -21,6 +23,11 @@ GSM-Symbolic problems from ``reasoning-gym`` whose reference chain of thought (e
 OAR-G vs OAR-P agreement (there is no ground truth there).
 
 usage: python -m research.fidelity [--quick] [--synthetic-only] [--task-style attached|spaced] [--out DIR] [--docs]
+                                   [--results research/results/planted_recall.json]
+
+``--results`` writes the synthetic part's figures (per method: recall@k per run and per row, the other columns, the
+settings and the machine) to a committed results file; the README's planted-recall row and evidence §1's table are
+generated from it (``python -m research.tables``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,7 +56,7 @@ from research.common import measure
 from research.common import progress
 from oar_verl.core.methods.attribution import response_importance
 from oar_verl.core.config import OARConfig
-from oar_verl.core.reshaping.gating import oar_token_weights
+from oar_verl.core.reshaping.gating import normalize_scores, oar_token_weights
 from oar_verl.core.methods.gradient import sequence_seeds
 from oar_verl.core.text.spans import locate_answer_spans
 
@@ -91,6 +99,7 @@ class Scored:
     extra: dict = field(default_factory=dict)
 
 
+DETERMINISTIC_MODES = ("conservative", "fisher")  # scored once each beside OAR-P (no noise seeds)
 MASK_SPANS = (2, 4)  # the coarser OAR-P (k consecutive tokens masked at once), compared with k = 1
 
 
@@ -154,6 +163,11 @@ def attribute_all(model, batch, spans, *, mask_token_id: int, probes: tuple[str,
                                    micro_batch_size=micro_batch_size)
         out[f"OAR-P{suffix}"] = [Scored(f"OAR-P{suffix}", imp, sec, {"peak_mib": mib})]
         log(f"  OAR-P ({probe}): {sec:.1f} s")
+        for mode in DETERMINISTIC_MODES if probe == probes[0] else ():  # the default and fisher, one run each
+            imp, sec, mib = oar_scores(model, batch, spans, mode=mode, probe=probe, mask_token_id=mask_token_id,
+                                       chunk_size=chunk_size, micro_batch_size=micro_batch_size)
+            out[mode] = [Scored(mode, imp, sec, {"peak_mib": mib})]
+            log(f"  {mode} ({probe}): {sec:.1f} s")
         for k in MASK_SPANS if probe == probes[0] else ():
             imp, sec, mib = oar_scores(model, batch, spans, mode="perturbation", probe=probe,
                                        mask_token_id=mask_token_id, chunk_size=chunk_size,
@@ -254,10 +268,15 @@ def synthetic_part(out: Path, s: Settings, *, seed: int, reuse: bool, style: str
     p_rows = rows_of(scored["OAR-P"][0].importance, spans.reasoning_mask)
     methods = {}
     for name, runs in scored.items():
-        recalls, rhos, overlaps, w_causal, w_filler, share = [], [], [], [], [], []
+        recalls, gate_recalls, rhos, overlaps, w_causal, w_filler, share, per_row = [], [], [], [], [], [], [], None
         for run in runs:
             rows = rows_of(run.importance, spans.reasoning_mask)
-            recalls.append(recall_at_k(rows, causal_rows, rng).mean())
+            row_recall = recall_at_k(rows, causal_rows, rng)
+            per_row = row_recall if per_row is None else per_row
+            recalls.append(row_recall.mean())
+            # the ranking the gate uses (algorithm.oar.signed_scores' default reading): the same for scores >= 0
+            gate_rows = rows_of(normalize_scores(run.importance, spans.reasoning_mask), spans.reasoning_mask)
+            gate_recalls.append(recall_at_k(gate_rows, causal_rows, rng).mean())
             rhos.append(np.nanmean([spearman(a, b) for a, b in zip(rows, p_rows)]))
             overlaps.append(overlap_top_frac(rows, p_rows, 0.2, rng).mean())
             tw = oar_token_weights(run.importance, spans.reasoning_mask, batch.response_mask, tau=0.4, beta=2.0)
@@ -265,16 +284,19 @@ def synthetic_part(out: Path, s: Settings, *, seed: int, reuse: bool, style: str
             w_causal.append(float(w[causal].mean()))
             w_filler.append(float(w[spans.reasoning_mask & ~causal].mean()))
             share.append(float((w * causal).sum() / (w * spans.reasoning_mask).sum()))
-        methods[name] = {"recall": recalls, "spearman_vs_p": rhos, "top20_overlap_vs_p": overlaps,
+        methods[name] = {"recall": recalls, "recall_gate_reading": gate_recalls, "spearman_vs_p": rhos,
+                         "top20_overlap_vs_p": overlaps,
                          "w_causal": w_causal, "w_filler": w_filler, "causal_weight_share": share,
-                         "seconds": [r.seconds for r in runs], "peak_mib": [r.extra.get("peak_mib") for r in runs]}
+                         "seconds": [r.seconds for r in runs], "peak_mib": [r.extra.get("peak_mib") for r in runs],
+                         "recall_rows": [round(float(x), 4) for x in per_row]}  # the first run's, per response
     rand_recall, rand_rho, rand_overlap = [], [], []
     for _ in range(s.random_draws):
         rows = [rng.random(len(c)) for c in causal_rows]
         rand_recall.append(recall_at_k(rows, causal_rows, rng).mean())
         rand_rho.append(np.nanmean([spearman(a, b) for a, b in zip(rows, p_rows)]))
         rand_overlap.append(overlap_top_frac(rows, p_rows, 0.2, rng).mean())
-    methods["random"] = {"recall": rand_recall, "spearman_vs_p": rand_rho, "top20_overlap_vs_p": rand_overlap,
+    methods["random"] = {"recall": rand_recall, "recall_gate_reading": rand_recall, "spearman_vs_p": rand_rho,
+                         "top20_overlap_vs_p": rand_overlap,
                          "w_causal": [1.0], "w_filler": [1.0],
                          "causal_weight_share": [float(causal.sum() / spans.reasoning_mask.sum())], "seconds": [0.0]}
     expected_random = float(np.mean([c.sum() / len(c) for c in causal_rows]))
@@ -402,11 +424,12 @@ def synthetic_table(res: dict) -> str:
              f"{res['mean_causal_tokens']:.2f} causal on average; random expectation "
              f"{res['expected_random_recall']:.3f})",
              "",
-             "| method | recall@k | Spearman vs OAR-P | top-20% overlap with OAR-P | mean w causal | mean w filler "
-             "| causal share of Σw | seconds |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| method | recall@k | recall@k, as the gate reads the scores | Spearman vs OAR-P | top-20% overlap with "
+             "OAR-P | mean w causal | mean w filler | causal share of Σw | seconds |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, m in res["methods"].items():
-        lines.append(f"| {name} | {_cell(m['recall'])} | {_cell(m['spearman_vs_p'])} | "
+        gate = _cell(m["recall_gate_reading"]) if "recall_gate_reading" in m else "–"
+        lines.append(f"| {name} | {_cell(m['recall'])} | {gate} | {_cell(m['spearman_vs_p'])} | "
                      f"{_cell(m['top20_overlap_vs_p'])} | {_cell(m['w_causal'])} | {_cell(m['w_filler'])} | "
                      f"{_cell(m['causal_weight_share'])} | {np.mean(m['seconds']):.1f} |")
     lines.append("")
@@ -535,6 +558,21 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def write_results(path: Path, results: dict, argv: list[str] | None) -> None:
+    """The synthetic part's figures, without the example row and the figure's data (kilobytes)."""
+    syn = results["synthetic"]
+    meta = {k: results[k] for k in ("settings", "quick", "date", "threads", "torch", "transformers",
+                                     "synthetic_seconds")}
+    meta["command"] = "python -m research.fidelity " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta["machine"] = f"{platform.machine()}, {os.cpu_count()} cores"
+    meta["load_average_after"] = round(os.getloadavg()[0], 2)
+    keep = {k: syn[k] for k in ("model", "style", "n_eval", "mean_reasoning_tokens", "mean_causal_tokens",
+                                "expected_random_recall", "methods", "noise_samples")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_jsonable({"meta": meta, "synthetic": keep}), indent=1) + "\n")
+    print(f"wrote {path}", flush=True)
+
+
 def _jsonable(x):
     if isinstance(x, dict):
         return {k: _jsonable(v) for k, v in x.items()}
@@ -557,6 +595,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task-style", default="attached", choices=task.STYLES,
                         help="digit-sum text style (see research/task.py); 'spaced' puts a space token before "
                              "every digit")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="also write the synthetic part's figures to this committed results file "
+                             "(research/results/planted_recall.json)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (more than 1 can be several times slower on a busy machine)")
     args = parser.parse_args(argv)
@@ -592,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + real_table(results["real_text"]) + "\n", flush=True)
 
     results["total_seconds"] = time.perf_counter() - started
+    if args.results:
+        write_results(args.results, results, argv)
     (out / "fidelity.json").write_text(json.dumps(_jsonable(results), indent=1))
     (out / "fidelity.md").write_text(synthetic_table(results["synthetic"]) + "\n\n" +
                                      noise_samples_table(results["synthetic"]) + "\n\n" +

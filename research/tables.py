@@ -257,56 +257,59 @@ def sigma_sweep() -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def fidelity_paired_smollm2() -> str:
-    r = load("fidelity_smollm2_1024")
-    s = r["summary"]
-    methods = list(s["methods"])
-    lines = [f"| ranking (SmolLM2, {s['rows']} rows × ≤ 1,024) | over random | over position | over entropy | "
-             "cost × train |", "|---|---|---|---|---|"]
-    for m in methods:
-        g = s["methods"][m]["gain_over"]
+# the long-row fidelity comparisons (research/long_fidelity.py --results): the first method (the default) against
+# the others on the same rows; name -> (results file, what the rows are)
+FIDELITY_STUDIES = {"smollm2": ("fidelity_smollm2_1024", "SmolLM2, {rows} rows × ≤ 1,024"),
+                    "gemma3": ("fidelity_gemma3_400", "Gemma 3 inside its window, {rows} rows × ≤ 400")}
+FIDELITY_METHODS = ("conservative", "fisher_k1_mean", "oar_g")
+
+
+def _study(study: str) -> dict:
+    return load(FIDELITY_STUDIES[study][0])["summary"]
+
+
+def fidelity_table(study: str) -> str:
+    """Every ranking's gains over the free controls and the paired comparisons, on one study's rows."""
+    s = _study(study)
+    lines = [f"| ranking ({FIDELITY_STUDIES[study][1].format(rows=s['rows'])}) | over random | over position | "
+             "over entropy | cost × train |", "|---|---|---|---|---|"]
+    for m, x in s["methods"].items():
+        g = x["gain_over"]
         lines.append(f"| {m} | {iv(g['random'], 2, 'mean')} | {iv(g['position'], 2, 'mean')} | "
-                     f"{iv(g['entropy'], 2, 'mean')} | {s['methods'][m]['cost']:.2f} |")
-    lines += ["", f"| paired on the same rows | KL measure | log p measure |", "|---|---|---|"]
+                     f"{iv(g['entropy'], 2, 'mean')} | {x['cost']:.2f} |")
+    lines += ["", "| paired on the same rows | KL measure | log p measure |", "|---|---|---|"]
     for name, e in s["paired"].items():
         lines.append(f"| {name.replace(' - ', ' − ')} | {iv(e['kl'], 2, 'mean')} | {iv(e['logp'], 2, 'mean')} |")
     return "\n".join(lines)
 
 
-def fidelity_pair(other: str) -> str:
-    """One cell of method §15: the default against ``other`` on the same SmolLM2 rows (KL measure)."""
-    s = load("fidelity_smollm2_1024")["summary"]
-    first = list(s["methods"])[0]
-    return iv(s["paired"][f"{first} - {other}"]["kl"], 2, "mean")
+def fidelity_pair(study: str, other: str) -> str:
+    """One cell of method §15: the default against ``other`` on the same rows (KL measure)."""
+    s = _study(study)
+    return iv(s["paired"][f"{list(s['methods'])[0]} - {other}"]["kl"], 2, "mean")
 
 
-def fidelity_gain(method: str) -> str:
-    """One cell of method §15: ``method``'s gain over position on the SmolLM2 rows (KL measure)."""
-    s = load("fidelity_smollm2_1024")["summary"]
-    return iv(s["methods"][method]["gain_over"]["position"], 2, "mean")
+def fidelity_gain(study: str, method: str) -> str:
+    """One cell of method §15: ``method``'s gain over position (KL measure)."""
+    return iv(_study(study)["methods"][method]["gain_over"]["position"], 2, "mean")
 
 
-def fidelity_cost(method: str) -> str:
-    """One cell of method §15: ``method``'s seconds over one training forward+backward on the same SmolLM2 rows."""
-    return f"{load('fidelity_smollm2_1024')['summary']['methods'][method]['cost']:.2f}"
-
-
-def fidelity_rows() -> str:
-    """How many SmolLM2 rows the §15 figures rest on."""
-    return str(load("fidelity_smollm2_1024")["summary"]["rows"])
+def fidelity_cost(study: str, method: str) -> str:
+    """One cell of method §15: ``method``'s seconds over one training forward+backward on the same rows."""
+    return f"{_study(study)['methods'][method]['cost']:.2f}"
 
 
 _STUDY_LABEL = {"conservative": "the default", "fisher_k1_mean": "`fisher`", "oar_g": "OAR-G"}
 
 
-def fidelity_paired_headline() -> str:
-    r = load("fidelity_smollm2_1024")
-    s = r["summary"]
+def fidelity_paired_headline(study: str = "smollm2") -> str:
+    s = _study(study)
     first = list(s["methods"])[0]
     pos = iv(s["methods"][first]["gain_over"]["position"], 2, "mean")
     pairs = "; ".join(f"against {_STUDY_LABEL.get(k.split(' - ')[1], k.split(' - ')[1])} {iv(e['kl'], 2, 'mean')}"
                       for k, e in s["paired"].items())
-    return f"SmolLM2, {s['rows']} rows × ≤ 1,024 tokens: over position {pos}; paired on the same rows {pairs}"
+    return (f"{FIDELITY_STUDIES[study][1].format(rows=s['rows'])} tokens: over position {pos}; paired on the same rows "
+            f"{pairs}")
 
 
 def no_span_headline() -> str:
@@ -330,7 +333,8 @@ def overhead_cpu() -> str:
     """docs/performance.md's table: every method's step time against GRPO's, OAR's cost wherever it ran."""
     r = load("overhead_cpu")
     m = r["meta"]
-    lines = ["| method | step s | × GRPO | OAR s (`timing_s/oar_total`) | share of step | OAR / training compute (old log-prob + update, OAR's part excluded) |"
+    lines = ["| method | step s | × GRPO | OAR s (`timing_s/oar_total`) | share of step | OAR / training compute "
+             "(old log-prob + update, OAR's part excluded) |"
              " sequences attributed |", "|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
         if x["method"] == "GRPO":
@@ -427,7 +431,7 @@ def scaling_row() -> str:
 # Planted causal tokens (research/fidelity.py --results, evidence §1, README)
 # ---------------------------------------------------------------------------------------------------------------------
 
-_RECALL_LABEL = {"OAR-P": "OAR-P", "conservative": "the default", "fisher": "`fisher`", "OAR-G": "OAR-G",
+_RECALL_LABEL = {"OAR-P": "OAR-P", "fisher": "`fisher`", "conservative": "the default", "OAR-G": "OAR-G",
                  "entropy": "entropy", "random": "random"}
 
 
@@ -436,11 +440,19 @@ def _mean(values: list[float]) -> float:
 
 
 def planted_recall_row() -> str:
-    """The README's figure: recall@k of the planted causal tokens, one number per method."""
-    s = load("planted_recall")["synthetic"]
-    ms = s["methods"]
-    return "recall@k: " + ", ".join(f"{label} {_mean(ms[k]['recall']):.2f}" for k, label in _RECALL_LABEL.items()
-                                    if k in ms)
+    """The README's figure: recall@k of the planted causal tokens, one number per method; for a method with signed
+    scores, also the recall of the ranking the gate uses (|score|)."""
+    ms = load("planted_recall")["synthetic"]["methods"]
+    parts = []
+    for k, label in _RECALL_LABEL.items():
+        if k not in ms:
+            continue
+        part = f"{label} {_mean(ms[k]['recall']):.2f}"
+        gate = _mean(ms[k].get("recall_gate_reading", ms[k]["recall"]))
+        if f"{gate:.2f}" != f"{_mean(ms[k]['recall']):.2f}":
+            part += f" (its signed scores as the gate reads them, by magnitude: {gate:.2f})"
+        parts.append(part)
+    return "recall@k: " + ", ".join(parts)
 
 
 def planted_recall_table() -> str:
@@ -450,23 +462,25 @@ def planted_recall_table() -> str:
 
     def cell(values: list[float]) -> str:
         if len(values) == 1:
-            return f"{values[0]:.3f}"
+            return f"{values[0]:.3f}".replace("-", "\u2212")
         mean = _mean(values)
         sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
-        return f"{mean:.3f} ± {sd:.3f}"
+        return f"{mean:.3f} ± {sd:.3f}".replace("-", "\u2212")
 
-    lines = ["| method | recall@k | Spearman vs OAR-P | top-20% overlap with OAR-P | mean w, causal | mean w, filler | "
-             "causal share of Σw | seconds |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | recall@k | recall@k as the gate reads the scores | Spearman vs OAR-P | top-20% overlap with "
+             "OAR-P | mean w, causal | mean w, filler | causal share of Σw | seconds |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, x in s["methods"].items():
         label = {"conservative": "the default (`conservative`)", "fisher": "`fisher`"}.get(name, name)
         seconds = _mean(x["seconds"])
-        lines.append(f"| {label} | {cell(x['recall'])} | {cell(x['spearman_vs_p'])} | "
+        lines.append(f"| {label} | {cell(x['recall'])} | {cell(x['recall_gate_reading'])} | {cell(x['spearman_vs_p'])} | "
                      f"{cell(x['top20_overlap_vs_p'])} | {cell(x['w_causal'])} | {cell(x['w_filler'])} | "
                      f"{cell(x['causal_weight_share'])} | {'–' if not seconds else f'{seconds:.1f}'} |")
     lines += ["", f"`{m['command']}`, {m['date']}: {s['n_eval']} held-out responses, {s['mean_reasoning_tokens']:.1f} "
               f"reasoning tokens and {s['mean_causal_tokens']:.2f} causal on average (random expectation "
-              f"{s['expected_random_recall']:.3f}); ± the sample sd over OAR-G's noise seeds or the random draws; "
-              f"{m['machine']}, {m['threads']} torch thread(s)."]
+              f"{s['expected_random_recall']:.3f}); the model: {s['model']['steps']} SFT steps, teacher-forced answer "
+              f"accuracy {s['model']['answer_accuracy']:.3f}; ± the sample sd over OAR-G's noise seeds or the random "
+              f"draws; {m['machine']}, {m['threads']} torch thread(s)."]
     return "\n".join(lines)
 
 
@@ -476,13 +490,12 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "planted_recall_row": planted_recall_row, "planted_recall_table": planted_recall_table,
     "no_span_headline": no_span_headline,
     "signed_gate_rows": signed_gate_rows, "gate_learning": gate_learning, "gate_against_grpo": gate_against_grpo, "sigma_sweep": sigma_sweep,
-    "fidelity_paired_smollm2": fidelity_paired_smollm2, "fidelity_paired_headline": fidelity_paired_headline,
-    "fidelity_pair.fisher_k1_mean": lambda: fidelity_pair("fisher_k1_mean"),
-    "fidelity_pair.oar_g": lambda: fidelity_pair("oar_g"),
-    **{f"fidelity_{kind}.{m}": (lambda f, m: lambda: f(m))(f, m) for kind, f in (("gain", fidelity_gain),
-                                                                                   ("cost", fidelity_cost))
-       for m in ("conservative", "fisher_k1_mean", "oar_g")},
-    "fidelity_rows": fidelity_rows,
+    "fidelity_paired_headline": fidelity_paired_headline,
+    **{f"fidelity_{kind}.{study}.{m}": (lambda f, s, m: lambda: f(s, m))(f, study, m)
+       for kind, f in (("gain", fidelity_gain), ("cost", fidelity_cost), ("pair", fidelity_pair))
+       for study in FIDELITY_STUDIES for m in FIDELITY_METHODS},
+    **{f"fidelity_rows.{study}": (lambda s: lambda: str(_study(s)["rows"]))(study) for study in FIDELITY_STUDIES},
+    **{f"fidelity_table.{study}": (lambda s: lambda: fidelity_table(s))(study) for study in FIDELITY_STUDIES},
     "learning_methods": learning_methods, "learning_primary": learning_primary,
     "learning_secondary": learning_secondary, "learning_headline": learning_headline,
     "learning_reconcile": learning_reconcile,

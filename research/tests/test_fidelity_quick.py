@@ -13,15 +13,22 @@ from research import fidelity
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_fidelity_quick_synthetic(tmp_path):
-    assert fidelity.main(["--quick", "--synthetic-only", "--out", str(tmp_path)]) == 0
+    results = tmp_path / "planted_recall.json"
+    assert fidelity.main(["--quick", "--synthetic-only", "--out", str(tmp_path), "--results", str(results)]) == 0
     res = json.loads((tmp_path / "fidelity.json").read_text())["synthetic"]
+    kept = json.loads(results.read_text())  # the committed results file's shape: the figures, per row, no example
+    assert kept["meta"]["command"].startswith("python -m research.fidelity --quick") and "example" not in kept
+    assert kept["synthetic"]["methods"]["OAR-P"]["recall"] == res["methods"]["OAR-P"]["recall"]
     m = res["methods"]
     assert res["model"]["answer_accuracy"] >= 0.8, res["model"]  # the model solves the task
     rand = res["expected_random_recall"]
     assert 0.1 < rand < 0.35
-    for name in ("OAR-P", "OAR-G", "entropy", "random"):
+    for name in ("OAR-P", "OAR-G", "conservative", "fisher", "entropy", "random"):
         for v in m[name]["recall"]:
             assert 0.0 <= v <= 1.0
+    for name in ("OAR-P", "conservative", "fisher"):  # the per-row recall behind paired comparisons
+        assert len(m[name]["recall_rows"]) == res["n_eval"]
+        assert abs(sum(m[name]["recall_rows"]) / res["n_eval"] - m[name]["recall"][0]) < 1e-3
     p = m["OAR-P"]["recall"][0]
     g = sum(m["OAR-G"]["recall"]) / len(m["OAR-G"]["recall"])
     assert p > rand + 0.3, (p, rand)  # OAR-P finds the planted causal tokens far above chance
