@@ -7,13 +7,18 @@ per row and method in the study directory, so a run resumes.
 
 usage:
     OMP_NUM_THREADS=2 python -m research.bf16_agreement --model smollm2 --rows 4 --tokens 1024 \\
-        --methods oar_p,path_m2 --out outputs/long_fidelity
+        --methods oar_p,path_m2 --out outputs/long_fidelity [--results research/results/bf16_smollm2_1024.json]
+
+``--results`` writes each method's agreement (the mean over rows and its prompt-clustered interval, per measure) to a
+committed results file; method §15's bf16 row is generated from it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
@@ -44,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8192, help="token budget of one pass")
     ap.add_argument("--out", default=str(REPO / "outputs" / "long_fidelity"),
                     help="the long-row studies' directory (its <model>_<tokens> rows)")
+    ap.add_argument("--results", type=Path, default=None, help="also write the agreements to this results file")
     a = ap.parse_args(argv)
     methods = [x for x in a.methods.split(",") if x]
     unknown = sorted(set(methods) - set(METHODS))
@@ -56,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     limits = PassLimits(a.max_tokens)
     lines = ["| method | rows | Spearman | top-20 % overlap | relative L2 error | seconds fp32 / bf16 per row |",
              "|---|---|---|---|---|---|"]
+    record = {"command": "python -m research.bf16_agreement " + " ".join(sys.argv[1:] if argv is None else argv),
+              "model": m.name, "rows": len(rows), "methods": {}}
     for name in methods:
         chunks = []
         for i, row in enumerate(rows):
@@ -71,7 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         iv = lambda d: f"{d['mean']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]"  # noqa: E731
         lines.append(f"| {name} | {len(chunks)} | {iv(e['spearman'])} | {iv(e['top20_overlap'])} | "
                      f"{iv(e['rel_l2_error'])} | {secs[0]:.0f} / {secs[1]:.0f} |")
+        record["methods"][name] = {**e, "seconds_per_row_fp32_bf16": secs}
     log("\n" + "\n".join(lines))
+    if a.results:
+        a.results.parent.mkdir(parents=True, exist_ok=True)
+        a.results.write_text(json.dumps(record, indent=1) + "\n")
+        log(f"wrote {a.results}")
     return 0
 
 

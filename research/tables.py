@@ -299,6 +299,15 @@ def fidelity_cost(study: str, method: str) -> str:
     return f"{_study(study)['methods'][method]['cost']:.2f}"
 
 
+def bf16_cell(method: str) -> str:
+    """One cell of method §15: ``method``'s bf16 against fp32 scores on SmolLM2's rows, Spearman (mean, interval)."""
+    e = load("bf16_smollm2_1024")["methods"].get(method)
+    if e is None:
+        return "not rerun"
+    s = e["spearman"]
+    return f"{s['mean']:.2f} [{s['lo']:.2f}, {s['hi']:.2f}]"
+
+
 _STUDY_LABEL = {"conservative": "the default", "fisher_k1_mean": "`fisher`", "oar_g": "OAR-G"}
 
 
@@ -494,6 +503,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     **{f"fidelity_{kind}.{study}.{m}": (lambda f, s, m: lambda: f(s, m))(f, study, m)
        for kind, f in (("gain", fidelity_gain), ("cost", fidelity_cost), ("pair", fidelity_pair))
        for study in FIDELITY_STUDIES for m in FIDELITY_METHODS},
+    **{f"bf16.{m}": (lambda m: lambda: bf16_cell(m))(m) for m in ("conservative", "fisher_k1_mean", "oar_g_s05")},
+    "bf16_rows": lambda: str(load("bf16_smollm2_1024")["rows"]),
     **{f"fidelity_rows.{study}": (lambda s: lambda: str(_study(s)["rows"]))(study) for study in FIDELITY_STUDIES},
     **{f"fidelity_table.{study}": (lambda s: lambda: fidelity_table(s))(study) for study in FIDELITY_STUDIES},
     "learning_methods": learning_methods, "learning_primary": learning_primary,
