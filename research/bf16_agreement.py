@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ import torch
 from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.methods.attribution import module_backend, run_attribution
 from research import REPO
-from research.common import measure, study_dir
+from research.common import command_line, measure, study_dir, write_results
 from research.long_fidelity import METHODS, agreement, load, make_rows, method_config, prepared
 
 
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = PassLimits(a.max_tokens)
     lines = ["| method | rows | Spearman | top-20 % overlap | relative L2 error | seconds fp32 / bf16 per row |",
              "|---|---|---|---|---|---|"]
-    record = {"command": "python -m research.bf16_agreement " + " ".join(sys.argv[1:] if argv is None else argv),
+    record = {"command": command_line("bf16_agreement", argv),
               "model": m.name, "rows": len(rows), "methods": {}}
     for name in methods:
         chunks = []
@@ -82,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         record["methods"][name] = {**e, "seconds_per_row_fp32_bf16": secs}
     log("\n" + "\n".join(lines))
     if a.results:
-        a.results.parent.mkdir(parents=True, exist_ok=True)
-        a.results.write_text(json.dumps(record, indent=1) + "\n")
+        write_results(a.results, record)
         log(f"wrote {a.results}")
     return 0
 

@@ -204,6 +204,21 @@ def mean_sd(x) -> str:
     return f"{x.mean():.3f} ± {x.std(ddof=1) if len(x) > 1 else 0.0:.3f}" if len(x) else "n/a"
 
 
+def command_line(module: str, argv: list[str] | None) -> str:
+    """``python -m research.MODULE ARGS``: how a study was run, as its committed results file records it."""
+    import sys
+
+    return f"python -m research.{module} " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
+def write_results(path, record: dict) -> None:
+    """A committed results file (``research/results/*.json``): ``record`` as indented JSON, parents made."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
 def finish_figure(fig, axes, path) -> None:
     """Grid and legend on every axis, tight layout, saved to ``path`` (parents made) at the studies' resolution."""
     import matplotlib.pyplot as plt

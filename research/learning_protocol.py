@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from research import REPO, credit
+from research.common import write_results
 from research.credit_lr import paired
 
 TASKS = ("first", "middle", "last")
@@ -274,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         gate = collect_gate(a.out) if GATE_CANDIDATE else []
         result["protocol"].update(gate_candidate=GATE_CANDIDATE, gate_margin=GATE_MARGIN)
         result.update(gate=analyse_gate(records, gate), gate_records=gate, reconcile=collect_reconcile(a.out))
-    proto.results.parent.mkdir(parents=True, exist_ok=True)
-    proto.results.write_text(json.dumps(result, indent=1) + "\n")
+    write_results(proto.results, result)
     a_ = result["analysis"]
     print(f"{a_['runs']} of {a_['planned_runs']} planned runs in {proto.results}")
     for p in a_["primary"]:

@@ -38,7 +38,6 @@ import json
 import os
 import random
 import re
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +53,7 @@ from oar_verl.core.fidelity.curves import FRACTIONS
 from oar_verl.core.fidelity.summary import bootstrap_ratio
 from oar_verl.core.preprocess import prepare_attribution
 from research import REPO, common
-from research.common import measure, progress, smollm2_path, study_dir
+from research.common import command_line, measure, progress, smollm2_path, study_dir, write_results
 from research.long_reasoning import gsm_solution
 
 # name -> OARConfig overrides of each method compared
@@ -581,9 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"summary_{'-'.join(methods)}.json").write_text(json.dumps(summary, indent=1))  # one per comparison
     text = table(summary, m.name, a.tokens)
     if a.results:
-        cmd = "python -m research.long_fidelity " + " ".join(argv if argv is not None else sys.argv[1:])
-        a.results.parent.mkdir(parents=True, exist_ok=True)
-        a.results.write_text(json.dumps(results_record(summary, chunks, methods, cmd), indent=1) + "\n")
+        write_results(a.results, results_record(summary, chunks, methods, command_line("long_fidelity", argv)))
     gates = [tuple(float(x) for x in g.split(":")) for g in a.gates.split(",") if g]
     if gates and all("scores" in c for c in chunks):
         sweep = gating_sweep(chunks, methods, gates)

@@ -36,6 +36,7 @@ from pathlib import Path
 from oar_verl.quickstart.launcher import cpu_env, main_ppo_overrides, new_ray_temp_dir, run_main_ppo
 from oar_verl.quickstart import arith_reward
 from oar_verl.quickstart.tiny_assets import build_tiny_assets
+from research.common import command_line, write_results
 
 METHODS = {
     "GRPO": ["algorithm.adv_estimator=grpo"],
@@ -205,14 +206,13 @@ def main() -> int:
         print(" | ".join(f"{r[k]:>21.3f}" if isinstance(r[k], float) else f"{r[k]:>21}" for k in keys))
     (out / "overhead.json").write_text(json.dumps(rows, indent=1))
     if args.results:
-        meta = {"date": str(date.today()), "command": "python -m research.overhead " + " ".join(sys.argv[1:]),
+        meta = {"date": str(date.today()), "command": command_line("overhead", None),
                 "trainer_mode": args.trainer_mode, "steps": args.steps, "batch": args.batch,
                 "rollout_n": args.rollout_n, "response_length": args.response_length,
                 "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads per process: "
                            f"{os.environ.get('OMP_NUM_THREADS', 'default')}",
                 "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        write_results(args.results, {"meta": meta, "rows": rows})
         print(f"wrote {args.results}")
     _plot(rows, out / "overhead.png")
     print(f"\nwrote {out / 'overhead.json'} and overhead.png")

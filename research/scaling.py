@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from research import REPO
-from research.common import measure
+from research.common import command_line, measure, write_results
 from research.common import progress
 from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.methods.gradient import sequence_seeds
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
             "torch": torch.__version__, "device": args.device, "dtype": args.dtype, "shape": args.shape,
             "shape_values": SHAPES[args.shape], "rows": args.rows, "prompt": PROMPT,
-            "command": "python -m research.scaling " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": command_line("scaling", argv),
             "cores": os.cpu_count(), "load_average_before": round(os.getloadavg()[0], 2)}
     if args.device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(0)
@@ -334,8 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps({"meta": meta, "points": points, "ratios": table}, indent=1))
     print(f"\nwrote {path} ({meta['wall_s']:.0f} s)")
     if args.results:
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps({"meta": meta, "points": points, "ratios": table}, indent=1) + "\n")
+        write_results(args.results, {"meta": meta, "points": points, "ratios": table})
         print(f"wrote {args.results}")
     return 0
 

@@ -24,6 +24,7 @@ import torch
 from oar_verl.core import module_backend, run_attribution
 from oar_verl.core.backends.budget import PassLimits
 from research import REPO, common, long_fidelity
+from research.common import command_line, write_results
 
 
 def scores(model: torch.nn.Module, m, prep, sigma: float) -> list[np.ndarray]:
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = json.loads((a.run / "rows.json").read_text())[: a.rows]
     prep = long_fidelity.prepared(m, rows)
     twins = {"bf16_buffers_fp32": m.bf16(), "bf16_to": copy.deepcopy(m.model).to(torch.bfloat16).eval()}
-    out = {"command": "python -m research.sigma_sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
+    out = {"command": command_line("sigma_sweep", argv),
            "rows": len(rows), "reasoning_tokens": [int(x) for x in prep.batch.reasoning_mask.sum(-1)], "sigmas": {}}
     for sigma in (float(x) for x in a.sigmas.split(",") if x):
         base = scores(m.model, m, prep, sigma)
@@ -61,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             entry[name] = {"spearman": [round(r, 6) for r in rho], "mean": float(np.nanmean(rho))}
         out["sigmas"][f"{sigma:g}"] = entry
         print(f"sigma {sigma:g}: " + ", ".join(f"{k} {v['mean']:.3f}" for k, v in entry.items()), flush=True)
-    a.results.parent.mkdir(parents=True, exist_ok=True)
-    a.results.write_text(json.dumps(out, indent=1) + "\n")
+    write_results(a.results, out)
     return 0
 
 

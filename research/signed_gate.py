@@ -29,6 +29,7 @@ import torch
 
 from oar_verl.core.reshaping.gating import SIGNED_SCORES, masked_quantile, oar_token_weights
 from research import REPO, credit, digit_task
+from research.common import command_line, write_results
 
 TASKS = ("first", "middle", "last")
 TAU, BETA, FLOOR = 0.4, 2.0, 0.1  # the shipped gate (preset `paper`)
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=REPO / "research" / "results" / "signed_gate.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    result = {"command": "python -m research.signed_gate " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = {"command": command_line("signed_gate", argv),
               "gate": {"tau": TAU, "beta": BETA, "floor": FLOOR}, "treatments": list(SIGNED_SCORES),
               "synthetic": {}, "smollm2": long_rows(a.long_fidelity)}
     cats = {t: synthetic_rows(t, a.steps, a.out) for t in a.tasks.split(",") if t}
@@ -174,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         result["pooled"] = measure_rows(pooled)
         w = {n: e["w_decisive"]["mean"] for n, e in result["pooled"]["treatments"].items()}
         result["candidate"] = max((n for n in w if n != "clamp"), key=lambda n: w[n])
-    a.results.parent.mkdir(parents=True, exist_ok=True)
-    a.results.write_text(json.dumps(result, indent=1) + "\n")
+    write_results(a.results, result)
     print(f"candidate (largest pooled weight on the decisive token, clamp aside): {result.get('candidate')}")
     for where, r in [*result["synthetic"].items(), ("pooled", result.get("pooled", {})), ("smollm2", result["smollm2"])]:
         if not r.get("rows"):

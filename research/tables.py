@@ -301,10 +301,7 @@ def fidelity_cost(study: str, method: str) -> str:
 
 def bf16_cell(method: str) -> str:
     """One cell of method §15: ``method``'s bf16 against fp32 scores on SmolLM2's rows, Spearman (mean, interval)."""
-    e = load("bf16_smollm2_1024")["methods"].get(method)
-    if e is None:
-        return "not rerun"
-    s = e["spearman"]
+    s = load("bf16_smollm2_1024")["methods"][method]["spearman"]
     return f"{s['mean']:.2f} [{s['lo']:.2f}, {s['hi']:.2f}]"
 
 
