@@ -39,6 +39,7 @@ import os
 import platform
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,7 +53,7 @@ from oar_verl.quickstart import warm_cache
 from research import REPO, task
 from research.common import (mean_sd, overlap_top_frac, recall_at_k, rows_of, smollm2_path, spearman,
                              top_k)
-from research.common import measure
+from research.common import command_line, measure, write_results
 from research.common import progress
 from oar_verl.core.methods.attribution import response_importance
 from oar_verl.core.config import OARConfig
@@ -263,17 +264,17 @@ def synthetic_part(out: Path, s: Settings, *, seed: int, reuse: bool, style: str
     scored = attribute_all(model, batch, spans, mask_token_id=tok.pad_token_id, probes=probes, g_seeds=s.g_seeds,
                            noise_samples=s.noise_samples, chunk_size=64, micro_batch_size=16, log=log)
 
-    rng = np.random.default_rng(seed)
     causal_rows = [c.astype(bool) for c in rows_of(causal.double(), spans.reasoning_mask)]
     p_rows = rows_of(scored["OAR-P"][0].importance, spans.reasoning_mask)
     methods = {}
     for name, runs in scored.items():
-        recalls, gate_recalls, rhos, overlaps, w_causal, w_filler, share, per_row = [], [], [], [], [], [], [], None
+        # each method's random tie-breaks from its own stream: its figures do not depend on which others ran
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        recalls, gate_recalls, rhos, overlaps, w_causal, w_filler, share, row_recalls = [], [], [], [], [], [], [], []
         for run in runs:
             rows = rows_of(run.importance, spans.reasoning_mask)
-            row_recall = recall_at_k(rows, causal_rows, rng)
-            per_row = row_recall if per_row is None else per_row
-            recalls.append(row_recall.mean())
+            row_recalls.append(recall_at_k(rows, causal_rows, rng))
+            recalls.append(row_recalls[-1].mean())
             # the ranking the gate uses (algorithm.oar.signed_scores' default reading): the same for scores >= 0
             gate_rows = rows_of(normalize_scores(run.importance, spans.reasoning_mask), spans.reasoning_mask)
             gate_recalls.append(recall_at_k(gate_rows, causal_rows, rng).mean())
@@ -288,7 +289,8 @@ def synthetic_part(out: Path, s: Settings, *, seed: int, reuse: bool, style: str
                          "top20_overlap_vs_p": overlaps,
                          "w_causal": w_causal, "w_filler": w_filler, "causal_weight_share": share,
                          "seconds": [r.seconds for r in runs], "peak_mib": [r.extra.get("peak_mib") for r in runs],
-                         "recall_rows": [round(float(x), 4) for x in per_row]}  # the first run's, per response
+                         "recall_rows": [round(float(x), 4) for x in row_recalls[0]]}  # the first run's, per row
+    rng = np.random.default_rng([seed, zlib.crc32(b"random")])
     rand_recall, rand_rho, rand_overlap = [], [], []
     for _ in range(s.random_draws):
         rows = [rng.random(len(c)) for c in causal_rows]
@@ -558,18 +560,17 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_results(path: Path, results: dict, argv: list[str] | None) -> None:
+def write_synthetic_results(path: Path, results: dict, argv: list[str] | None) -> None:
     """The synthetic part's figures, without the example row and the figure's data (kilobytes)."""
     syn = results["synthetic"]
     meta = {k: results[k] for k in ("settings", "quick", "date", "threads", "torch", "transformers",
                                      "synthetic_seconds")}
-    meta["command"] = "python -m research.fidelity " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta["command"] = command_line("fidelity", argv)
     meta["machine"] = f"{platform.machine()}, {os.cpu_count()} cores"
     meta["load_average_after"] = round(os.getloadavg()[0], 2)
     keep = {k: syn[k] for k in ("model", "style", "n_eval", "mean_reasoning_tokens", "mean_causal_tokens",
                                 "expected_random_recall", "methods", "noise_samples")}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_jsonable({"meta": meta, "synthetic": keep}), indent=1) + "\n")
+    write_results(path, _jsonable({"meta": meta, "synthetic": keep}))
     print(f"wrote {path}", flush=True)
 
 
@@ -634,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results["total_seconds"] = time.perf_counter() - started
     if args.results:
-        write_results(args.results, results, argv)
+        write_synthetic_results(args.results, results, argv)
     (out / "fidelity.json").write_text(json.dumps(_jsonable(results), indent=1))
     (out / "fidelity.md").write_text(synthetic_table(results["synthetic"]) + "\n\n" +
                                      noise_samples_table(results["synthetic"]) + "\n\n" +
