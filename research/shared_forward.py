@@ -7,7 +7,8 @@ For each response length (one row of 128 prompt + T response tokens, random weig
 * **shared <method> recompute / keep / auto**: the same pass with the method read from it
   (:mod:`oar_verl.core.backends.shared`), the backward recomputing each layer, keeping every layer's activations, or
   keeping as many as ``algorithm.oar.recompute=auto`` lets fit under train's measured peak (where that is neither);
-* **separate fisher**: today's path, its own forward + recomputed input-gradient pass, after the log-prob pass;
+* **separate <method>** (fisher, conservative): its own forward + recomputed input-gradient pass, after the log-prob
+  pass (``shared_forward=false``);
 * **gradient own / from pass** (``--modes`` with ``gradient``): OAR-G after the log-prob pass, with its own clean
   teacher pass, or with the teachers read from the pass (``SharedTeacher``); its noisy pass recomputing, keeping or
   ``auto`` as above;
@@ -168,12 +169,12 @@ def run(args) -> list[dict]:
                     row[key] = {"added_x_train": (s - row["log_prob_s"]) / row["train_s"], "model_x_train": model_x,
                                 "peak_x_train": mib / row["train_mib"], "seconds": s, "peak_mib": mib,
                                 "recomputed_share": share}
-        if args.separate:
-            cfg = OARConfig(mode="fisher", mask="token", mask_token_id=MASK)
+        for mode in (m for m in args.modes if m != "gradient") if args.separate else ():
+            cfg = OARConfig(mode=mode, mask="token", mask_token_id=MASK)  # its own passes, after the log-prob pass
             backend = ModuleBackend(model, PassLimits(tokens), checkpointing=True)
             s, mib = timed(lambda: run_attribution(backend, batch, cfg, mask_token_id=MASK), device, args.repeats)
-            row["fisher_separate"] = {"added_x_train": s / row["train_s"], "model_x_train": 0.25 + predicted(1, True),
-                                      "peak_x_train": mib / row["train_mib"], "seconds": s, "peak_mib": mib}
+            row[f"{mode}_separate"] = {"added_x_train": s / row["train_s"], "model_x_train": 0.25 + predicted(1, True),
+                                       "peak_x_train": mib / row["train_mib"], "seconds": s, "peak_mib": mib}
         if args.peer:  # the GRAIL-structure OAR-G, after the log-prob pass like ours
             s, mib = timed(lambda: peer_oar_g(model, batch), device, args.repeats)
             row["peer_oar_g"] = {"added_x_train": s / row["train_s"], "model_x_train": float("nan"),
@@ -189,7 +190,7 @@ def table(rows: list[dict], modes: list[str]) -> str:
         lines.append(f"| {r['length']} | log-prob pass alone | {r['log_prob_s'] / r['train_s']:.2f} (0.25) | "
                      f"{r['log_prob_mib'] / r['train_mib']:.2f} |")
         variants = [f"{m}{own}_{v}" for m in modes for own in ("", "_own") for v in ("recompute", "keep", "auto")]
-        for key in variants + ["fisher_separate", "peer_oar_g"]:
+        for key in variants + [f"{m}_separate" for m in modes] + ["peer_oar_g"]:
             v = r.get(key)
             if isinstance(v, dict):
                 lines.append(f"| {r['length']} | {key.replace('_', ' ')} | {v['added_x_train']:.2f} "
