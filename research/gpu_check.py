@@ -565,7 +565,7 @@ def verl_worker_markdown(rows: list[dict]) -> list[str]:
                       f"of the calls after the first of {p['repeats']} (the segment policy: 2), host syncs counted in "
                       "the first:", "",
                   "| call | seconds | × update_actor | × old log-probs | peak GiB | above its start | × update's peak "
-                  "| host syncs |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "(later steps) | host syncs |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for name in ("compute_log_prob", "gradient", "fisher", "conservative", "segment",
                      *map(verl_worker.shared_call, verl_worker.SHARED_MODES), "update_actor"):
             if name not in calls:

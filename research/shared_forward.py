@@ -6,7 +6,8 @@ For each response length (one row of 128 prompt + T response tokens, random weig
 * **log_prob**: verl's old-log-prob pass alone: a forward without grad, full logits, fp32 log-softmax of the response;
 * **shared <method> recompute / keep / auto**: the same pass with the method read from it
   (:mod:`oar_verl.core.backends.shared`), the backward recomputing each layer, keeping every layer's activations, or
-  keeping as many as ``algorithm.oar.recompute=auto`` lets fit under train's measured peak (where that is neither);
+  keeping as many as ``algorithm.oar.recompute=auto`` keeps in verl (the product's rule: under verl's update at these
+  tokens, the pass's own logits counted; where that is neither);
 * **separate <method>** (fisher, conservative): its own forward + recomputed input-gradient pass, after the log-prob
   pass (``shared_forward=false``);
 * **gradient own / from pass** (``--modes`` with ``gradient``): OAR-G after the log-prob pass, with its own clean
@@ -39,9 +40,10 @@ import torch
 from oar_verl.core import OARConfig
 from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.backends.hf import ModuleBackend
-from oar_verl.core.backends.memory import ModelShape, PassKind, free_accelerator_bytes, pass_bytes, recompute_choice
+from oar_verl.core.backends.memory import (ModelShape, PassKind, attribution_need, free_accelerator_bytes,
+                                           recompute_policy)
 from oar_verl.core.backends.shared import ForwardLayout
-from oar_verl.core.methods.attribution import run_attribution, shared_attribution
+from oar_verl.core.methods.attribution import METHODS, run_attribution, shared_attribution
 from research.common import measure
 from research.scaling import PROMPT, build_model, make_rows, train_step
 
@@ -141,20 +143,21 @@ def run(args) -> list[dict]:
 
         row["train_s"], row["train_mib"] = timed(train, device, args.repeats)
         row["log_prob_s"], row["log_prob_mib"] = timed(lambda: log_prob_pass(model, batch), device, args.repeats)
-        limit = row["train_mib"] * 2**20
         free = free_accelerator_bytes(torch.device(device))
-        if free is not None:
-            limit = min(limit, 0.9 * free)
-        need = lambda n, kept: int(1.5 * pass_bytes(PassKind.INPUT_GRADIENT, n, shape, kept_layers=kept,
-                                                    logit_positions=8))
-        auto = recompute_choice("auto", need, int(limit), shape.layers)(tokens)  # train's measured peak bounds it
-        row["auto_share"] = auto
+        grads = sum(p.numel() * p.element_size() for p in model.parameters())
         for mode in args.modes:
             cfg = OARConfig(mode=mode, mask="token", mask_token_id=MASK)
+            kind = PassKind.RULES_GRADIENT if METHODS.get(mode).propagation_rules else PassKind.INPUT_GRADIENT
+            # the product's rule (verl's FSDP actor, one rank): bounded by verl's update at these tokens, the pass's
+            # own logits counted where attribution is read from it; OAR-G's noisy passes run after the pass
+            auto = recompute_policy("auto", shape, kind, torch.device(device), tokens, grad_bytes=grads,
+                                    host=None if mode == "gradient" else PassKind.LOG_PROB)(tokens)
+            row[f"{mode}_auto_share"] = auto
+            need = attribution_need(kind, shape, margin=1.0)
             for name, share in (("recompute", 1.0), ("keep", 0.0), ("auto", auto)):
                 if name == "auto" and share in (0.0, 1.0):
                     continue  # the same as one of the two above
-                if share < 1 and need(tokens, round(shape.layers * (1 - share))) / 1.5 > (
+                if share < 1 and need(tokens, round(shape.layers * (1 - share))) > (
                         free if free is not None else float("inf")):
                     row[f"{mode}_{name}"] = "skipped: the kept activations exceed the free memory"
                     continue
@@ -197,7 +200,9 @@ def table(rows: list[dict], modes: list[str]) -> str:
                              f"({v['model_x_train']:.2f}) | {v['peak_x_train']:.2f} |")
             elif v:
                 lines.append(f"| {r['length']} | {key.replace('_', ' ')} | {v} | |")
-        lines.append(f"| {r['length']} | `recompute=auto` recomputes | {r['auto_share']:.2f} of the layers | |")
+        for m in modes:
+            lines.append(f"| {r['length']} | {m} `recompute=auto` recomputes | {r[f'{m}_auto_share']:.2f} of the layers "
+                         "| |")
     return "\n".join(lines)
 
 

@@ -490,6 +490,65 @@ def planted_recall_table() -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# On a GPU (research/shared_forward.py --device cuda; scripts/gpu_check.sh --parts verl-worker; docs/gpu_check.md)
+# ---------------------------------------------------------------------------------------------------------------------
+
+GPU_SHARED = "shared_forward_h200"
+GPU_WORKER = {"bf16": "verl_worker_h200_bf16", "fp32": "verl_worker_h200_fp32"}
+
+
+def _gpu_rows() -> dict[int, dict]:
+    return {r["length"]: r for r in load(GPU_SHARED)["rows"]}
+
+
+def gpu_cost_cell(method: str, length: int = 4096) -> str:
+    """method §15: what ``method`` adds to the old-log-prob pass × a bare training forward + backward on the same
+    tokens, read from the pass (every layer recomputed, then every layer kept) and with its own passes."""
+    r = _gpu_rows()[length]
+    x = lambda key: f"{r[key]['added_x_train']:.2f}"  # noqa: E731
+    if method == "gradient":
+        return (f"{x('gradient_own_recompute')}; its teachers read from the pass {x('gradient_recompute')} "
+                f"(every layer recomputed) – {x('gradient_keep')} (none)")
+    return (f"read from the old-log-prob pass {x(method + '_recompute')} (every layer recomputed) – "
+            f"{x(method + '_keep')} (none); own passes {x(method + '_separate')}")
+
+
+def _worker(variant: str = "bf16") -> dict:
+    return load(GPU_WORKER[variant])["verl_worker"][0]
+
+
+def gpu_steady_peak(call: dict, update: dict) -> float:
+    """A call's peak × the update's as every step after the first has it: its rise above its start on the update's
+    starting memory (weights and optimizer state; research.verl_worker.steady_peak), from the recorded bytes."""
+    base = update["absolute_peak_bytes"] - update["peak_bytes"]
+    return (call["peak_bytes"] + base) / update["absolute_peak_bytes"]
+
+
+def gpu_row() -> str:
+    """The README's GPU row: the 7B shape in one process, then verl's FSDP2 worker group with OAR's worker."""
+    rows, meta = _gpu_rows(), load(GPU_SHARED)
+    a, b = sorted(rows)[:2]
+    both = lambda key: f"{rows[a][key]['added_x_train']:.2f} / {rows[b][key]['added_x_train']:.2f}"  # noqa: E731
+    w, w32 = _worker("bf16"), _worker("fp32")
+    calls, update = w["calls"], w["calls"]["update_actor"]
+    lengths = w["response_lengths"]
+    peak = max(gpu_steady_peak(calls[m], update) for m in ("gradient", "fisher", "conservative",
+                                                            "conservative-shared", "fisher-shared", "gradient-shared"))
+    exact = max(max(x["max_rel_diff"]) for m, x in w32["agreement"].items() if m != "segment")
+    rho = min(min(x["spearman"]) for m, x in w["agreement"].items() if m != "segment")
+    return (f"{meta['device'].replace('NVIDIA ', '')}, {meta['dtype'].replace('bfloat16', 'bf16')}, Qwen2.5-7B × "
+            f"{a // 1024}k / {b // 1024}k, × a training forward + backward on the same tokens: the default read from "
+            f"the old-log-prob pass adds {both('conservative_recompute')} (every layer recomputed), its own passes "
+            f"{both('conservative_separate')}; fisher {both('fisher_recompute')} / own {both('fisher_separate')}; "
+            f"OAR-G {both('gradient_own_recompute')}. verl's FSDP2 worker group, Qwen2.5-1.5B, rows of "
+            f"{min(lengths) // 1024}k–{max(lengths) // 1024}k: the default {calls['conservative']['vs_update_time']:.2f}×, "
+            f"fisher {calls['fisher']['vs_update_time']:.2f}×, OAR-G {calls['gradient']['vs_update_time']:.2f}× "
+            f"`update_actor` (the default read from the pass: "
+            f"+{calls['conservative-shared']['added_vs_update_time']:.2f}×), peak ≤ {peak:.2f}× the update's; "
+            f"scores equal the core's (fp32 ≤ {exact:.0e}, bf16 Spearman ≥ {rho:.2f}); log-probs bitwise unchanged")
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "overhead_cpu": overhead_cpu, "cost_row": cost_row,
     "scaling_cpu": scaling_cpu, "scaling_row": scaling_row, "scaling_model_check": scaling_model_check,
@@ -515,6 +574,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "learning_cell.conservative": lambda: learning_cell("conservative"),
     "learning_cell.fisher": lambda: learning_cell("fisher"), "learning_cell.oar_g": lambda: learning_cell("oar_g"),
     "no_span_rows": no_span_rows,
+    "gpu_row": gpu_row, **{f"gpu_cost.{m}": (lambda m: lambda: gpu_cost_cell(m))(m)
+                           for m in ("conservative", "fisher", "gradient")},
 }
 
 

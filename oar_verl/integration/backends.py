@@ -29,9 +29,10 @@ class EngineBackend:
         device: engine -> where the attribution inputs go.
         eval_numerics: engine -> None; no dropout during attribution (inside ``engine.eval_mode()``).
         startup_error: verl's full config -> a message naming the setting this engine cannot attribute with, or None.
-        recompute: (engine, cfg, tokens, *, checkpointing) -> whether attribution's backwards recompute the layers
-            (``algorithm.oar.recompute`` with the actor's ``checkpointing`` and update budget ``tokens``): a bool, or
-            a share of the layers chosen per pass of so many tokens.
+        recompute: (engine, cfg, tokens, *, checkpointing, shared) -> whether attribution's backwards recompute the
+            layers (``algorithm.oar.recompute`` with the actor's ``checkpointing`` and update budget ``tokens``;
+            ``shared``: they run inside the old-log-prob pass, whose own memory counts with theirs): a bool, or a
+            share of the layers chosen per pass of so many tokens.
         shared_error: (engine, cfg, *, fused_kernels, packed, tokens) -> why the engine's old-log-prob pass cannot
             carry ``cfg``'s method (the worker then attributes right after it, in the same call), or None; ``tokens``:
             (the most a micro-batch of the pass holds, the update's), the same on every rank.
@@ -54,7 +55,7 @@ class EngineBackend:
     eval_numerics: Callable[[object], None]
     startup_error: Callable[[object], str | None] = lambda config: None
     recompute: Callable[..., bool | Callable[[int], float]] = (
-        lambda engine, cfg, tokens, *, checkpointing: fixed_recompute(cfg.recompute, checkpointing))
+        lambda engine, cfg, tokens, *, checkpointing, shared=False: fixed_recompute(cfg.recompute, checkpointing))
     shared_error: Callable[..., str | None] = (
         lambda engine, cfg, *, fused_kernels, packed, tokens: "the engine's pass carries no attribution")
     shared_pass: Callable[..., contextlib.AbstractContextManager] | None = None
@@ -74,18 +75,20 @@ def _module_device(engine) -> torch.device:
     return torch.device("cpu")
 
 
-def _fsdp_recompute(engine, cfg: OARConfig, tokens: int, *, checkpointing: bool) -> bool | Callable[[int], float]:
+def _fsdp_recompute(engine, cfg: OARConfig, tokens: int, *, checkpointing: bool, shared: bool = False
+                    ) -> bool | Callable[[int], float]:
     """Per pass from the memory model, bounded by the update's peak at ``tokens`` per micro-batch plus this rank's
-    parameter gradients (freed while attribution runs) and the free memory
-    (:func:`~oar_verl.core.backends.memory.recompute_policy`); under Ulysses one setting
-    (:func:`~oar_verl.core.backends.memory.fixed_recompute`)."""
+    parameter gradients (freed while attribution runs) and the free memory, the old-log-prob pass's own logits counted
+    where attribution runs inside it (``shared``) (:func:`~oar_verl.core.backends.memory.recompute_policy`); under
+    Ulysses one setting (:func:`~oar_verl.core.backends.memory.fixed_recompute`)."""
     if sequence_shards(engine) is not None:
         return fixed_recompute(cfg.recompute, checkpointing)
     grads = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
                 for p in engine.module.parameters() if p.requires_grad)
     kind = PassKind.RULES_GRADIENT if METHODS.get(cfg.mode).propagation_rules else PassKind.INPUT_GRADIENT
     return recompute_policy(cfg.recompute, model_shape(engine.module), kind, _module_device(engine), tokens,
-                            train_checkpointing=checkpointing, grad_bytes=grads)
+                            train_checkpointing=checkpointing, grad_bytes=grads,
+                            host=PassKind.LOG_PROB if shared else None)
 
 
 def _fsdp_backend(engine, cfg: OARConfig, tokens: int, *, pad_id: int, checkpointing: bool | Callable[[int], float],

@@ -273,7 +273,7 @@ class TokenImportanceMixin:
             fingerprint = self._oar_log_prob_fingerprint  # noted by compute_log_prob: the weights of this very pass
             longest = max_over_ranks(prepared.longest, device)
             tokens = actor_token_budget(cfg, self.actor.engine_config, longest)
-            recompute = kind.recompute(engine, cfg, tokens, checkpointing=self._oar_checkpointing())
+            recompute = kind.recompute(engine, cfg, tokens, checkpointing=self._oar_checkpointing(), shared=True)
         with kind.shared_pass(engine, cfg, prepared, recompute, packed) as made:
             out = super().compute_log_prob(data)
         if not made:

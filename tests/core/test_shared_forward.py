@@ -187,19 +187,27 @@ def test_recompute_choice_on_both_sides_of_its_threshold():
         recompute_choice("sometimes", need, 0, 28)
 
 
-def test_recompute_policy_is_bounded_by_the_training_step():
+def test_recompute_policy_is_bounded_by_the_update():
     shape = ModelShape(28, 3584, 18944, 28, 4, 128, 152064)
     cpu = torch.device("cpu")
-    train = pass_bytes(PassKind.TRAINING, 8192, shape, checkpointing=True)
-    need = lambda t, k: 1.5 * pass_bytes(PassKind.INPUT_GRADIENT, t, shape, kept_layers=k, logit_positions=8)
-    policy = recompute_policy("auto", shape, PassKind.INPUT_GRADIENT, cpu, 8192)
-    for tokens in (1024, 4096, 8192):
-        share = policy(tokens)
-        kept = round(28 * (1 - share))
-        assert need(tokens, kept) <= train and (kept == 28 or need(tokens, kept + 1) > train), (tokens, share)
-    assert policy(1024) < policy(8192)  # longer rows keep fewer layers
+    update = pass_bytes(PassKind.UPDATE, 8192, shape, checkpointing=True)
+    assert update < pass_bytes(PassKind.TRAINING, 8192, shape, checkpointing=True)  # no fp32 copy of every logit
+    for host in (None, PassKind.LOG_PROB):
+        need = lambda t, k: 1.5 * (pass_bytes(PassKind.INPUT_GRADIENT, t, shape, kept_layers=k, logit_positions=8)
+                                   + (pass_bytes(host, t, shape) if host else 0))
+        policy = recompute_policy("auto", shape, PassKind.INPUT_GRADIENT, cpu, 8192, host=host)
+        for tokens in (1024, 4096, 8192):
+            share = policy(tokens)
+            kept = round(28 * (1 - share))
+            assert share == 1.0 or need(tokens, kept) <= update, (host, tokens, share)
+            assert kept == 28 or need(tokens, kept + 1) > update, (host, tokens, share)
+        assert policy(1024) < policy(8192)  # longer rows keep fewer layers
+    # read from the old-log-prob pass, its logits live beside attribution's activations: fewer layers kept
+    alone = recompute_policy("auto", shape, PassKind.INPUT_GRADIENT, cpu, 8192)
+    inside = recompute_policy("auto", shape, PassKind.INPUT_GRADIENT, cpu, 8192, host=PassKind.LOG_PROB)
+    assert all(inside(t) > alone(t) for t in (2048, 4096))
     with_grads = recompute_policy("auto", shape, PassKind.INPUT_GRADIENT, cpu, 8192, grad_bytes=15 * 2**30)
-    assert with_grads(8192) < policy(8192)  # the update's gradients are free while attribution runs
+    assert with_grads(8192) < alone(8192)  # the update's gradients are free while attribution runs
     assert recompute_policy("auto", None, PassKind.INPUT_GRADIENT, cpu, 8192)(1) == 1.0
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ModelShape", "PassKind", "free_accelerator_bytes", "memory_guard", "model_shape", "pass_bytes",
-           "fixed_recompute", "recompute_choice", "recompute_policy"]
+__all__ = ["ModelShape", "PassKind", "attribution_need", "free_accelerator_bytes", "memory_guard", "model_shape",
+           "pass_bytes", "fixed_recompute", "recompute_choice", "recompute_policy"]
 
 # saved-for-backward elements per token per layer, in units of (H, I, q/kv widths); from the layer's graph:
 # input norm in/out (2H), q/k/v (Q + 2KV), attention output (Q) + its softmax statistics, o_proj input (Q),
@@ -95,7 +95,14 @@ class PassKind:
     FORWARD_CACHED = "forward_cached"
     INPUT_GRADIENT = "input_gradient"
     RULES_GRADIENT = "rules_gradient"  # an input-gradient pass under the conservative propagation rules
-    TRAINING = "training"
+    TRAINING = "training"  # a bare training forward + backward: the fp32 log-softmax of every logit and its gradient
+    # verl's actor update: the same layers, its log-probs taken without a full-vocabulary fp32 copy (fused or chunked),
+    # so the logits and their gradient in the model's dtype (H200, Qwen2.5-1.5B, 8,192-token micro-batches: 12.98 /
+    # 20.30 GiB measured above the update's start in bf16 / fp32, 12.75 / 19.7 modelled; docs/gpu_check.md)
+    UPDATE = "update"
+    # verl's old-log-prob forward, which a shared attribution's backward runs inside: one layer's no-grad tensors, the
+    # logits and their temperature-scaled copy in the model's dtype (the same run: 4.12 / 10.08 GiB; 4.8 / 9.9)
+    LOG_PROB = "log_prob"
 
 
 def pass_bytes(kind: str, tokens: int, shape: ModelShape, *, checkpointing: bool = False,
@@ -116,6 +123,8 @@ def pass_bytes(kind: str, tokens: int, shape: ModelShape, *, checkpointing: bool
     layer = shape.per_layer_transient() * tokens * b
     if kind == PassKind.FORWARD:
         return layer + logit_positions * V * 4
+    if kind == PassKind.LOG_PROB:
+        return layer + 2 * tokens * V * b
     if kind == PassKind.FORWARD_CACHED:
         return shape.kv_cache() * tokens * b + layer + logit_positions * V * 4
     frozen = kind in (PassKind.INPUT_GRADIENT, PassKind.RULES_GRADIENT)  # attribution's: no parameter gradients
@@ -132,6 +141,8 @@ def pass_bytes(kind: str, tokens: int, shape: ModelShape, *, checkpointing: bool
         positions = tokens if logit_positions == 0 else logit_positions
         # logits at every position in the model's dtype; the fp32 log-softmax of the response and its gradient
         return saved + tokens * V * b + positions * V * 4 * 2
+    if kind == PassKind.UPDATE:
+        return saved + 2 * tokens * V * b  # the logits and their gradient
     raise ValueError(f"unknown pass kind {kind!r}")
 
 
@@ -210,19 +221,31 @@ def fixed_recompute(setting: str, checkpointing: bool) -> bool:
     return {"always": True, "never": False}.get(setting, checkpointing)
 
 
+def attribution_need(kind: str, shape: ModelShape, *, host: str | None = None, margin: float = 1.5
+                     ) -> Callable[[int, int], int]:
+    """(tokens, kept layers) -> the bytes an attribution pass of ``kind`` is planned at: ``margin`` × its estimate,
+    and the estimate of the ``host`` pass it runs inside (the old-log-prob forward when read from it: that pass's
+    logits are alive during its backward)."""
+    def need(tokens: int, kept: int) -> int:
+        own = pass_bytes(kind, tokens, shape, kept_layers=kept, logit_positions=8)
+        return int(margin * (own + (pass_bytes(host, tokens, shape) if host else 0)))
+
+    return need
+
+
 def recompute_policy(setting: str, shape: ModelShape | None, kind: str, device: torch.device, train_tokens: int, *,
-                     train_checkpointing: bool = True, grad_bytes: int = 0, headroom: float = 0.9,
-                     margin: float = 1.5) -> Callable[[int], float]:
-    """:func:`recompute_choice` of an attribution pass of ``kind`` on a model of ``shape``, bounded by the training
-    step: a pass keeps the activations of as many layers as keep ``margin`` × its estimate within the update's own
-    activation peak at ``train_tokens`` tokens per micro-batch plus ``grad_bytes`` (the parameter gradients the update
-    holds beside them, freed while attribution runs), and within ``headroom`` × the accelerator's free memory (read
-    now). Never above the training step's peak; an unknown shape recomputes every layer under ``auto``."""
+                     train_checkpointing: bool = True, grad_bytes: int = 0, host: str | None = None,
+                     headroom: float = 0.9, margin: float = 1.5) -> Callable[[int], float]:
+    """:func:`recompute_choice` of an attribution pass of ``kind`` on a model of ``shape``, bounded by verl's update:
+    a pass keeps the activations of as many layers as keep :func:`attribution_need` (``host``: the pass it runs
+    inside, counted with it) within the update's activation peak at ``train_tokens`` tokens per micro-batch plus
+    ``grad_bytes`` (the parameter gradients the update holds beside them, freed while attribution runs), and within
+    ``headroom`` × the accelerator's free memory (read now). Never above the update's peak; an unknown shape
+    recomputes every layer under ``auto``."""
     if shape is None:
         return recompute_choice(setting, lambda tokens, kept: 0, None, 0)
-    limit = pass_bytes(PassKind.TRAINING, train_tokens, shape, checkpointing=train_checkpointing) + grad_bytes
+    limit = pass_bytes(PassKind.UPDATE, train_tokens, shape, checkpointing=train_checkpointing) + grad_bytes
     free = free_accelerator_bytes(device)
     if free is not None:
         limit = min(limit, int(headroom * free))
-    return recompute_choice(setting, lambda tokens, kept: int(margin * pass_bytes(
-        kind, tokens, shape, kept_layers=kept, logit_positions=8)), limit, shape.layers)
+    return recompute_choice(setting, attribution_need(kind, shape, host=host, margin=margin), limit, shape.layers)
