@@ -201,8 +201,8 @@ def table(rows: list[dict], modes: list[str]) -> str:
             elif v:
                 lines.append(f"| {r['length']} | {key.replace('_', ' ')} | {v} | |")
         for m in modes:
-            lines.append(f"| {r['length']} | {m} `recompute=auto` recomputes | {r[f'{m}_auto_share']:.2f} of the layers "
-                         "| |")
+            share = r.get(f"{m}_auto_share", r.get("auto_share"))  # (one share for all, before the product's rule)
+            lines.append(f"| {r['length']} | {m} `recompute=auto` recomputes | {share:.2f} of the layers | |")
     return "\n".join(lines)
 
 

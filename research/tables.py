@@ -495,7 +495,10 @@ def planted_recall_table() -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 
 GPU_SHARED = "shared_forward_h200"
-GPU_WORKER = {"bf16": "verl_worker_h200_bf16", "fp32": "verl_worker_h200_fp32"}
+# bf16 after the shared path counted the pass's logits (recompute=auto); "_before": the runs before that fix (the
+# fp32 variant was not rerun after it: the slot's device time was spent), whose scores the fix does not touch
+GPU_WORKER = {"bf16": "verl_worker_h200_bf16", "bf16_before": "verl_worker_h200_bf16_before",
+              "fp32_before": "verl_worker_h200_fp32_before"}
 
 
 def _gpu_rows() -> dict[int, dict]:
@@ -525,12 +528,53 @@ def gpu_steady_peak(call: dict, update: dict) -> float:
     return (call["peak_bytes"] + base) / update["absolute_peak_bytes"]
 
 
+_GPU_LABEL = {"conservative": "the default (`conservative`)", "fisher": "`fisher`", "gradient": "OAR-G"}
+
+
+def gpu_shared_table() -> str:
+    """docs/gpu_check.md: the 7B shape in one process, each method after / inside the old-log-prob pass, × a training
+    forward + backward on the same tokens (the cost model's figure in brackets) and peak × the training step's."""
+    r = load(GPU_SHARED)
+    lines = ["| response tokens | what runs | added time × training (model) | peak × training's |", "|---|---|---|---|"]
+    cell = lambda x: f"**{x['added_x_train']:.2f}** ({x['model_x_train']:.2f}) | {x['peak_x_train']:.2f}"  # noqa
+    for row in r["rows"]:
+        n = row["length"]
+        lines.append(f"| {n} | the old-log-prob pass alone | {row['log_prob_s'] / row['train_s']:.2f} (0.25) | "
+                     f"{row['log_prob_mib'] / row['train_mib']:.2f} |")
+        for m in ("conservative", "fisher", "gradient"):
+            own = "gradient_own_recompute" if m == "gradient" else f"{m}_separate"
+            inside = "its teachers read from the pass" if m == "gradient" else "read from the pass"
+            lines += [f"| {n} | {_GPU_LABEL[m]}, {inside}, every layer recomputed | {cell(row[m + '_recompute'])} |",
+                      f"| {n} | … every layer's activations kept | {cell(row[m + '_keep'])} |",
+                      f"| {n} | … its own passes after the pass | {cell(row[own])} |"]
+    e = r["environment"]
+    lines += ["", f"`{r['command']}`, {r['date']}, one {r['device']} (driver {e['driver']}), torch {e['torch']}, "
+              f"transformers {e['transformers']}, {r['dtype']}, random weights at the shape, one row of 128 prompt + N "
+              "response tokens, each call the median of 3 after a warm-up."]
+    return "\n".join(lines)
+
+
+def gpu_worker_table() -> str:
+    """docs/gpu_check.md: verl's worker group on the GPU, bf16, after the fix (the part's own table)."""
+    from research.gpu_check import verl_worker_markdown
+
+    lines = verl_worker_markdown(load(GPU_WORKER["bf16"])["verl_worker"])
+    text = "\n".join(x for x in lines if not x.startswith("Host syncs in attribution"))  # the sites: in its JSON
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def gpu_shared_peaks(variant: str) -> str:
+    """method §13: the default's and fisher's shared-pass peaks × the update's (later steps) in one run."""
+    w = _worker(variant)["calls"]
+    return " / ".join(f"{gpu_steady_peak(w[m + '-shared'], w['update_actor']):.2f}" for m in ("conservative", "fisher"))
+
+
 def gpu_row() -> str:
     """The README's GPU row: the 7B shape in one process, then verl's FSDP2 worker group with OAR's worker."""
     rows, meta = _gpu_rows(), load(GPU_SHARED)
     a, b = sorted(rows)[:2]
     both = lambda key: f"{rows[a][key]['added_x_train']:.2f} / {rows[b][key]['added_x_train']:.2f}"  # noqa: E731
-    w, w32 = _worker("bf16"), _worker("fp32")
+    w, w32 = _worker("bf16"), _worker("fp32_before")
     calls, update = w["calls"], w["calls"]["update_actor"]
     lengths = w["response_lengths"]
     peak = max(gpu_steady_peak(calls[m], update) for m in ("gradient", "fisher", "conservative",
@@ -540,13 +584,15 @@ def gpu_row() -> str:
     return (f"{meta['device'].replace('NVIDIA ', '')}, {meta['dtype'].replace('bfloat16', 'bf16')}, Qwen2.5-7B × "
             f"{a // 1024}k / {b // 1024}k, × a training forward + backward on the same tokens: the default read from "
             f"the old-log-prob pass adds {both('conservative_recompute')} (every layer recomputed), its own passes "
-            f"{both('conservative_separate')}; fisher {both('fisher_recompute')} / own {both('fisher_separate')}; "
+            f"{both('conservative_separate')}; fisher from the pass {both('fisher_recompute')}, own "
+            f"{both('fisher_separate')}; "
             f"OAR-G {both('gradient_own_recompute')}. verl's FSDP2 worker group, Qwen2.5-1.5B, rows of "
             f"{min(lengths) // 1024}k–{max(lengths) // 1024}k: the default {calls['conservative']['vs_update_time']:.2f}×, "
             f"fisher {calls['fisher']['vs_update_time']:.2f}×, OAR-G {calls['gradient']['vs_update_time']:.2f}× "
             f"`update_actor` (the default read from the pass: "
             f"+{calls['conservative-shared']['added_vs_update_time']:.2f}×), peak ≤ {peak:.2f}× the update's; "
-            f"scores equal the core's (fp32 ≤ {exact:.0e}, bf16 Spearman ≥ {rho:.2f}); log-probs bitwise unchanged")
+            f"scores equal the core's (fp32 ≤ {exact:.0e}".replace("e-0", "e-") + f", bf16 Spearman ≥ {rho:.2f}); "
+            "log-probs bitwise unchanged")
 
 
 RENDERERS: dict[str, Callable[[], str]] = {
@@ -576,6 +622,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "no_span_rows": no_span_rows,
     "gpu_row": gpu_row, **{f"gpu_cost.{m}": (lambda m: lambda: gpu_cost_cell(m))(m)
                            for m in ("conservative", "fisher", "gradient")},
+    **{f"gpu_shared_peaks.{v}": (lambda v: lambda: gpu_shared_peaks(v))(v) for v in GPU_WORKER},
+    "gpu_shared_table": gpu_shared_table, "gpu_worker_table": gpu_worker_table,
 }
 
 

@@ -98,10 +98,12 @@ class PassKind:
     TRAINING = "training"  # a bare training forward + backward: the fp32 log-softmax of every logit and its gradient
     # verl's actor update: the same layers, its log-probs taken without a full-vocabulary fp32 copy (fused or chunked),
     # so the logits and their gradient in the model's dtype (H200, Qwen2.5-1.5B, 8,192-token micro-batches: 12.98 /
-    # 20.30 GiB measured above the update's start in bf16 / fp32, 12.75 / 19.7 modelled; docs/gpu_check.md)
+    # 20.30 GiB measured above the update's start in bf16 / fp32, 12.75 / 19.7 modelled with its fp32 gradients;
+    # docs/gpu_check.md, research/tests/test_gpu_memory_model.py)
     UPDATE = "update"
     # verl's old-log-prob forward, which a shared attribution's backward runs inside: one layer's no-grad tensors, the
-    # logits and their temperature-scaled copy in the model's dtype (the same run: 4.12 / 10.08 GiB; 4.8 / 9.9)
+    # logits and their temperature-scaled copy in the model's dtype (the same run: 4.12 / 10.08 GiB measured, 4.8 /
+    # 10.3 modelled)
     LOG_PROB = "log_prob"
 
 
