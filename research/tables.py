@@ -299,9 +299,13 @@ def fidelity_cost(study: str, method: str) -> str:
     return f"{_study(study)['methods'][method]['cost']:.2f}"
 
 
-def bf16_cell(method: str) -> str:
-    """One cell of method §15: ``method``'s bf16 against fp32 scores on SmolLM2's rows, Spearman (mean, interval)."""
-    s = load("bf16_smollm2_1024")["methods"][method]["spearman"]
+# bf16 against fp32 scores on a long-row study's rows (research/bf16_agreement.py --results): study -> results file
+BF16_STUDIES = {"smollm2": "bf16_smollm2_1024", "gemma3": "bf16_gemma3_400"}
+
+
+def bf16_cell(method: str, study: str = "smollm2") -> str:
+    """One cell of method §15: ``method``'s bf16 against fp32 scores on a study's rows, Spearman (mean, interval)."""
+    s = load(BF16_STUDIES[study])["methods"][method]["spearman"]
     return f"{s['mean']:.2f} [{s['lo']:.2f}, {s['hi']:.2f}]"
 
 
@@ -607,6 +611,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
        for study in FIDELITY_STUDIES for m in FIDELITY_METHODS},
     **{f"bf16.{m}": (lambda m: lambda: bf16_cell(m))(m) for m in ("conservative", "fisher_k1_mean", "oar_g_s05")},
     "bf16_rows": lambda: str(load("bf16_smollm2_1024")["rows"]),
+    **{f"bf16.{study}.{m}": (lambda s, m: lambda: bf16_cell(m, s))(study, m)
+       for study in BF16_STUDIES for m in load(BF16_STUDIES[study])["methods"]},
     **{f"fidelity_rows.{study}": (lambda s: lambda: str(_study(s)["rows"]))(study) for study in FIDELITY_STUDIES},
     **{f"fidelity_table.{study}": (lambda s: lambda: fidelity_table(s))(study) for study in FIDELITY_STUDIES},
     "learning_methods": learning_methods, "learning_primary": learning_primary,
