@@ -182,7 +182,8 @@ class OARConfig:
                                 "the ground truth, which that forward does not hold); with false, their own passes.")
     recompute: str = _key("auto", "budgets",
                           "Gradient checkpointing of attribution's backwards: `auto` (keep the activations of as many "
-                          "decoder layers as fit under the training step's peak and the free memory, recompute the "
+                          "decoder layers as fit under verl's update's peak, the old-log-prob pass's logits counted "
+                          "when read from it, and the free memory, recompute the "
                           "rest; one setting for every pass under Ulysses and in OpenRLHF: the actor's own; logged as "
                           "`oar/recomputed_share`), `always` or `never`. Megatron: its engine's own settings (`auto` "
                           "only).")
