@@ -43,6 +43,8 @@ def iv(x: dict | None, digits: int = 3, key: str = "diff") -> str:
     if x is None or x.get(key, x.get("mean")) is None:
         return "–"
     m = x.get(key, x.get("mean"))
+    if m != m:  # NaN: a ratio whose denominator's sum is not above 0 (bootstrap_ratio leaves it undefined)
+        return "undefined"
     lo, hi = (x["ci95"] if "ci95" in x and x["ci95"] else (x.get("lo"), x.get("hi")))
     return num(m, digits) if lo is None else f"{num(m, digits)} [{num(lo, digits)}, {num(hi, digits)}]"
 
@@ -260,7 +262,8 @@ def sigma_sweep() -> str:
 # the long-row fidelity comparisons (research/long_fidelity.py --results): the first method (the default) against
 # the others on the same rows; name -> (results file, what the rows are)
 FIDELITY_STUDIES = {"smollm2": ("fidelity_smollm2_1024", "SmolLM2, {rows} rows × ≤ 1,024"),
-                    "gemma3": ("fidelity_gemma3_400", "Gemma 3 inside its window, {rows} rows × ≤ 400")}
+                    "gemma3": ("fidelity_gemma3_400", "Gemma 3 inside its window, {rows} rows × ≤ 400"),
+                    "gemma3_past": ("fidelity_gemma3_1024", "Gemma 3 past its window, {rows} rows × ≤ 1,024")}
 FIDELITY_METHODS = ("conservative", "fisher_k1_mean", "oar_g")
 
 
