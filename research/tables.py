@@ -303,7 +303,8 @@ def fidelity_cost(study: str, method: str) -> str:
 
 
 # bf16 against fp32 scores on a long-row study's rows (research/bf16_agreement.py --results): study -> results file
-BF16_STUDIES = {"smollm2": "bf16_smollm2_1024", "gemma3": "bf16_gemma3_400", "gemma3_past": "bf16_gemma3_1024"}
+BF16_STUDIES = {"smollm2": "bf16_smollm2_1024", "gemma3": "bf16_gemma3_400", "gemma3_past": "bf16_gemma3_1024",
+                "smollm2_path": "bf16_smollm2_1024_path"}
 
 
 def bf16_cell(method: str, study: str = "smollm2") -> str:
