@@ -147,7 +147,7 @@ def run(args) -> list[dict]:
         grads = sum(p.numel() * p.element_size() for p in model.parameters())
         for mode in args.modes:
             cfg = OARConfig(mode=mode, mask="token", mask_token_id=MASK)
-            kind = PassKind.RULES_GRADIENT if METHODS.get(mode).propagation_rules else PassKind.INPUT_GRADIENT
+            kind = METHODS.get(mode).backward_pass
             # the product's rule (verl's FSDP actor, one rank): bounded by verl's update at these tokens, the pass's
             # own logits counted where attribution is read from it; OAR-G's noisy passes run after the pass
             auto = recompute_policy("auto", shape, kind, torch.device(device), tokens, grad_bytes=grads,

@@ -20,6 +20,7 @@ from functools import cache
 from pathlib import Path
 
 from research import REPO
+from research.verl_worker import steady_peak_ratio
 
 RESULTS = REPO / "research" / "results"
 DOCS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "research" / "docs").glob("*.md")))
@@ -529,13 +530,6 @@ def _worker(variant: str = "bf16") -> dict:
     return load(GPU_WORKER[variant])["verl_worker"][0]
 
 
-def gpu_steady_peak(call: dict, update: dict) -> float:
-    """A call's peak × the update's as every step after the first has it: its rise above its start on the update's
-    starting memory (weights and optimizer state; research.verl_worker.steady_peak), from the recorded bytes."""
-    base = update["absolute_peak_bytes"] - update["peak_bytes"]
-    return (call["peak_bytes"] + base) / update["absolute_peak_bytes"]
-
-
 _GPU_LABEL = {"conservative": "the default (`conservative`)", "fisher": "`fisher`", "gradient": "OAR-G"}
 
 
@@ -574,7 +568,8 @@ def gpu_worker_table() -> str:
 def gpu_shared_peaks(variant: str) -> str:
     """method §13: the default's and fisher's shared-pass peaks × the update's (later steps) in one run."""
     w = _worker(variant)["calls"]
-    return " / ".join(f"{gpu_steady_peak(w[m + '-shared'], w['update_actor']):.2f}" for m in ("conservative", "fisher"))
+    return " / ".join(f"{steady_peak_ratio(w[m + '-shared'], w['update_actor']):.2f}"
+                      for m in ("conservative", "fisher"))
 
 
 def gpu_row() -> str:
@@ -585,7 +580,7 @@ def gpu_row() -> str:
     w, w32 = _worker("bf16"), _worker("fp32_before")
     calls, update = w["calls"], w["calls"]["update_actor"]
     lengths = w["response_lengths"]
-    peak = max(gpu_steady_peak(calls[m], update) for m in ("gradient", "fisher", "conservative",
+    peak = max(steady_peak_ratio(calls[m], update) for m in ("gradient", "fisher", "conservative",
                                                             "conservative-shared", "fisher-shared", "gradient-shared"))
     exact = max(max(x["max_rel_diff"]) for m, x in w32["agreement"].items() if m != "segment")
     rho = min(min(x["spearman"]) for m, x in w["agreement"].items() if m != "segment")

@@ -510,7 +510,7 @@ def summarise_calls(calls: list[dict]) -> dict:
         out[name] = {"seconds": float(np.median([c["seconds"] for c in timed])),
                      "seconds_all": [c["seconds"] for c in cs], "syncs": cs[0]["syncs"],
                      "peak_bytes": last["peak_bytes"], "peak_bytes_all": [c["peak_bytes"] for c in cs],
-                     "base_bytes": last["base_bytes"], "absolute_peak_bytes": None if last["peak_bytes"] is None
+                     "absolute_peak_bytes": None if last["peak_bytes"] is None
                      else last["peak_bytes"] + last["base_bytes"]}
     update, logp = out["update_actor"], out["compute_log_prob"]
     logp["vs_update_time"] = logp["seconds"] / update["seconds"]
@@ -525,13 +525,18 @@ def summarise_calls(calls: list[dict]) -> dict:
     return out
 
 
-def steady_peak(e: dict, update: dict) -> None:
+def steady_peak_ratio(e: dict, update: dict) -> float:
     """``e``'s peak as it stands in every step after the first, × the update's: the call's rise above its start on the
     memory the update starts from (the weights and the optimizer's state, which the first update allocates: the first
     step's attribution calls ran before it, so their absolute peaks would flatter them)."""
+    base = update["absolute_peak_bytes"] - update["peak_bytes"]
+    return (e["peak_bytes"] + base) / max(update["absolute_peak_bytes"], 1)
+
+
+def steady_peak(e: dict, update: dict) -> None:
+    """Record :func:`steady_peak_ratio` on ``e`` where both peaks were measured (CUDA)."""
     if e["peak_bytes"] is not None and update["absolute_peak_bytes"] is not None:
-        e["steady_peak_bytes"] = e["peak_bytes"] + update["base_bytes"]
-        e["vs_update_peak"] = e["steady_peak_bytes"] / max(update["absolute_peak_bytes"], 1)
+        e["vs_update_peak"] = steady_peak_ratio(e, update)
 
 
 def verdicts(point: dict) -> dict:

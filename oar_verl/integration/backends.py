@@ -85,8 +85,8 @@ def _fsdp_recompute(engine, cfg: OARConfig, tokens: int, *, checkpointing: bool,
         return fixed_recompute(cfg.recompute, checkpointing)
     grads = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
                 for p in engine.module.parameters() if p.requires_grad)
-    kind = PassKind.RULES_GRADIENT if METHODS.get(cfg.mode).propagation_rules else PassKind.INPUT_GRADIENT
-    return recompute_policy(cfg.recompute, model_shape(engine.module), kind, _module_device(engine), tokens,
+    return recompute_policy(cfg.recompute, model_shape(engine.module), METHODS.get(cfg.mode).backward_pass,
+                            _module_device(engine), tokens,
                             train_checkpointing=checkpointing, grad_bytes=grads,
                             host=PassKind.LOG_PROB if shared else None)
 

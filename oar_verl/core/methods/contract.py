@@ -103,6 +103,13 @@ class Method:
     shared_columns: Callable[[object], int] = _one
     shared_teacher: bool = False
 
+    @property
+    def backward_pass(self) -> str:
+        """The memory model's kind of its input-gradient pass (:class:`~oar_verl.core.backends.memory.PassKind`)."""
+        from oar_verl.core.backends.memory import PassKind
+
+        return PassKind.RULES_GRADIENT if self.propagation_rules else PassKind.INPUT_GRADIENT
+
 
 METHODS: Registry[Method] = Registry("attribution method", "algorithm.oar.mode")
 
