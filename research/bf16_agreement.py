@@ -10,7 +10,8 @@ usage:
         --methods oar_p,path_m2 --out outputs/long_fidelity [--results research/results/bf16_smollm2_1024.json]
 
 ``--results`` writes each method's agreement (the mean over rows and its prompt-clustered interval, per measure) to a
-committed results file; method §15's bf16 row is generated from it.
+committed results file; method §15's bf16 row is generated from it. ``--workers N/J`` splits the rows between
+processes side by side (exact OAR-P costs minutes a row); a last run without it writes the file from the caches.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "outputs" / "long_fidelity"),
                     help="the long-row studies' directory (its <model>_<tokens> rows)")
     ap.add_argument("--results", type=Path, default=None, help="also write the agreements to this results file")
+    ap.add_argument("--workers", default="1/0", help="N/J: compute only the rows i with i %% N == J (run processes "
+                    "side by side on one machine's cores); the others are read from the cache where present")
     a = ap.parse_args(argv)
     methods = [x for x in a.methods.split(",") if x]
     unknown = sorted(set(methods) - set(METHODS))
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     m = load(a.model)
     rows = make_rows(m, a.rows, a.tokens, out / "rows.json", log)[:a.rows]
     limits = PassLimits(a.max_tokens)
+    n_workers, worker = (int(x) for x in a.workers.split("/"))
     lines = ["| method | rows | Spearman | top-20 % overlap | relative L2 error | seconds fp32 / bf16 per row |",
              "|---|---|---|---|---|---|"]
     record = {"command": command_line("bf16_agreement", argv),
@@ -67,12 +71,17 @@ def main(argv: list[str] | None = None) -> int:
         chunks = []
         for i, row in enumerate(rows):
             path = out / f"bf16_agreement_{i:04d}_{name}.json"
+            if not path.exists() and i % n_workers != worker:  # another process's row, not done yet
+                continue
             if not path.exists():
                 (fp32, s32), (low, s16) = (row_scores(m, row, name, bf16, limits) for bf16 in (False, True))
                 path.write_text(json.dumps({"scores": {name: [fp32], f"{name}_bf16": [low]},
                                             "seconds": {name: s32, f"{name}_bf16": s16}}))
                 log(f"  {name} row {i}: fp32 {s32:.1f} s, bf16 {s16:.1f} s")
             chunks.append(json.loads(path.read_text()))
+        if len(chunks) < len(rows):
+            log(f"  {name}: {len(chunks)} of {len(rows)} rows computed so far; no agreement yet")
+            continue
         e = agreement(chunks, f"{name}_bf16", name)
         secs = [sum(c["seconds"][k] for c in chunks) / len(chunks) for k in (name, f"{name}_bf16")]
         iv = lambda d: f"{d['mean']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]"  # noqa: E731
@@ -80,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{iv(e['rel_l2_error'])} | {secs[0]:.0f} / {secs[1]:.0f} |")
         record["methods"][name] = {**e, "seconds_per_row_fp32_bf16": secs}
     log("\n" + "\n".join(lines))
-    if a.results:
+    if a.results and len(record["methods"]) == len(methods):
         write_results(a.results, record)
         log(f"wrote {a.results}")
     return 0

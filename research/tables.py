@@ -303,15 +303,64 @@ def fidelity_cost(study: str, method: str) -> str:
     return f"{_study(study)['methods'][method]['cost']:.2f}"
 
 
+# the attention rule on the same studies' rows (research/long_fidelity.py --methods conservative_uniform,conservative
+# --results): AttnLRP's `uniform` first, the default's `values` second; study -> results file
+ATTENTION_RULE_STUDIES = {study: f"{FIDELITY_STUDIES[study][0]}_uniform" for study in FIDELITY_STUDIES}
+_RULE_PAIR = "conservative_uniform - conservative"
+
+
+def attention_rule_cell(study: str) -> str:
+    """One figure of method §15: `uniform` against `values` on a study's rows, paired (KL measure)."""
+    return iv(load(ATTENTION_RULE_STUDIES[study])["summary"]["paired"][_RULE_PAIR]["kl"], 2, "mean")
+
+
+def attention_rule_table() -> str:
+    """faithfulness §17: both attention rules over the free controls and against each other, one column a study."""
+    studies = {k: load(f)["summary"] for k, f in ATTENTION_RULE_STUDIES.items()}
+    head = " | ".join(FIDELITY_STUDIES[k][1].format(rows=s["rows"]) for k, s in studies.items())
+    lines = [f"| gain (Σ/Σ, prompt-clustered 95 %) | {head} |", "|---" * (len(studies) + 1) + "|"]
+
+    def row(label: str, cell) -> None:
+        lines.append(f"| {label} | " + " | ".join(cell(s) for s in studies.values()) + " |")
+
+    def gain(method: str, over: str):
+        return lambda s: iv(s["methods"][method]["gain_over"][over], 2, "mean")
+
+    row("`uniform` over position", gain("conservative_uniform", "position"))
+    row("`values` (the default) over position", gain("conservative", "position"))
+    row("`uniform` over `values`, paired by row (KL)", lambda s: iv(s["paired"][_RULE_PAIR]["kl"], 2, "mean"))
+    row("… paired, log p measure", lambda s: iv(s["paired"][_RULE_PAIR]["logp"], 2, "mean"))
+    row("`uniform` over random / entropy", lambda s: " / ".join(
+        num(s["methods"]["conservative_uniform"]["gain_over"][c]["mean"], 2) for c in ("random", "entropy")))
+    row("cost × train fwd+bwd: `uniform` / `values`", lambda s: " / ".join(
+        f"{s['methods'][m]['cost']:.2f}" for m in ("conservative_uniform", "conservative")))
+    return "\n".join(lines)
+
+
 # bf16 against fp32 scores on a long-row study's rows (research/bf16_agreement.py --results): study -> results file
 BF16_STUDIES = {"smollm2": "bf16_smollm2_1024", "gemma3": "bf16_gemma3_400", "gemma3_past": "bf16_gemma3_1024",
-                "smollm2_path": "bf16_smollm2_1024_path"}
+                "smollm2_path": "bf16_smollm2_1024_path", "smollm2_oar_p": "bf16_smollm2_1024_oar_p"}
 
 
 def bf16_cell(method: str, study: str = "smollm2") -> str:
     """One cell of method §15: ``method``'s bf16 against fp32 scores on a study's rows, Spearman (mean, interval)."""
     s = load(BF16_STUDIES[study])["methods"][method]["spearman"]
     return f"{s['mean']:.2f} [{s['lo']:.2f}, {s['hi']:.2f}]"
+
+
+def bf16_table(*studies: str) -> str:
+    """Every method's bf16 against fp32 agreement in the named studies: Spearman, top-20 % overlap, relative L2 error
+    (mean over rows, prompt-clustered interval) and the seconds a row took in each dtype."""
+    lines = ["| method | rows | Spearman, bf16 vs fp32 | top-20 % overlap | relative L2 error | seconds a row, fp32 / bf16 |",
+             "|---|---|---|---|---|---|"]
+    for study in studies:
+        r = load(BF16_STUDIES[study])
+        for m, e in r["methods"].items():
+            cell = lambda k: f"{e[k]['mean']:.2f} [{e[k]['lo']:.2f}, {e[k]['hi']:.2f}]"  # noqa: E731
+            s32, s16 = e["seconds_per_row_fp32_bf16"]
+            lines.append(f"| {m} | {r['rows']} | {cell('spearman')} | {cell('top20_overlap')} | "
+                         f"{cell('rel_l2_error')} | {s32:.0f} / {s16:.0f} |")
+    return "\n".join(lines)
 
 
 _STUDY_LABEL = {"conservative": "the default", "fisher_k1_mean": "`fisher`", "oar_g": "OAR-G"}
@@ -612,6 +661,10 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "bf16_rows": lambda: str(load("bf16_smollm2_1024")["rows"]),
     **{f"bf16.{study}.{m}": (lambda s, m: lambda: bf16_cell(m, s))(study, m)
        for study in BF16_STUDIES for m in load(BF16_STUDIES[study])["methods"]},
+    **{f"attention_rule.{study}": (lambda s: lambda: attention_rule_cell(s))(study)
+       for study in ATTENTION_RULE_STUDIES},
+    "attention_rule_table": attention_rule_table,
+    "bf16_table.smollm2_4": lambda: bf16_table("smollm2_path", "smollm2_oar_p"),
     **{f"fidelity_rows.{study}": (lambda s: lambda: str(_study(s)["rows"]))(study) for study in FIDELITY_STUDIES},
     **{f"fidelity_table.{study}": (lambda s: lambda: fidelity_table(s))(study) for study in FIDELITY_STUDIES},
     "learning_methods": learning_methods, "learning_primary": learning_primary,

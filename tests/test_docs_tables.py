@@ -29,3 +29,16 @@ def test_holm_adjustment():
 
     assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
     assert holm([0.5, 0.001]) == pytest.approx([0.5, 0.002])
+
+
+@pytest.mark.parametrize("study", sorted(tables.ATTENTION_RULE_STUDIES))
+def test_the_attention_rule_comparison_ran_on_its_fidelity_studys_rows(study):
+    """The rule comparison reran the default beside AttnLRP's rule: its per-row AOPCs and the free controls' equal the
+    kept study's (float summation aside), so both files describe one set of rows and one set of removals."""
+    kept = tables.load(tables.FIDELITY_STUDIES[study][0])["rows"]
+    rerun = tables.load(tables.ATTENTION_RULE_STUDIES[study])["rows"]
+    assert [r["reasoning_tokens"] for r in rerun] == [r["reasoning_tokens"] for r in kept]
+    for a, b in zip(kept, rerun):
+        assert b["aopc"]["conservative"] == pytest.approx(a["aopc"]["conservative"], rel=1e-4, abs=1e-6)
+        for control, values in a["control_aopc"].items():
+            assert b["control_aopc"][control] == pytest.approx(values, rel=1e-4, abs=1e-6)
