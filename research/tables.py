@@ -309,13 +309,18 @@ ATTENTION_RULE_STUDIES = {study: f"{FIDELITY_STUDIES[study][0]}_uniform" for stu
 _RULE_PAIR = "conservative_uniform - conservative"
 
 
+def _rule_pair(summary: dict, measure: str = "kl") -> str:
+    """`uniform` against `values` on one rule comparison's rows, paired, on ``measure`` (kl | logp)."""
+    return iv(summary["paired"][_RULE_PAIR][measure], 2, "mean")
+
+
 def attention_rule_cell(study: str) -> str:
     """One figure of method §15: `uniform` against `values` on a study's rows, paired (KL measure)."""
-    return iv(load(ATTENTION_RULE_STUDIES[study])["summary"]["paired"][_RULE_PAIR]["kl"], 2, "mean")
+    return _rule_pair(load(ATTENTION_RULE_STUDIES[study])["summary"])
 
 
 def attention_rule_table() -> str:
-    """faithfulness §17: both attention rules over the free controls and against each other, one column a study."""
+    """faithfulness §18: both attention rules over the free controls and against each other, one column a study."""
     studies = {k: load(f)["summary"] for k, f in ATTENTION_RULE_STUDIES.items()}
     head = " | ".join(FIDELITY_STUDIES[k][1].format(rows=s["rows"]) for k, s in studies.items())
     lines = [f"| gain (Σ/Σ, prompt-clustered 95 %) | {head} |", "|---" * (len(studies) + 1) + "|"]
@@ -328,8 +333,8 @@ def attention_rule_table() -> str:
 
     row("`uniform` over position", gain("conservative_uniform", "position"))
     row("`values` (the default) over position", gain("conservative", "position"))
-    row("`uniform` over `values`, paired by row (KL)", lambda s: iv(s["paired"][_RULE_PAIR]["kl"], 2, "mean"))
-    row("… paired, log p measure", lambda s: iv(s["paired"][_RULE_PAIR]["logp"], 2, "mean"))
+    row("`uniform` over `values`, paired by row (KL)", _rule_pair)
+    row("… paired, log p measure", lambda s: _rule_pair(s, "logp"))
     row("`uniform` over random / entropy", lambda s: " / ".join(
         num(s["methods"]["conservative_uniform"]["gain_over"][c]["mean"], 2) for c in ("random", "entropy")))
     row("cost × train fwd+bwd: `uniform` / `values`", lambda s: " / ".join(
@@ -342,10 +347,14 @@ BF16_STUDIES = {"smollm2": "bf16_smollm2_1024", "gemma3": "bf16_gemma3_400", "ge
                 "smollm2_path": "bf16_smollm2_1024_path", "smollm2_oar_p": "bf16_smollm2_1024_oar_p"}
 
 
+def _agreement_iv(x: dict) -> str:
+    """``0.62 [0.43, 0.80]``: an agreement measure's mean over rows and its interval (unsigned, unlike :func:`iv`)."""
+    return f"{x['mean']:.2f} [{x['lo']:.2f}, {x['hi']:.2f}]"
+
+
 def bf16_cell(method: str, study: str = "smollm2") -> str:
     """One cell of method §15: ``method``'s bf16 against fp32 scores on a study's rows, Spearman (mean, interval)."""
-    s = load(BF16_STUDIES[study])["methods"][method]["spearman"]
-    return f"{s['mean']:.2f} [{s['lo']:.2f}, {s['hi']:.2f}]"
+    return _agreement_iv(load(BF16_STUDIES[study])["methods"][method]["spearman"])
 
 
 def bf16_table(*studies: str) -> str:
@@ -356,10 +365,9 @@ def bf16_table(*studies: str) -> str:
     for study in studies:
         r = load(BF16_STUDIES[study])
         for m, e in r["methods"].items():
-            cell = lambda k: f"{e[k]['mean']:.2f} [{e[k]['lo']:.2f}, {e[k]['hi']:.2f}]"  # noqa: E731
             s32, s16 = e["seconds_per_row_fp32_bf16"]
-            lines.append(f"| {m} | {r['rows']} | {cell('spearman')} | {cell('top20_overlap')} | "
-                         f"{cell('rel_l2_error')} | {s32:.0f} / {s16:.0f} |")
+            lines.append(f"| {m} | {r['rows']} | " + " | ".join(_agreement_iv(e[k]) for k in
+                         ("spearman", "top20_overlap", "rel_l2_error")) + f" | {s32:.0f} / {s16:.0f} |")
     return "\n".join(lines)
 
 
