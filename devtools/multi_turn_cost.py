@@ -59,7 +59,7 @@ def main() -> int:
         later = r.metrics[1:]  # the first step holds the warm-up
         rows[name] = {"wall_s": r.wall_s, "step_s": statistics.mean(m["timing_s/step"] for m in later),
                       "oar_total_s": statistics.mean(m.get("timing_s/oar_total", 0.0) for m in later),
-                      "tool_calls_per_row": statistics.mean(m.get("oar/turns/tool_calls_per_row", float("nan"))
+                      "tool_rounds_per_row": statistics.mean(m.get("oar/turns/tool_rounds_per_row", float("nan"))
                                                             for m in later),
                       "num_turns_mean": statistics.mean(m["num_turns/mean"] for m in later)}
     base = rows["grpo"]["step_s"]

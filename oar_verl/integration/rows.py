@@ -26,8 +26,11 @@ class BatchRows:
         responses: (B, T) token ids, when a token dump is due (None otherwise).
         lengths: (B,) tokens of each row, prompt + response (``mode=auto``: the sliding-window band and the actor
             update's tokens); None when the trainer does not give them.
-        valid: (B, T) bool every real response token, the tool outputs and user turns of verl's agent loop included
+        valid: (B, T) bool every real response token, the tool outputs of verl's agent loop included
             (``response_mask`` is 0 on those; docs/multi_turn.md); None when the trainer does not give it.
+        session_final: (B,) long, for each row, the batch row of its session's final output (verl's V1 batch keys
+            ``{uid}_{session_id}_{index}``: a custom agent loop may return several outputs per session;
+            :func:`session_finals`); None when the trainer does not give them (one output per session).
     """
 
     response_mask: torch.Tensor
@@ -37,6 +40,28 @@ class BatchRows:
     responses: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+    session_final: torch.Tensor | None = None
+
+
+def session_finals(keys) -> torch.Tensor:
+    """(B,) long, for each row, the row of its session's final output, by verl V1's rule
+    (``verl.trainer.ppo.v1.utils.compute_advantage_for_multi_trajectories``): a key ``{uid}_{session_id}_{index}``
+    belongs to session ``{uid}_{session_id}``, whose final output is the row with the largest ``index``.
+
+    Raises:
+        ValueError: a key not of that form, naming it.
+    """
+    best: dict[str, tuple[int, int]] = {}
+    sessions = []
+    for row, key in enumerate(keys):  # per row, not per token
+        fields = str(key).rsplit("_", 2)
+        if len(fields) != 3 or not fields[2].lstrip("-").isdigit():
+            raise ValueError(f"oar: batch key {key!r} is not verl's '{{uid}}_{{session_id}}_{{index}}'")
+        session, index = f"{fields[0]}_{fields[1]}", int(fields[2])
+        sessions.append(session)
+        if session not in best or best[session][0] < index:
+            best[session] = (index, row)
+    return torch.tensor([best[s][1] for s in sessions], dtype=torch.long)
 
 
 def select_rows(wanted: torch.Tensor, eligible: torch.Tensor, dp_size: int) -> torch.Tensor:

@@ -74,6 +74,15 @@ def checkpoint_folder(trainer_config, global_step: int, load: bool = False) -> s
     return os.path.abspath(os.path.join(str(trainer.default_local_dir), f"global_step_{global_step}"))
 
 
+def multi_turn_enabled(trainer_config) -> bool:
+    """Whether the run's rollouts go through verl's multi-turn agent loop
+    (``actor_rollout_ref.rollout.multi_turn.enable``): its steps log ``oar/turns/*`` every step, 0 where no tool ran."""
+    try:
+        return bool(trainer_config.actor_rollout_ref.rollout.multi_turn.get("enable", False))
+    except AttributeError:
+        return False
+
+
 class TrainerIO(Protocol):
     """What a trainer adapter gives the step: its batch, its actor's data-parallel size and the worker RPC."""
 
@@ -92,19 +101,31 @@ class TrainerIO(Protocol):
         rows.call_seconds` over every row that call returned), 0.0 where it carried no attribution."""
 
 
-def turn_metrics(batch: BatchRows, result, answer: torch.Tensor | None = None) -> dict[str, float]:
-    """``oar/turns/*`` of a batch with multi-turn rows (verl's agent loop: context tokens, tool outputs or user turns,
-    inside the responses; docs/multi_turn.md), {} for a single-turn batch: assistant turns and tool outputs per row
-    (over the real rows); the first and the final turn's share of the reshaped credit Σw against GRPO's share (the
-    turn's reasoning tokens / R), over the reshaped rows with at least two turns (``result``: the estimator's
-    Reshaped); and the layout's invariants, 0 when they hold: ``context_adv_max_abs_diff`` (the largest |Â − A| on a
-    context token: their advantage is the base estimator's, bit for bit), ``context_reshaped_tokens`` (context tokens
-    the gate weighted) and, with ``answer`` (B, T) bool the step's answer-span tokens, ``answer_outside_final_turn``."""
+def turn_metrics(batch: BatchRows, result, answer: torch.Tensor | None = None,
+                 multi_turn: bool = False) -> dict[str, float]:
+    """``oar/turns/*`` of a batch of a multi-turn run (verl's agent loop: tool outputs inside the responses are
+    context; docs/multi_turn.md): every key on every step of a run with ``multi_turn`` (0 where no tool ran; the two
+    shares NaN where no reshaped row has two turns), and on any batch holding context; {} for a single-turn batch of a
+    single-turn run.
+
+    Keys: ``per_row`` assistant turns and ``tool_rounds_per_row`` rounds of tool outputs (one context run each, as
+    verl's ``num_turns`` counts a round of parallel calls as one turn) over the real rows; ``share_first`` /
+    ``share_last`` the first and the final turn's share of the reshaped credit Σw against GRPO's share
+    (``*_uniform``: the turn's reasoning tokens / R) over the reshaped rows with at least two turns
+    (``multi_turn_rows``); ``answer_in_earlier_turn_frac`` (with ``answer``) the rows with a span whose answer lies
+    before their final turn; and the layout's invariants, 0 when they hold: ``context_adv_max_abs_diff`` (the largest
+    |Â − A| on a context token: their advantage is the base estimator's, bit for bit), ``context_reshaped_tokens``
+    (context tokens the gate weighted) and ``answer_context_tokens`` (answer-span tokens on context).
+
+    Args:
+        batch: the step's rows. result: the estimator's Reshaped. answer: (B, T) bool the step's answer-span tokens.
+        multi_turn: the run is multi-turn (:func:`multi_turn_enabled`).
+    """
     if batch.valid is None:
         return {}
     valid = batch.valid.bool()[:, :batch.response_mask.shape[1]]
     layout = turn_layout(valid, batch.response_mask)
-    if not bool(layout.context.any()):
+    if not multi_turn and not bool(layout.context.any()):
         return {}
     real = batch.eligible.bool()
     n = max(int(real.sum()), 1)
@@ -112,16 +133,47 @@ def turn_metrics(batch: BatchRows, result, answer: torch.Tensor | None = None) -
     context = layout.context.to(tw.weights.device)
     diff = (result.advantages.double() - result.base_advantages.double()).abs()
     out = {"oar/turns/per_row": float(layout.turns[real].sum()) / n,
-           "oar/turns/tool_calls_per_row": float(layout.context_runs[real].sum()) / n,
-           "oar/turns/context_adv_max_abs_diff": float(torch.where(context, diff, 0.0).max()),
+           "oar/turns/tool_rounds_per_row": float(layout.context_runs[real].sum()) / n,
+           "oar/turns/context_adv_max_abs_diff": float(torch.where(context, diff, 0.0).max()) if diff.numel() else 0.0,
            "oar/turns/context_reshaped_tokens": float((tw.reshaped & context).sum())}
     if answer is not None:
-        out["oar/turns/answer_outside_final_turn"] = float((answer.bool() & ~layout.final).sum())
+        answer = answer.bool()[:, :valid.shape[1]].cpu()
+        spans = answer.any(-1)
+        last_turn = torch.where(answer, layout.turn, -1).amax(-1) if answer.numel() else layout.turns - 1
+        earlier = spans & (last_turn < layout.turns - 1)
+        out["oar/turns/answer_in_earlier_turn_frac"] = float(earlier.sum()) / max(int(spans.sum()), 1)
+        out["oar/turns/answer_context_tokens"] = float((answer & layout.context).sum())
     shares = turn_shares(tw.weights, tw.reshaped, layout, tw.reshaped.any(-1) & real)
-    if float(shares["rows"]) > 0:
-        out.update({f"oar/turns/share_{k}": float(v) for k, v in shares.items() if k != "rows"})
-        out["oar/turns/multi_turn_rows"] = float(shares["rows"])
+    out.update({f"oar/turns/share_{k}": float(v) for k, v in shares.items() if k != "rows"})
+    out["oar/turns/multi_turn_rows"] = float(shares["rows"])
     return out
+
+
+def rewarded_without_span(scores: torch.Tensor, found: torch.Tensor, rows: torch.Tensor) -> float:
+    """``oar/rewarded_without_span_frac``: of the attributed rows the reward graded above 0, the share with no answer
+    span in the model's own tokens (their credit falls back to GRPO's w = 1: a reward that pays for words the model
+    did not write, e.g. a tool's output, shows here); 0.0 where no attributed row was rewarded.
+
+    Args:
+        scores: (B, T) token-level rewards. found: (B,) bool a span was found. rows: (N,) attributed rows.
+    """
+    rows = rows.unique()
+    paid = scores[rows].sum(-1) > 0
+    return float((paid & ~found[rows].bool()).sum()) / max(int(paid.sum()), 1)
+
+
+def session_grpo(batch: BatchRows, algorithm: Any, cfg: OARConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's (advantages, returns), (B, T) each, over sessions with several outputs as verl V1 computes it
+    (``compute_advantage_for_multi_trajectories``): the group statistics over each session's final output only, and
+    each session's sequence advantage copied to its other outputs (on their ``response_mask``)."""
+    final = batch.session_final
+    finals, local = final.unique(return_inverse=True)  # the final rows, and each row's position among them
+    adv, _ = base_advantage(batch.scores[finals], batch.response_mask[finals], batch.uids[finals.numpy()], algorithm,
+                            cfg)
+    first = batch.response_mask[finals].argmax(-1)  # verl reads each final output's first response token
+    seq = adv[torch.arange(len(finals)), first]
+    out = seq[local][:, None] * batch.response_mask
+    return out, out
 
 
 class OARStep:
@@ -133,11 +185,13 @@ class OARStep:
         tokenizer: the policy's tokenizer (token dumps).
         default_local_dir: ``trainer.default_local_dir`` (where dumps go unless ``algorithm.oar.dump_dir``).
         window: the policy's sliding window (:func:`model_window`; ``mode=auto`` decides inside and past it).
+        multi_turn: the run's rollouts go through verl's multi-turn agent loop (:func:`multi_turn_enabled`).
     """
 
     def __init__(self, cfg: OARConfig, algorithm: Any, tokenizer, default_local_dir: str | None,
-                 window: int | None = None):
+                 window: int | None = None, multi_turn: bool = False):
         self.cfg = cfg
+        self.multi_turn = multi_turn
         self.algorithm = algorithm
         self.tokenizer = tokenizer
         self.default_local_dir = default_local_dir
@@ -182,8 +236,18 @@ class OARStep:
     def base_advantage(self, batch: BatchRows) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The base estimator's (advantages, returns) on the batch's rewards, or None when verl will change the
         rewards first (a KL penalty in the reward): the estimator then computes them itself."""
+        several = batch.session_final is not None and bool(
+            (batch.session_final != torch.arange(len(batch.session_final))).any())
         if self.algorithm.get("use_kl_in_reward", False):
+            if several and self.cfg.base_estimator == "grpo":
+                raise RuntimeError(
+                    "oar: sessions with several outputs (a custom agent loop) and algorithm.use_kl_in_reward=True: "
+                    "verl's GRPO takes each session's final output after the KL penalty, which OAR's step cannot see. "
+                    "Allowed: algorithm.use_kl_in_reward=False (a KL loss: actor_rollout_ref.actor.use_kl_loss=True), "
+                    "or one output per session")
             return None
+        if several and self.cfg.base_estimator == "grpo":
+            return session_grpo(batch, self.algorithm, self.cfg)
         return base_advantage(batch.scores, batch.response_mask, batch.uids, self.algorithm, self.cfg)
 
     def wanted(self, batch: BatchRows, base: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -363,7 +427,8 @@ class OARStep:
         if len(att.policy_match) and not bool(att.policy_match.isnan().any()):
             # 1: every rank attributed with exactly the weights its old-log-prob pass used (docs/verl.md)
             metrics["oar/policy_matches_old_log_prob"] = float(att.policy_match.min())
-        metrics.update(turn_metrics(att.batch, result, att.answer))
+        metrics.update(turn_metrics(att.batch, result, att.answer, self.multi_turn))
+        metrics["oar/rewarded_without_span_frac"] = rewarded_without_span(att.batch.scores, att.found, att.rows)
         if fidelity_due(self.cfg, global_step) and att.fidelity:  # docs/fidelity.md, "Logged while training"
             metrics.update(step_metrics(att.fidelity))
         if self.selector is not None:  # docs/auto.md, "What is logged"

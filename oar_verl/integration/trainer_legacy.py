@@ -29,7 +29,7 @@ from oar_verl.core.backends.patching import patched_attributes
 from oar_verl.integration.guard import uses_oar
 from oar_verl.integration.rows import BatchRows, call_seconds
 from oar_verl.integration.startup import validate_mask_token, validate_oar_setup
-from oar_verl.integration.step import UPDATE_TIMER, OARStep, checkpoint_folder, model_window
+from oar_verl.integration.step import UPDATE_TIMER, OARStep, checkpoint_folder, model_window, multi_turn_enabled
 from oar_verl.integration.fields import ATTRIBUTE_FIELD, OUTPUT_FIELDS, SHARED_KEY
 from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
 
@@ -119,7 +119,8 @@ class OARRayPPOTrainer(RayPPOTrainer):
             validate_mask_token(cfg, config, self.tokenizer)
         self.oar_step = None if cfg is None else OARStep(cfg, config.algorithm, self.tokenizer,
                                                          config.trainer.get("default_local_dir"),
-                                                         model_window(config.actor_rollout_ref.model.get("path")))
+                                                         model_window(config.actor_rollout_ref.model.get("path")),
+                                                         multi_turn=multi_turn_enabled(config))
         self._oar_open: contextlib.ExitStack | None = None  # the step opened for the current batch
         self._oar_metrics: dict = {}
         self._oar_timing: dict = {}

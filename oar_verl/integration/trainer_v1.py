@@ -22,9 +22,9 @@ from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from oar_verl.integration.guard import uses_oar
-from oar_verl.integration.rows import BatchRows, call_seconds
+from oar_verl.integration.rows import BatchRows, call_seconds, session_finals
 from oar_verl.integration.startup import validate_mask_token, validate_oar_setup
-from oar_verl.integration.step import OARStep, checkpoint_folder, model_window
+from oar_verl.integration.step import OARStep, checkpoint_folder, model_window, multi_turn_enabled
 from oar_verl.integration.fields import ATTRIBUTE_FIELD, OUTPUT_FIELDS, SECONDS_FIELD, SHARED_KEY
 from oar_verl.integration.worker import actor_dp_size, swap_actor_worker
 
@@ -66,7 +66,8 @@ class V1IO:
         # verl pads the batch to a multiple of the data-parallel size with tagged synthetic rows
         eligible = torch.tensor([not tag.get("is_padding", False) for tag in self.batch.tags], dtype=torch.bool)
         responses = padded["responses"].long() if with_responses else None
-        return BatchRows(padded["response_mask"], padded["rm_scores"], uids, eligible, responses, lengths, valid)
+        return BatchRows(padded["response_mask"], padded["rm_scores"], uids, eligible, responses, lengths, valid,
+                         session_finals(self.batch.keys))
 
     def dp_size(self) -> int:
         return actor_dp_size(self.trainer.actor_rollout_wg)
@@ -159,7 +160,8 @@ class OARTrainerMixin:
             validate_mask_token(self.oar_config, self.config, self.tokenizer)  # before the first rollout
             self.oar_step = OARStep(self.oar_config, self.config.algorithm, self.tokenizer,
                                     self.config.trainer.get("default_local_dir"),
-                                    model_window(self.config.actor_rollout_ref.model.get("path")))
+                                    model_window(self.config.actor_rollout_ref.model.get("path")),
+                                    multi_turn=multi_turn_enabled(self.config))
             if self._oar_resume is not None:  # mode=auto keeps its decision across a resume
                 self.oar_step.load_state(self._oar_resume)
 

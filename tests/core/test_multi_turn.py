@@ -2,7 +2,8 @@
 ``oar_verl.core.text.turns`` and every step that reads it. Tool outputs, user turns and the template between turns
 are context: never reasoning, never replaced by a mask operator or a fidelity deletion, never scored, never reshaped
 (their base advantage kept bit for bit) and never in the mass (Σw = R over the model's reasoning tokens); the answer
-span is the final turn's; a row whose final turn has no span keeps w = 1 (docs/method.md §2)."""
+span is the last among the model's own tokens (never in a tool output, never across one); a row with no span in its
+own tokens keeps w = 1 (docs/method.md §2)."""
 
 from __future__ import annotations
 
@@ -85,26 +86,42 @@ def test_segments_never_cross_a_turn():
     assert split_segments_at_turns(empty, empty).shape == (0, 4)
 
 
-def test_spans_are_searched_in_the_final_turn_only(tok):
+def test_spans_are_the_last_among_the_models_own_tokens(tok):
     prompts, responses, masks, names = multi_turn_rows(tok)
+    eos = [tok.eos_token_id]
+    tool = enc(tok, "\n<tool_response>7</tool_response>\n")
+    extra = {  # answered in an earlier turn, then a final turn without one; a marker and a value split by a tool
+        "answered_earlier": [(enc(tok, "3 plus 4 is 7. The answer is 7. <tool_call>add 3 4</tool_call>") + eos, 1),
+                             (tool, 0), (enc(tok, "so the sum is 7") + eos, 1)],
+        "split_by_tool": [(enc(tok, "so The answer is"), 1), (tool, 0), (enc(tok, "7") + eos, 1)],
+    }
+    for parts in extra.values():
+        responses.append(torch.tensor([t for ids, _ in parts for t in ids]))
+        masks.append(torch.tensor([m for ids, m in parts for _ in ids]))
+    names += list(extra)
     ids, valid, model = padded(responses), padded([torch.ones_like(r) for r in responses]), padded(masks)
     spans = locate_answer_spans(ids, valid, tok, ("answer_is",), model_mask=model)
     found = dict(zip(names, spans.found.tolist()))
-    # the span inside a tool output is never used; a row cut inside a tool output ends on a turn without a span
+    # the span inside a tool output is never used, nor a match across one; an earlier turn's answer is the row's
+    # when no later turn of the model has one (the recipes' reward grades the last `#### N` of the model's text)
     assert found == {"two_turns": True, "three_turns": True, "span_only_in_tool": False, "truncated_in_tool": False,
-                     "single_turn": True}
+                     "single_turn": True, "answered_earlier": True, "split_by_tool": False}
     lay = turn_layout(valid, model)
-    assert not (spans.reasoning_mask & lay.context).any() and not (spans.answer_mask & ~lay.final).any()
-    for b in range(len(names)):
+    assert not (spans.reasoning_mask & lay.context).any() and not (spans.answer_mask & ~lay.model).any()
+    for b, name in enumerate(names):
         if spans.found[b]:
             assert tok.decode(ids[b][spans.answer_mask[b]]).strip() == "7"
-            # every earlier turn's tokens but EOS are reasoning; the final turn's up to its marker
-            earlier = lay.model[b] & ~lay.final[b] & (ids[b] != tok.eos_token_id)
+            answer_turn = int(lay.turn[b][spans.answer_mask[b]].max())
+            # every earlier turn's tokens but EOS are reasoning; the answer's turn up to its marker; none after it
+            earlier = lay.model[b] & (lay.turn[b] < answer_turn) & (ids[b] != tok.eos_token_id)
             assert spans.reasoning_mask[b][earlier].all()
+            assert not spans.reasoning_mask[b][lay.turn[b] > answer_turn].any()
+            assert (answer_turn == int(lay.turns[b]) - 1) == (name != "answered_earlier")
     # the single-turn row, and a batch without a model mask, as before: bit for bit
-    alone = locate_answer_spans(ids[-1:], valid[-1:], tok, ("answer_is",))
-    assert torch.equal(alone.reasoning_mask, spans.reasoning_mask[-1:])
-    assert torch.equal(alone.answer_mask, spans.answer_mask[-1:])
+    single = names.index("single_turn")
+    alone = locate_answer_spans(ids[single:single + 1], valid[single:single + 1], tok, ("answer_is",))
+    assert torch.equal(alone.reasoning_mask, spans.reasoning_mask[single:single + 1])
+    assert torch.equal(alone.answer_mask, spans.answer_mask[single:single + 1])
 
 
 class Spy:

@@ -1,11 +1,13 @@
 """One OAR step over multi-turn rows as verl's agent loop lays them out (docs/multi_turn.md): tool outputs inside the
 response with ``response_mask`` 0, the row's real tokens in ``attention_mask``. verl's own legacy ``compute_advantage``
 runs inside the step; the tool tokens keep GRPO's advantage bit for bit, the mass stays on the model's tokens, the span
-is the final turn's, and ``oar/turns/*`` report the turns. The worker-side unpacking of verl's layouts
+is the last among the model's own tokens, ``oar/turns/*`` report the turns, and sessions with several outputs take
+verl V1's GRPO. The worker-side unpacking of verl's layouts
 (:func:`~oar_verl.integration.worker.unpack_model_masks`) is checked on both layouts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -17,12 +19,14 @@ from tensordict import TensorDict
 import verl  # noqa: F401  loads the plugin (estimator registration)
 from verl.protocol import DataProto
 from verl.trainer.ppo.ray_trainer import compute_advantage
+from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
 
 from oar_verl.core import OARConfig, module_backend, prepare_attribution, run_attribution
 from oar_verl.core.text.turns import turn_layout
 from oar_verl.integration.fields import CONFIG_KEY, STEP_KEY
-from oar_verl.integration.rows import BatchRows
-from oar_verl.integration.step import OARStep, turn_metrics
+from oar_verl.integration.estimator import compute_oar
+from oar_verl.integration.rows import BatchRows, session_finals
+from oar_verl.integration.step import OARStep, rewarded_without_span, turn_metrics
 from oar_verl.integration.worker import response_entropies, response_lengths, unpack_model_masks, unpack_rows
 from oar_helpers import text_lm
 
@@ -122,22 +126,28 @@ def test_tool_tokens_keep_grpo_and_the_mass_stays_on_the_model_s_tokens(setup, t
     A = grpo.sum(-1) / model_mask.sum(-1)  # each row's sequence advantage
     mass = (adv * model_mask).sum(-1) / A  # Σw over the model's tokens
     assert (mass - model_mask.sum(-1)).abs().max() / model_mask.sum(-1).max() <= 1e-6
-    # the span: found in the final turn only (row 1 holds one in a tool output only: not used, GRPO's weights)
+    # the span: the last among the model's own tokens (row 1 holds one in a tool output only: not used, GRPO's
+    # weights)
     lay = turn_layout(io.valid, io.response_mask)
     assert att.found.tolist() == [True, False, True, True]
-    assert not (att.answer & ~lay.final).any() and not (att.estimator_inputs.reasoning_mask & lay.context).any()
+    assert not (att.answer & ~lay.model).any() and not (att.estimator_inputs.reasoning_mask & lay.context).any()
     assert torch.equal(adv[1], grpo[1])
     assert float(adv[0][att.estimator_inputs.reasoning_mask[0]].std()) > 0  # the span rows are reshaped
     assert metrics["oar/adv_mass_rel_err"] <= 1e-6 and metrics["oar/no_reasoning_seq_frac"] == 0.25
     assert metrics["oar/turns/per_row"] == pytest.approx((2 + 2 + 3 + 1) / 4)
-    assert metrics["oar/turns/tool_calls_per_row"] == pytest.approx((1 + 1 + 2 + 0) / 4)
+    assert metrics["oar/turns/tool_rounds_per_row"] == pytest.approx((1 + 1 + 2 + 0) / 4)
     assert metrics["oar/turns/multi_turn_rows"] == 2.0  # rows 0 and 2 (row 1 is not reshaped, row 3 single-turn)
     assert 0 < metrics["oar/turns/share_last"] < 1 and 0 < metrics["oar/turns/share_first"] < 1
     assert 0 < metrics["oar/turns/share_last_uniform"] < 1
     # the invariants the step logs on every multi-turn batch (the e2e run reads them from verl's logger)
     assert metrics["oar/turns/context_adv_max_abs_diff"] == 0.0
     assert metrics["oar/turns/context_reshaped_tokens"] == 0.0
-    assert metrics["oar/turns/answer_outside_final_turn"] == 0.0
+    assert metrics["oar/turns/answer_context_tokens"] == 0.0
+    assert metrics["oar/turns/answer_in_earlier_turn_frac"] == 0.0  # every span here is in its row's final turn
+    # the rewarded rows without a span the model wrote (none here: row 1, whose only span is a tool's, scored 0)
+    paid = (io.scores.sum(-1) > 0).tolist()
+    expected = sum(p and not f for p, f in zip(paid, att.found.tolist())) / max(sum(paid), 1)
+    assert metrics["oar/rewarded_without_span_frac"] == pytest.approx(expected)
     # the token dump (the heatmap's input): whole rows, tool outputs included, marked as context by "turn"
     records = {r["sample"] + 2 * int(r["uid"][1]): r for r in
                map(json.loads, (tmp_path / "step_3.jsonl").read_text().splitlines())}
@@ -155,13 +165,68 @@ def test_tool_tokens_keep_grpo_and_the_mass_stays_on_the_model_s_tokens(setup, t
             w == 0.0 for w, t in zip(r["weight"], r["turn"]) if t < 0)
 
 
-def test_single_turn_batches_log_no_turn_metrics(setup):
+def test_single_turn_batches_log_no_turn_metrics_unless_the_run_is_multi_turn(setup):
     tok, model, prompts, responses, masks = setup
     valid = torch.ones(2, 4, dtype=torch.bool)
     rows = BatchRows(valid.long(), torch.zeros(2, 4), np.array(["a", "a"], dtype=object), valid[:, 0], None, None,
                      valid)
     assert turn_metrics(rows, None) == {}
     assert turn_metrics(BatchRows(valid.long(), torch.zeros(2, 4), rows.uids, valid[:, 0]), None) == {}
+    # a multi-turn run's step where no row called a tool: every key, so the curves do not break
+    result = compute_oar(torch.tensor([[0.0, 0, 0, 1], [0, 0, 0, 0]]), valid.long(), rows.uids, algorithm(),
+                         token_importance=torch.rand(2, 4))
+    got = turn_metrics(rows, result, torch.zeros(2, 4, dtype=torch.bool), multi_turn=True)
+    assert got["oar/turns/tool_rounds_per_row"] == 0.0 and got["oar/turns/per_row"] == 1.0
+    assert got["oar/turns/multi_turn_rows"] == 0.0 and got["oar/turns/answer_in_earlier_turn_frac"] == 0.0
+    assert {"oar/turns/share_first", "oar/turns/share_last", "oar/turns/context_adv_max_abs_diff"} <= set(got)
+
+
+def test_an_answer_in_an_earlier_turn_is_counted(setup):
+    """The span is the last among the model's tokens; a row that answered before its final turn shows in
+    ``answer_in_earlier_turn_frac`` (rows with a span), and no answer token is ever on context."""
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    model = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 1, 1]])
+    answer = torch.tensor([[0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    rows = BatchRows(model, torch.zeros(2, 6), np.array(["a", "a"], dtype=object), valid[:, 0], None, None, valid)
+    result = compute_oar(torch.tensor([[0.0] * 5 + [1], [0.0] * 6]), model, rows.uids, algorithm(),
+                         token_importance=torch.rand(2, 6), reasoning_mask=model.bool())
+    got = turn_metrics(rows, result, answer)
+    assert got["oar/turns/answer_in_earlier_turn_frac"] == 0.5 and got["oar/turns/answer_context_tokens"] == 0.0
+    # a reward paid to rows without a span of the model's (rows 0 and 2 paid, row 2 spanless; row 3 not attributed)
+    scores = torch.tensor([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [1.0, 0.0]])
+    found = torch.tensor([True, False, False, False])
+    assert rewarded_without_span(scores, found, torch.tensor([0, 1, 2, 2])) == 0.5
+    assert rewarded_without_span(scores, found, torch.tensor([1])) == 0.0
+
+
+def test_sessions_with_several_outputs_take_verls_grpo(setup):
+    """A custom agent loop returning several outputs per session: the step's base advantage is verl V1's own
+    (``compute_advantage_for_multi_trajectories``: GRPO over each session's final output, copied to the others)."""
+    tok, model, prompts, responses, masks = setup
+    keys = ["p0_s0_0", "p0_s0_1", "p0_s1_0", "p0_s2_0", "p1_s0_0", "p1_s0_1", "p1_s0_2", "p1_s1_0"]
+    B, T = len(keys), 5
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 3:] = 0
+    scores = torch.zeros(B, T)
+    scores[torch.arange(B), mask.sum(-1) - 1] = torch.tensor([0.3, 1.0, 0.0, 1.0, 0.9, 0.1, 1.0, 0.0])
+    uids = np.array([k.split("_")[0] for k in keys], dtype=object)
+    rows = BatchRows(mask, scores, uids, torch.ones(B, dtype=torch.bool), session_final=session_finals(keys))
+    assert rows.session_final.tolist() == [1, 1, 2, 3, 6, 6, 6, 7]
+    alg = algorithm()
+    adv, ret = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None).base_advantage(rows)
+    data = DataProto.from_dict(tensors={"token_level_rewards": scores, "response_mask": mask},
+                               non_tensors={"uid": uids})
+    verl = compute_advantage_for_multi_trajectories(data, keys, "grpo", config=alg).batch["advantages"]
+    assert torch.allclose(adv, verl, atol=1e-6) and torch.equal(adv, ret)
+    plain = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None).base_advantage(
+        dataclasses.replace(rows, session_final=None))
+    assert not torch.allclose(plain[0], verl, atol=1e-3)  # every row as a group member: not verl's figure
+    with pytest.raises(ValueError, match="uid"):
+        session_finals(["no-index"])
+    kl = algorithm()
+    kl.use_kl_in_reward = True
+    with pytest.raises(RuntimeError, match="use_kl_in_reward"):
+        OARStep(OARConfig.from_mapping(kl.oar), kl, tok, None).base_advantage(rows)
 
 
 def test_worker_reads_the_model_s_tokens_from_both_layouts(setup):

@@ -1,7 +1,8 @@
 """OpenRLHF's agent path (multi-turn items: environment / tool tokens between the generated turns with action 0) held
 to the checks of verl's agent loop (docs/multi_turn.md): the adapter hands the generated tokens to the core as the
 model's, so the tool tokens keep their advantages bit for bit, are never scored or weighted, the mass stays on the
-generated tokens, and the answer span is the final turn's (a span inside a tool output is not used).
+generated tokens, and the answer span is the last among the model's own tokens (a span inside a tool output is not
+used).
 
 No OpenRLHF here (the adapter's reshape imports none): the items are the replay buffer's as OpenRLHF's agent executor
 lays them out, prompt + turns right-padded, ``action_mask`` shifted by one; the model a float64 tiny LM.
@@ -67,7 +68,7 @@ def test_tool_tokens_are_context_on_the_agent_path(setup, mode):
     assert tool.any(-1).tolist() == [True, True, True, False]
     cfg = OARConfig(mode=mode, probe="as_mean", answer_patterns=("answer_is",))
     res = reshape_replay_buffer([SimpleNamespace(**vars(it)) for it in items], model, tok, cfg, 0, max_tokens=None)
-    # the span is the final turn's: found on rows 0, 2, 3; row 1's only span is inside a tool output
+    # the span is the last among the model's own tokens: found on rows 0, 2, 3; row 1's only span is a tool's
     assert res.metrics["oar/span_found_frac"] == pytest.approx(3 / 4)
     assert res.metrics["oar/no_reasoning_seq_frac"] == pytest.approx(1 / 4)
     assert res.metrics["oar/adv_mass_rel_err"] <= 1e-6
@@ -77,7 +78,7 @@ def test_tool_tokens_are_context_on_the_agent_path(setup, mode):
     assert torch.equal(res.advantages[tool], res.base_advantages[tool])
     w = res.weights.weights.double()
     assert (torch.where(action, w, 0.0).sum(-1) - action.sum(-1)).abs().max() <= 1e-6  # mass on generated tokens
-    assert (w[1][action[1]] == 1).all()  # no span in its final turn: GRPO's weights
+    assert (w[1][action[1]] == 1).all()  # no span in its own tokens: GRPO's weights
 
 
 def test_agent_items_through_the_adapter(setup):
@@ -93,5 +94,5 @@ def test_agent_items_through_the_adapter(setup):
         assert torch.equal(it.advantages[~action], adv0[~action])  # tool tokens (and prompt, padding) bit for bit
         mass = it.advantages[action].double().sum()
         assert abs(float(mass) - ADVANTAGES[i] * int(action.sum())) <= 1e-6 * int(action.sum())
-    assert torch.equal(fresh[1].advantages, before[1])  # no span in its final turn: GRPO's weights
+    assert torch.equal(fresh[1].advantages, before[1])  # no span in its own tokens: GRPO's weights
     assert float(fresh[0].advantages[fresh[0].action_mask.bool()].std()) > 0  # reshaped

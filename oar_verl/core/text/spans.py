@@ -47,6 +47,20 @@ def _as_id_list(ids: int | Iterable[int] | None) -> list[int]:
     return [int(i) for i in ids if i is not None]
 
 
+def _turn_byte_offsets(tok_len: torch.Tensor, turn: torch.Tensor, turns: torch.Tensor) -> torch.Tensor:
+    """(B, K) long the byte offset at which each assistant turn starts in the row's model-token bytes (K the most
+    turns of a row; entries past a row's turns unused).
+
+    Args:
+        tok_len: (B, T) long byte length of each scanned token, 0 elsewhere. turn: (B, T) long turn ids, -1 off the
+            model's tokens. turns: (B,) long turns per row.
+    """
+    K = max(int(turns.max()) if turns.numel() else 0, 1)
+    per_turn = torch.zeros(turn.shape[0], K + 1, dtype=torch.long)
+    per_turn.scatter_add_(1, (turn + 1).clamp(min=0), tok_len)  # column 0 collects the non-model tokens (0 bytes)
+    return per_turn[:, 1:].cumsum(-1) - per_turn[:, 1:]
+
+
 def locate_answer_spans(
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
@@ -65,9 +79,10 @@ def locate_answer_spans(
         eos_token_ids: int or ids never counted as reasoning; default ``tokenizer.eos_token_id``.  Positions holding
             ``tokenizer.pad_token_id`` (if the tokenizer has one) are never reasoning either.
         model_mask: (B, T) 0/1 the model's own tokens of multi-turn responses (verl's agent-loop ``response_mask``:
-            0 on tool outputs and user turns); None: every valid token (single-turn). The answer is searched in each
-            row's final turn only and only the model's tokens are ever reasoning or answer
-            (:mod:`oar_verl.core.text.turns`); a span inside a tool output or an earlier turn is not found.
+            0 on tool outputs); None: every valid token (single-turn). Only the model's tokens are ever searched,
+            reasoning or answer: the answer is the last span among the model's own tokens, searched turn by turn
+            from the final turn back (never across a tool output), so a span inside a tool output is never found
+            (:mod:`oar_verl.core.text.turns`).
 
     Returns:
         :class:`AnswerSpans` with (B, T) bool masks and (B,) ``found`` / ``pattern_index``, on ``response_ids.device``.
@@ -94,20 +109,28 @@ def locate_answer_spans(
     ids = response_ids.detach().to("cpu", torch.long)
     valid = response_mask.detach().to("cpu") != 0
     layout = turn_layout(valid, None if model_mask is None else model_mask.detach().to("cpu"))
-    # Byte offsets of the final turn's tokens, batch-wide: every other token (padding, context, earlier turns) gets
-    # length 0 so it shifts no offset; earlier turns end at byte 0, before any marker (docs/multi_turn.md §1).
-    scanned = valid if model_mask is None else layout.final  # single-turn: every valid token, as always
+    # Byte offsets of the model's tokens, batch-wide: every other token (padding, context) gets length 0 so it
+    # shifts no offset (docs/multi_turn.md §1).
+    scanned = layout.model  # single-turn: every valid token, as always
     table, known, tok_len = selected_byte_lengths(ids, scanned, tokenizer, "response")
     ends = tok_len.cumsum(dim=1)
     starts = ends - tok_len
+    turn_bytes = _turn_byte_offsets(tok_len, layout.turn, layout.turns)
 
-    # Byte spans per row (the only per-row Python work: joining the row's bytes and scanning them).  Rows without an
-    # answer keep (0, 0, 0, -1); the `found` gate below makes those values irrelevant.
+    # Byte spans per row (the only per-row Python work: joining each turn's bytes and scanning them, from the final
+    # turn back; a match never spans two turns).  Rows without an answer keep (0, 0, 0, -1); the `found` gate below
+    # makes those values irrelevant.
     spans = [(0, 0, 0, -1)] * B
+    turn_of = layout.turn
     for b in range(B):
-        row = ids[b][known[b]].tolist()
-        if row:
-            spans[b] = find_answer_span(b"".join([table[i] for i in row]), patterns) or spans[b]
+        row_ids, row_turns = ids[b][known[b]], turn_of[b][known[b]]
+        for k in range(int(layout.turns[b]) - 1, -1, -1):
+            part = row_ids[row_turns == k].tolist()
+            hit = find_answer_span(b"".join([table[i] for i in part]), patterns) if part else None
+            if hit is not None:
+                base = int(turn_bytes[b, k])
+                spans[b] = (hit[0] + base, hit[1] + base, hit[2] + base, hit[3])
+                break
     marker, v_start, v_end, pattern_index = torch.tensor(spans, dtype=torch.long).reshape(B, 4).unbind(1)
     found = pattern_index >= 0
 

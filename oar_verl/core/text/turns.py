@@ -5,14 +5,17 @@ assistant turns the model's tokens form (docs/multi_turn.md).
 The rules, written once here and read by every step that touches a row (docs/multi_turn.md §1):
 
 * the **model's tokens** are the response tokens the policy sampled (verl's ``response_mask`` = 1; OpenRLHF's
-  ``action_mask``); every other valid response token is **context**: kept in every pass's input, never masked,
-  replaced, scored, reshaped or counted in the advantage mass;
+  ``action_mask``; TRL's ``completion_mask`` x ``tool_mask``); every other valid response token is **context**: kept
+  in every pass's input, never masked, replaced, scored, reshaped or counted in the advantage mass;
 * an **assistant turn** is a maximal run of the model's tokens; turn k is the k-th run (0-based);
-* the **answer span** is searched in the **final turn** (the last run) only: a span that appears only inside a tool
-  output or an earlier turn is not used; a row whose final turn has no span follows the single-turn rule for such
-  rows (docs/method.md §2: no reasoning token, w = 1, left out of fidelity);
-* reasoning tokens are the model's tokens of the earlier turns (EOS / pad excluded) and the final turn's tokens
-  before its answer marker.
+* the **answer span** is the last span among the **model's own tokens**, searched turn by turn from the final turn
+  back (a match never spans a tool output): a span that appears only inside a tool output is never used (the
+  recipes' reward grades the last ``#### N`` of the model's own text alike, oar_verl/rewards); a row with no span in
+  any of its turns follows the single-turn rule for such rows (docs/method.md §2: no reasoning token, w = 1, left
+  out of fidelity);
+* reasoning tokens are the model's tokens (EOS / pad excluded) before the answer marker: every turn before the
+  answer's, and that turn's tokens before the marker; the model's tokens after the answer (a later turn) are
+  neither reasoning nor answer (w = 1), as tokens after the answer are in a single-turn row.
 
 A single-turn row (every valid token the model's) has one turn, its final turn is the whole response, and every rule
 reduces to the single-turn one bit for bit. Verl-free; no per-token Python loop.
@@ -38,8 +41,9 @@ class TurnLayout:
         turn: (B, T) long the assistant turn of each model token (0, 1, ...), -1 on context and padding.
         final: (B, T) bool the model's tokens of each row's final (last) turn.
         turns: (B,) long assistant turns per row.
-        context_runs: (B,) long maximal runs of context tokens per row (tool outputs, and user turns with an
-            interaction: one per tool response the agent loop appended).
+        context_runs: (B,) long maximal runs of context tokens per row: one per round of tool responses the agent
+            loop appended (verl's ToolAgentLoop puts a round's parallel calls' outputs in one run, and counts the
+            round as one turn in its ``num_turns``).
     """
 
     model: torch.Tensor
