@@ -182,10 +182,10 @@ def prepare_attribution(prompts: Sequence[torch.Tensor], responses: Sequence[tor
         global_step: selects the probe (``probe=auto``) and seeds the OAR-G noise.
         ground_truths: B answer strings, required with ``target=reference``.
         device: where the attribution batch goes (the model's device).
-        model_masks: B 1-D 0/1 masks of each response's own tokens (multi-turn rows: 0 on tool outputs, user turns
-            and the template between turns); None: every token. Only the model's tokens are ever reasoning (masked,
-            replaced, scored, reshaped), the answer is searched in the final turn, and OAR-P's segments never cross
-            a turn (:mod:`oar_verl.core.text.turns`, docs/multi_turn.md).
+        model_masks: B 1-D 0/1 masks of each response's own tokens (multi-turn rows: 0 on tool outputs and the
+            template between turns); None: every token. Only the model's tokens are ever reasoning (masked,
+            replaced, scored, reshaped) or answer (the last span among them), and OAR-P's segments never cross a
+            turn (:mod:`oar_verl.core.text.turns`, docs/multi_turn.md).
 
     Returns:
         PreparedAttribution.

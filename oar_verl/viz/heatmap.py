@@ -119,10 +119,13 @@ def _rollout_card(record: dict, w_min: float, w_max: float, correct: bool) -> st
     w_range = f"w {min(reasoning_w):.2f}–{max(reasoning_w):.2f} over {len(reasoning_w)} reasoning tokens" \
         if reasoning_w else "no reasoning tokens"
     span = "answer span found" if record.get("span_found") else "no answer span"
-    if record.get("turn"):  # multi-turn: turns and context runs (tool outputs, user turns)
+    if record.get("turn"):  # multi-turn: turns and context runs (rounds of tool outputs)
         t = record["turn"]
         runs = sum(1 for i, x in enumerate(t) if x < 0 and (i == 0 or t[i - 1] >= 0))
-        span += f" (final turn) · {max(t) + 1} turns · {runs} tool outputs"
+        where = [x for x, a in zip(t, record.get("answer", [])) if a]
+        if where:
+            span += " (final turn)" if max(where) == max(t) else f" (turn {max(where) + 1})"
+        span += f" · {max(t) + 1} turns · {runs} tool rounds"
     head = (f'<div class="head"><b>#{record["sample"]}</b> · reward <b>{record["reward"]:.2f}</b> · '
             f'advantage <b>{record["advantage"]:+.3f}</b> · {span} · {w_range}</div>')
     return (f'<div class="rollout {"ok" if correct else "bad"}">{head}'

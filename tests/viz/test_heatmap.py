@@ -155,7 +155,11 @@ def test_multi_turn_rows_mark_tool_outputs_and_turns(tmp_path):
     assert [t["text"] for t in context] == ["↵\n<tool>", "7", "</tool>↵\n"]
     assert all(not t["style"] and "context" in t["title"] for t in context)
     assert page.count('<span class="turn">') == 2  # one marker in the row, one in the legend
-    assert "2 turns · 1 tool outputs" in page
+    assert "answer span found (final turn) · 2 turns · 1 tool rounds" in page
+    earlier = dict(record, answer=[0, 1, 0, 0, 0, 0, 0, 0, 0])  # answered in the first turn
+    path.write_text(json.dumps(earlier) + "\n")
+    assert "answer span found (turn 1) · 2 turns" in heatmap.render_html(heatmap.load_dump(path))
+    path.write_text(json.dumps(record) + "\n")
     bad = dict(record, turn=[0])
     path.write_text(json.dumps(bad) + "\n")
     with pytest.raises(ValueError, match="len\\(turn\\)"):
