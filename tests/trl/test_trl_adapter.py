@@ -199,3 +199,162 @@ def test_every_loss_type_takes_token_advantages(trainer, policy, loss_type):
         invariant = level == "sequence" and loss_type not in ("cispo", "vespo")
         assert moved != invariant, (loss_type, level)
     trainer.importance_sampling_level, trainer.loss_type = "token", "dapo"
+
+
+# ---- every GRPOConfig field: one table (config.FIELD_SUPPORT), the docs' copy, the refusals it drives
+
+def test_every_grpo_config_field_is_in_the_support_table_and_the_docs_show_it():
+    from pathlib import Path
+
+    from trl import GRPOConfig
+
+    from oar_verl.trl.config import FIELD_SUPPORT, NO_EFFECT, REFUSED, WORKS, support_table
+
+    fields = {f.name for f in dataclasses.fields(GRPOConfig) if not f.name.startswith("oar_")}
+    assert set(FIELD_SUPPORT) == fields, (sorted(fields - set(FIELD_SUPPORT)), sorted(set(FIELD_SUPPORT) - fields))
+    for name, s in FIELD_SUPPORT.items():
+        assert s.status in (WORKS, REFUSED, NO_EFFECT), name
+        assert (s.refused is not None) == (s.status == REFUSED), name
+        assert s.status != REFUSED or "Allowed: " in s.why, name
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trl.md").read_text()
+    start, end = "<!-- trl-fields -->\n", "\n<!-- /trl-fields -->"
+    assert start in doc and end in doc, "docs/trl.md holds the field table between its markers"
+    table = doc[doc.index(start) + len(start):doc.index(end)]
+    assert table == support_table(), "docs/trl.md's field table differs from config.FIELD_SUPPORT: paste support_table()"
+    rows = {n.strip("` "): line.split(" | ")[1] for line in table.splitlines()[2:]
+            for n in line.split(" | ")[0].strip("| ").split(", ")}
+    assert rows == {n: s.status for n, s in FIELD_SUPPORT.items()}
+
+
+@pytest.mark.parametrize("extra,setting,allowed", [
+    (dict(top_entropy_quantile=0.8), "top_entropy_quantile=0.8", "Allowed: 1.0"),
+    (dict(torch_compile=True), "torch_compile=True", "torch_compile=False"),
+    (dict(model_init_kwargs={"tp_plan": "auto"}), "model_init_kwargs", "Allowed: any other loading keyword"),
+    (dict(fsdp="full_shard", fsdp_config={"version": 1}), "fsdp_config['version']=1", "Allowed: FSDP2"),
+])
+def test_a_refused_trl_setting_names_itself_and_the_allowed_values(tmp_path, extra, setting, allowed):
+    with pytest.raises(OARTRLArgsError) as err:
+        OARGRPOConfig(output_dir=str(tmp_path), **CPU, **extra)
+    assert setting in str(err.value) and allowed in str(err.value), str(err.value)
+
+
+def test_fsdp2_is_accepted_and_accelerates_fsdp1_config_refused(tmp_path, monkeypatch):
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from oar_verl.trl.config import check_trl_args
+
+    assert OARGRPOConfig(output_dir=str(tmp_path), **CPU, fsdp="full_shard").fsdp  # transformers' default: FSDP2
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --config_file fsdp1.yaml` sets
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(OARTRLArgsError, match="fsdp_version=1.*Allowed: FSDP2"):
+        OARGRPOConfig(output_dir=str(tmp_path), **CPU)
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    cfg = OARGRPOConfig(output_dir=str(tmp_path), **CPU)
+    cfg.parallelism_config = ParallelismConfig(tp_size=2)
+    with pytest.raises(OARTRLArgsError, match="parallelism_config with {'tp_size': 2}.*Allowed: None"):
+        check_trl_args(cfg)
+
+
+# ---- the trainer's construction checks on the loaded policy
+
+def _tiny_trainer(model, tok, tmp_path, **args):
+    from datasets import Dataset
+
+    cfg = OARGRPOConfig(output_dir=str(tmp_path), **CPU, **{**dict(per_device_train_batch_size=3, num_generations=3,
+                                                                    max_completion_length=8), **args})
+    return OARGRPOTrainer(model=model, reward_funcs=lambda completions, **k: [float(i % 3) for i in range(len(
+        completions))], args=cfg, train_dataset=Dataset.from_list([{"prompt": "1 + 1 ="}] * 6), processing_class=tok)
+
+
+def test_a_multimodal_model_is_refused_under_every_mode(tiny_assets, policy, tmp_path):
+    """TRL feeds a VLM's images to the loss; attribution would not see them. A processor (TRL's VLM path) is refused
+    before the model loads; a model whose config has a vision tower, whatever the mode (fisher included)."""
+    from transformers import (Qwen2AudioProcessor, Qwen2VLConfig, Qwen2VLForConditionalGeneration,
+                              WhisperFeatureExtractor)
+
+    _, tok = policy
+    processor = Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor(), tokenizer=tok)
+    with pytest.raises(OARTRLArgsError, match="multimodal .its processing_class is a processor .Qwen2AudioProcessor"):
+        _tiny_trainer(str(tiny_assets.model_dir), processor, tmp_path)
+    vlm = Qwen2VLForConditionalGeneration(Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2)))
+    for mode in ("fisher", "gradient"):
+        with pytest.raises(OARTRLArgsError, match="multimodal .its config has vision_config.*Allowed: a text-only"):
+            _tiny_trainer(vlm, tok, tmp_path, oar_mode=mode)
+
+
+def test_a_pad_token_that_is_a_generation_eos_in_memory_is_refused(tiny_assets, tmp_path):
+    """The EOS ids come from TRL's own ``eos_token_ids`` (the loaded model's generation config), not only a local
+    generation_config.json: a hub model's is not on disk."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from oar_verl.core.checks.mask_token import check_model_mask_token
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_assets.model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_assets.model_dir), dtype=torch.float32)
+    end = next(i for i in range(len(tok)) if i not in tok.all_special_ids and tok.convert_ids_to_tokens(i).isalpha())
+    model.generation_config.eos_token_id = [tok.eos_token_id, end]  # in memory only, as a hub id's would be
+    tok.pad_token = tok.convert_ids_to_tokens(end)
+    cfg = OARConfig(mode="perturbation", mask="pad")
+    assert check_model_mask_token(cfg, str(tiny_assets.model_dir), tok) == end, "the on-disk config alone passes it"
+    with pytest.raises(OARConfigError, match=f"oar_mask=pad: the mask token {end} .*end-of-sequence"):
+        _tiny_trainer(model, tok, tmp_path, oar_mode="perturbation", oar_mask="pad")
+
+
+# ---- two generations in one optimizer step: each its own OAR step and dump
+
+def test_generations_within_one_optimizer_step_get_distinct_steps_and_dumps(tiny_assets, policy, tmp_path):
+    import json
+
+    _, tok = policy
+    trainer = _tiny_trainer(str(tiny_assets.model_dir), tok, tmp_path, gradient_accumulation_steps=2,
+                            steps_per_generation=1, max_steps=2, oar_dump_every=1, save_strategy="no",
+                            logging_steps=1)
+    assert trainer._oar_per_step == 2
+    trainer.train()
+    logged = [h["oar/global_step"] for h in trainer.state.log_history if "oar/global_step" in h]
+    assert logged == [1.5, 3.5], "2 optimizer steps x 2 generations: OAR steps 1, 2 then 3, 4 (logged as means)"
+    dumps = sorted((tmp_path / "oar_dumps").glob("step_*.jsonl"))
+    assert [p.name for p in dumps] == [f"step_{i}.jsonl" for i in (1, 2, 3, 4)]
+    assert [{json.loads(line)["step"] for line in p.read_text().splitlines()} for p in dumps] == [{1}, {2}, {3}, {4}]
+
+
+# ---- TRL's per-sequence metrics read TRL's own (B,) advantages
+
+@pytest.mark.parametrize("loss_type,key", [("cispo", "cispo_clip_ratio"), ("vespo", "vespo/phi_seq_mean")])
+def test_per_sequence_metrics_equal_trls_on_its_own_advantages(trainer, policy, loss_type, key):
+    from trl import GRPOTrainer
+
+    from oar_verl.trl.trainer import SEQUENCE_ADVANTAGES
+
+    _, tok = policy
+    batch, _, _ = _batch(tok)
+    batch["advantages"][:3] = torch.tensor([1.0, -0.5, -0.5])
+    out = reshape_batch(trainer.model, tok, trainer.oar_cfg, 1, **batch)
+    inputs = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+    inputs["num_items_in_batch"] = batch["completion_mask"].sum()
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].shape[1])
+    shift = torch.tensor([0.05, -0.05, 0.0, -0.03, 0.04, 0.02])[:, None]  # per-row policy drift since sampling
+    inputs["old_per_token_logps"] = logps - shift
+    epsilon_high = trainer.epsilon_high
+    trainer.loss_type, trainer.current_gradient_accumulation_steps = loss_type, 1
+    trainer.importance_sampling_level, trainer.epsilon_high = "sequence", 1.0
+    trainer.model.train()
+    try:
+        def metric(compute, advantages, **extra):
+            compute(trainer.model, {**inputs, "advantages": advantages, **extra})
+            return trainer._metrics["train"][key][-1]
+
+        plain = metric(lambda m, i: GRPOTrainer._compute_loss(trainer, m, i), batch["advantages"])
+        ours = metric(trainer._compute_loss, out.advantages, **{SEQUENCE_ADVANTAGES: batch["advantages"]})
+        per_token = metric(trainer._compute_loss, out.advantages)  # no sequence advantages: TRL reads (B, T)
+    finally:
+        trainer.importance_sampling_level, trainer.loss_type = "token", "dapo"
+        trainer.epsilon_high = epsilon_high
+    assert ours == pytest.approx(plain, abs=1e-6)
+    assert abs(per_token - plain) > 1e-3, "the (B, T) advantages alone give another metric: the test can fail"

@@ -172,11 +172,12 @@ def generation_eos_ids(path: str | None) -> list[int]:
 
 
 def check_model_mask_token(cfg, model_path: str | None, tokenizer=None, *, tokenizer_path: str | None = None,
-                           trust_remote_code: bool = False) -> int | None:
+                           trust_remote_code: bool = False, eos_ids: Iterable[int] | None = None) -> int | None:
     """Start-up form of :func:`check_mask_token` for a model directory: its tokenizer (loaded from ``tokenizer_path``
-    or ``model_path`` when none is given) and the EOS ids of its generation config. Nothing to check (None) when the
-    operator uses no token or the tokenizer is not at hand (a remote path: :mod:`oar_verl.core.preprocess` checks at
-    the first step).
+    or ``model_path`` when none is given) and the EOS ids of its generation config, with ``eos_ids`` (the ones a
+    trainer already resolved, e.g. TRL's ``GRPOTrainer.eos_token_ids`` from the loaded model's generation config,
+    which a hub id's has no local file for). Nothing to check (None) when the operator uses no token or the tokenizer
+    is not at hand (a remote path: :mod:`oar_verl.core.preprocess` checks at the first step).
 
     Raises:
         OARConfigError: an unsafe mask token (see :func:`check_mask_token`).
@@ -190,4 +191,4 @@ def check_model_mask_token(cfg, model_path: str | None, tokenizer=None, *, token
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    return check_mask_token(cfg, tokenizer, generation_eos_ids(model_path))
+    return check_mask_token(cfg, tokenizer, [*generation_eos_ids(model_path), *(eos_ids or ())])
