@@ -5,12 +5,18 @@ Use it in verl with::
     reward.custom_reward_function.path=pkg://oar_verl.rewards.math_verify_reward
     reward.custom_reward_function.name=compute_score
     # optional: +reward.custom_reward_function.reward_kwargs.timeout_s=10
+    # optional: +reward.custom_reward_function.reward_kwargs.gsm8k_fallback=False  (the tool recipes)
 
 math-verify runs in the main thread of ``spawn`` worker processes, so that its ``signal.alarm`` timeouts work under
 verl's threaded reward loop and a pathological answer scores 0 after ``timeout_s`` instead of hanging it; a script
 that calls :func:`compute_score` at top level therefore needs an ``if __name__ == "__main__":`` guard. Scoring
 rules, the reason for the pool, ``OAR_GRADER_TIMEOUT_S`` and ``OAR_GRADER_WORKERS``: docs/verl.md, "The recipes' data
 and reward".
+
+Only the model's own words are graded. On a multi-turn row of verl's tool agent loop ``solution_str`` is the whole
+decoded response, tool outputs included; :func:`model_turns` cuts the tool outputs out first (the layouts recognised:
+:data:`TOOL_ROUND`) and a GSM8K row that is multi-turn is graded by the strict ``#### N`` rule alone, so a number that
+only a tool printed earns nothing (:func:`compute_score`).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from concurrent.futures.process import BrokenProcessPool
 
-__all__ = ["DEFAULT_TIMEOUT_S", "compute_score", "gsm8k_strict", "math_verify_score", "shutdown_pool"]
+__all__ = ["DEFAULT_TIMEOUT_S", "TOOL_ROUND", "compute_score", "gsm8k_strict", "math_verify_score", "model_turns",
+           "shutdown_pool"]
 
 logger = logging.getLogger("oar_verl")
 
@@ -53,7 +60,7 @@ def gsm8k_strict(solution_str: str, ground_truth: str) -> float | None:
 
     Returns:
         1.0 / 0.0 when the response has a ``#### N`` number and the ground truth is a number; None when the fast path
-        cannot decide (no ``#### N``, or a non-numeric ground truth), so the caller falls back to math-verify.
+        cannot decide (no ``#### N``, or a non-numeric ground truth): :func:`compute_score` decides what follows.
     """
     matches = _GSM8K_ANSWER.findall(solution_str)
     truth = _to_number(str(ground_truth))
@@ -63,6 +70,59 @@ def gsm8k_strict(solution_str: str, ground_truth: str) -> float | None:
     if predicted is None:
         return None
     return 1.0 if abs(predicted - truth) <= 1e-6 * max(1.0, abs(truth)) else 0.0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the model's own text of a multi-turn response
+# --------------------------------------------------------------------------------------------------------------------
+
+# One round of tool outputs as verl's ToolAgentLoop appends it (the ``tool`` role through the chat template, then the
+# generation prompt) and the reward manager decodes it (``skip_special_tokens=True``), in the hermes layout of
+# Qwen2.5's and Qwen3's templates (``multi_turn.format=hermes``):
+#     "\nuser\n<tool_response>\n68\n</tool_response>\n<tool_response>\n7\n</tool_response>\nassistant\n"
+# (the leading "\n" is the one verl's Qwen builder adds after the model's <|im_end|>; a round of parallel calls holds
+# several blocks). A round ends at the first "</tool_response>\nassistant\n"; one that never ends runs to the end of the
+# text (a truncated response: what follows it is not the model's).
+TOOL_ROUND = re.compile(r"\n?(?:user\n)?<tool_response>.*?(?:</tool_response>\nassistant\n|\Z)", re.DOTALL)
+
+
+def model_turns(solution_str: str) -> list[str]:
+    """The model's own text of a decoded response, one string per assistant turn, tool outputs cut out.
+
+    Recognised: hermes ``<tool_response>`` blocks (:data:`TOOL_ROUND`: Qwen2.5 / Qwen3 chat templates with verl's
+    ``multi_turn.format=hermes``, the GSM8K tool recipes' layout). Any other layout is not recognised: the response is
+    one turn, kept whole. The model's tool calls (``<tool_call>…</tool_call>``) are its own words and stay.
+
+    Returns:
+        ``[solution_str]`` when no tool output is found (a single-turn response); else the k+1 turns around the k
+        rounds of tool outputs, in order (a turn may be empty).
+    """
+    return TOOL_ROUND.split(solution_str)
+
+
+def _num_turns(extra_info) -> int | None:
+    """verl's turn count of the row (``extra_info["num_turns"]``: user + assistant turns + 1, 2 on a single turn)."""
+    value = extra_info.get("num_turns") if isinstance(extra_info, dict) else None
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"extra_info['num_turns'] must be an integer (verl's agent-loop turn count) or None; "
+                         f"got {value!r}") from None
+
+
+_warned_unrecognised = False
+
+
+def _warn_unrecognised_layout(num_turns: int) -> None:
+    global _warned_unrecognised
+    if not _warned_unrecognised:
+        _warned_unrecognised = True
+        logger.warning("a row has num_turns=%d but no hermes <tool_response> block: its tool outputs (if any) cannot "
+                       "be told from the model's words, so the whole response is graded (GSM8K: strict #### N only). "
+                       "Recognised layout: Qwen2.5/Qwen3 chat templates with multi_turn.format=hermes. Logged once.",
+                       num_turns)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -174,25 +234,59 @@ def _is_gsm8k(data_source) -> bool:
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, timeout_s: float | None = None,
-                  **kwargs) -> float:
-    """verl custom reward: 1.0 for a correct final answer, else 0.0.
+                  gsm8k_fallback: bool = True, **kwargs) -> float:
+    """verl custom reward: 1.0 for a correct final answer in the model's own words, else 0.0.
+
+    Tool outputs are never graded: :func:`model_turns` cuts them out of ``solution_str`` first (hermes
+    ``<tool_response>`` blocks; other layouts are kept whole, so a tool output in them can still be read).
+
+    GSM8K rows (``data_source`` containing ``gsm8k``) are graded on the **last** ``#### N`` among the model's own turns,
+    searched from the final turn back (a match never spans a tool output), like verl's strict GSM8K scorer
+    (``verl.utils.reward_score.gsm8k``, ``method="strict"``) on the model's text, and like OAR's answer span (the last
+    span among the model's own tokens: oar_verl/core/text/turns.py): an answer stated in an earlier turn and not
+    restated later counts. Unlike verl's scorer, ``$``, spaces after ``####`` and ``72.00`` against ``72`` are accepted
+    and the whole text is searched (verl reads its last 300 characters only). A row without ``#### N``:
+
+    * **multi-turn** (a tool output found, or ``extra_info["num_turns"] > 2``): 0.0, no math-verify fallback (a
+      fallback would read numbers the model did not state as its answer);
+    * **single-turn**: math-verify on the response (the fallback kept from before, for models that answer in
+      ``\\boxed{}`` or prose), unless ``gsm8k_fallback=False`` (the tool recipes: every row of a run graded by the one
+      strict rule, whether it called the tool or not).
+
+    Other rows (MATH, MATH-500) and a non-numeric GSM8K ground truth: math-verify on the model's turns (tool outputs
+    cut out).
 
     Args:
-        data_source: dataset name; GSM8K sources (``openai/gsm8k``, anything containing ``gsm8k``) take the strict
-            ``#### N`` fast path first.
-        solution_str: the decoded response.
+        data_source: dataset name.
+        solution_str: the decoded response (verl: every turn, tool outputs included).
         ground_truth: the reference answer (``reward_model.ground_truth``), e.g. ``"72"`` or ``"\\frac{1}{2}"``.
-        extra_info, kwargs: accepted for verl's calling convention and ignored.
+        extra_info: verl's row info; ``num_turns`` (None or an int) is read, the rest ignored.
         timeout_s: outer timeout of the math-verify call (default ``OAR_GRADER_TIMEOUT_S``, 10 s).
+        gsm8k_fallback: whether single-turn GSM8K rows without ``#### N`` go to math-verify (``reward_kwargs``).
+        kwargs: accepted for verl's calling convention and ignored.
+
+    Raises:
+        ValueError: ``gsm8k_fallback`` is not a bool, or ``extra_info["num_turns"]`` is not an integer.
     """
+    if not isinstance(gsm8k_fallback, bool):
+        raise ValueError("reward.custom_reward_function.reward_kwargs.gsm8k_fallback must be True or False; "
+                         f"got {gsm8k_fallback!r}")
+    num_turns = _num_turns(extra_info)
     if not solution_str or ground_truth is None:
         return 0.0
     ground_truth = str(ground_truth)
-    if _is_gsm8k(data_source):
-        fast = gsm8k_strict(solution_str, ground_truth)
-        if fast is not None:
-            return fast
-    return math_verify_score(solution_str, ground_truth, timeout_s)
+    turns = model_turns(solution_str)
+    multi_turn = len(turns) > 1 or (num_turns is not None and num_turns > 2)
+    if len(turns) == 1 and multi_turn:
+        _warn_unrecognised_layout(num_turns)
+    if _is_gsm8k(data_source) and _to_number(ground_truth) is not None:
+        for turn in reversed(turns):
+            strict = gsm8k_strict(turn, ground_truth)
+            if strict is not None:
+                return strict
+        if multi_turn or not gsm8k_fallback:
+            return 0.0
+    return math_verify_score("\n".join(turns), ground_truth, timeout_s)
 
 
 if __name__ != _CANONICAL_MODULE:

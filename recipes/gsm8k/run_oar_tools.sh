@@ -2,7 +2,9 @@
 # GSM8K with a calculator tool, multi-turn (verl's ToolAgentLoop; docs/multi_turn.md): the default OAR mode on
 # Qwen2.5-Instruct, which calls `calc` in verl's hermes format (<tool_call>{...}</tool_call>) and reads its result in
 # the next turn. OAR credits the model's own tokens of every turn; the tool's outputs stay context (never scored,
-# reshaped or counted in the mass) and the answer is read in the final turn.
+# reshaped or counted in the mass) and the answer is read in the final turn. The reward grades the model's own words
+# only, by the strict `#### N` rule on every row, tool call or not (gsm8k_fallback=False: docs/verl.md, "The recipes'
+# data and reward").
 # Shares every other setting with the sibling run_*.sh scripts (recipes/common.sh).
 #
 # usage: [MODEL=qwen2.5-1.5b-instruct|qwen2.5-7b-instruct] [MAX_TURNS=4] [VAR=value ...] \
@@ -34,4 +36,5 @@ launch \
   actor_rollout_ref.rollout.multi_turn.format=hermes \
   actor_rollout_ref.rollout.multi_turn.tool_config_path="$TOOL_CONFIG" \
   actor_rollout_ref.rollout.multi_turn.max_assistant_turns="$MAX_TURNS" \
+  +reward.custom_reward_function.reward_kwargs.gsm8k_fallback=False \
   "$@"
