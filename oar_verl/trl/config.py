@@ -295,7 +295,9 @@ def _oar_fields() -> list[tuple[str, Any, dataclasses.Field]]:
     for f in dataclasses.fields(OARConfig):
         if f.name == "prefix":
             continue
-        kind, meta = hints[f.name], {"help": f"OAR: {f.metadata['help']} (oar_verl's `{f.name}` key)"}
+        # argparse %-formats help texts (TRL's TrlParser, HfArgumentParser): the core's '%' as '%%'
+        help_text = f.metadata["help"].replace("%", "%%")
+        kind, meta = hints[f.name], {"help": f"OAR: {help_text} (oar_verl's `{f.name}` key)"}
         if isinstance(f.default, tuple):  # TRL's parser takes lists; a mutable default needs a factory
             default = list(f.default)
             field = dataclasses.field(default_factory=lambda d=default: list(d), metadata=meta)

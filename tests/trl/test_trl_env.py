@@ -39,6 +39,7 @@ def _env() -> dict:
 
 def test_the_trl_tests_pass_in_their_environment(tmp_path):
     proc = subprocess.run([str(PYTHON), "-m", "pytest", "tests/trl/test_trl_adapter.py", "tests/trl/test_trl_trainer.py",
+                           "tests/trl/test_trl_script.py", "tests/trl/test_trl_tool_rows.py",
                            "-q", "-rs", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "inner"),
                            "--durations=5"], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=1200)
     out = proc.stdout + proc.stderr
