@@ -33,6 +33,7 @@ import torch
 from research import REPO, common, long_reasoning, scaling, verl_worker
 from research.common import (fisher_importance, measure, oar_g_importance, oar_p_importance, path_importance,
                              progress)
+from research.worker_report import verl_worker_markdown
 from oar_verl.core.backends.budget import PassLimits
 from oar_verl.core.methods.gradient import sequence_seeds
 
@@ -549,55 +550,6 @@ def failed_checks(summary: dict) -> list[str]:
     """The verl-worker checks that failed, as "variant: check (value)"."""
     return [f"{p['length']}: {k} ({c['value']})" for p in summary.get("verl_worker", []) if "checks" in p
             for k, c in p["checks"].items() if not c["ok"]]
-
-
-def verl_worker_markdown(rows: list[dict]) -> list[str]:
-    gib = lambda b: f"{b / 2**30:.2f}" if b is not None else "–"  # noqa: E731
-    lines = []
-    for p in rows:
-        if "error" in p:
-            lines += ["", f"verl-worker {p['length']}: {p['error']}"]
-            continue
-        calls = p["calls"]
-        lines += ["", f"verl's FSDP2 worker group with OAR's worker ({p['device_name']}), FSDP2 mixed precision "
-                      f"param_dtype={p['param_dtype']}, {p['shape']}, responses of {p['response_lengths']} tokens, "
-                      f"dynamic batch sizes with {p['budget']} tokens a pass, gradient checkpointing; seconds: the median "
-                      f"of the calls after the first of {p['repeats']} (the segment policy: 2), host syncs counted in "
-                      "the first:", "",
-                  "| call | seconds | × update_actor | × old log-probs | peak GiB | above its start | × update's peak "
-                  "(later steps) | host syncs |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for name in ("compute_log_prob", "gradient", "fisher", "conservative", "segment",
-                     *map(verl_worker.shared_call, verl_worker.SHARED_MODES), "update_actor"):
-            if name not in calls:
-                continue
-            c = calls[name]
-            syncs = "–" if c.get("syncs") is None else str(sum(c["syncs"].values()))
-            ratio = lambda key: f"{c[key]:.2f}" if key in c else "–"  # noqa: E731
-            lines.append(f"| {name} | {c['seconds']:.3f} | {ratio('vs_update_time')} | {ratio('vs_log_prob_time')} | "
-                         f"{gib(c.get('absolute_peak_bytes'))} | {gib(c['peak_bytes'])} | {ratio('vs_update_peak')} | "
-                         f"{syncs} |")
-        lines += ["", "| mode | worker vs core: worst row max rel. diff | worst row Spearman | Σw − R (max) |",
-                  "|---|---:|---:|---:|"]
-        for mode, a in p["agreement"].items():
-            lines.append(f"| {mode} | {max(a['max_rel_diff']):.2e} | {min(a['spearman']):.4f} | "
-                         f"{p['estimator'][mode]['max_sum_error']:.2e} |")
-        for mode, sh in p.get("shared", {}).items():
-            name = verl_worker.shared_call(mode)
-            added = calls.get(name, {}).get("added_vs_update_time")
-            lines += ["", f"{name}: the old-log-prob pass with {mode} read from it adds "
-                      f"{added:.2f}× update_actor to the pass alone; its log-probs against the pass alone: max |Δ| "
-                      f"{sh['log_probs_max_abs_diff']:.1e} (bitwise equal: {sh['log_probs_equal']}); its scores against "
-                      f"the {mode} call: worst row max rel. diff {max(sh['agreement']['max_rel_diff']):.2e}, worst "
-                      f"row Spearman {min(sh['agreement']['spearman']):.4f}; recomputed share "
-                      f"{sum(sh['recomputed']) / max(len(sh['recomputed']), 1):.2f}"]
-        syncs = {site: n for mode in ("gradient", "fisher", "segment") for site, n in
-                 (calls[mode].get("syncs") or {}).items()}
-        if syncs:
-            lines += ["", "Host syncs in attribution (the warm call of each mode), by site: "
-                      + "; ".join(f"`{site}` {n}" for site, n in sorted(syncs.items(), key=lambda kv: -kv[1]))]
-        bad = [k for k, c in p["checks"].items() if not c["ok"]]
-        lines += ["", "Checks: " + ("all passed" if not bad else "FAILED: " + "; ".join(bad))]
-    return lines
 
 
 def precision_rows(results: dict) -> list[dict]:

@@ -20,7 +20,9 @@ from functools import cache
 from pathlib import Path
 
 from research import REPO
-from research.verl_worker import steady_peak_ratio
+from research.row_stats import RowStats, ratio_row_stats
+from research.verdict import LOO_SHARE, verdict
+from research.worker_report import steady_peak_ratio, verl_worker_markdown
 
 RESULTS = REPO / "research" / "results"
 DOCS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "research" / "docs").glob("*.md")))
@@ -93,14 +95,23 @@ def _gate(r: dict) -> str:
     return "" if g == "clamp" else f" (`{g}`)"
 
 
+def _learning_verdict(p: dict, with_p: bool = False) -> str:
+    """A primary test's word from its interval (:func:`research.verdict.verdict`: "faster" / "slower" / "not shown"),
+    with the protocol's own decision where it differs (it tests with the Holm-adjusted p)."""
+    word = verdict(*p["ci95"], p=p["p"] if with_p else None, n=p["seeds"], above="faster", below="slower",
+                   level="not shown")
+    if p["passes"] != word.startswith("faster"):
+        word += f" (the protocol's test: {'passed' if p['passes'] else 'not passed'})"
+    return word
+
+
 def learning_primary(name: str = "learning_protocol") -> str:
     r = load(name)
     lines = [f"| primary test: the default{_gate(r)} − GRPO, Δ AUC | Δ [95 % paired bootstrap] | p (exact sign-flip) | "
              "Holm over the 3 tasks | Δ final [95 %] | verdict |", "|---|---|---|---|---|---|"]
     for p in r["analysis"]["primary"]:
-        verdict = "faster" if p["passes"] else "not shown"
         lines.append(f"| {p['task']} ({p['seeds']} seeds) | {iv(p)} | {pval(p['p'])} | "
-                     f"{pval(p.get('p_holm_over_tasks'))} | {iv(p.get('final'))} | {verdict} |")
+                     f"{pval(p.get('p_holm_over_tasks'))} | {iv(p.get('final'))} | {_learning_verdict(p)} |")
     return "\n".join(lines)
 
 
@@ -137,12 +148,35 @@ def learning_reconcile() -> str:
             f"{pub['§8']['auc']:.3f} (seeds {pub['§8']['seeds']})")
 
 
+def learning_verdicts(name: str = "learning_protocol") -> str:
+    """Each task's primary verdict, in a few words: "first not shown / middle not shown / last faster (p 0.002)"."""
+    return " / ".join(f"{p['task']} {_learning_verdict(p, with_p=True)}" for p in load(name)["analysis"]["primary"])
+
+
+def learning_final_verdicts(name: str = "learning_protocol") -> str:
+    """Each task's final success against GRPO's (the primary test's ``final``), judged from its interval."""
+    return " / ".join(f"{p['task']} {iv(p['final'])}: {verdict(*p['final']['ci95'], p=p['final']['p'])}"
+                      for p in load(name)["analysis"]["primary"])
+
+
+def learning_wall(name: str = "learning_protocol_11") -> str:
+    """The range of one run's wall time over a protocol's runs."""
+    s = [x["wall_s"] for x in load(name)["records"] if "wall_s" in x]
+    return f"{min(s):.0f}–{max(s):.0f} s"
+
+
+def oar_p_scaling() -> str:
+    """Exact OAR-P's time × a training step over the measured lengths (docs/scaling.md's table)."""
+    xs = [x["time_ratio"] for x in load("scaling_cpu")["ratios"] if x["method"] == "oar_p"]
+    return f"{min(xs):,.0f}×–{max(xs):,.0f}×"
+
+
 def learning_headline(name: str = "learning_protocol") -> str:
     """The README's one line: the primary result per task, and how many of the protocol's runs it rests on."""
     r = load(name)
     a = r["analysis"]
     parts = [f"{p['task']} {iv(p)} (p {pval(p['p'])})" for p in a["primary"]]
-    faster = [p["task"] for p in a["primary"] if p["passes"]]
+    faster = [p["task"] for p in a["primary"] if _learning_verdict(p) == "faster"]
     verdict = ("faster than GRPO where the decisive token is " + " and ".join(faster)) if faster else \
         "not faster than GRPO on any task"
     seeds = len(r["protocol"]["seeds"])
@@ -272,30 +306,98 @@ def _study(study: str) -> dict:
     return load(FIDELITY_STUDIES[study][0])["summary"]
 
 
+MEASURES = {"kl": ("KL", ""), "logp": ("log p", "_logp")}  # measure -> (label, the summary's gain_over suffix)
+
+
+def _row_values(name: str, ranking: str, measure: str) -> list[float]:
+    """Per row of results file ``name``: ``ranking``'s AOPC (a method, or a free control) on ``measure`` (kl | logp)."""
+    i = list(MEASURES).index(measure)
+    return [r["aopc"][ranking][i] if ranking in r["aopc"] else r["control_aopc"][ranking][i]
+            for r in load(name)["rows"]]
+
+
+@cache
+def fidelity_stats(name: str, ranking: str, against: str, measure: str) -> RowStats:
+    """:func:`research.row_stats.ratio_row_stats` of ``ranking`` against ``against`` (a control or a method) on the
+    rows of results file ``name``; fails if the rows do not give the file's own summary figure (one set of rows)."""
+    st = ratio_row_stats(_row_values(name, ranking, measure), _row_values(name, against, measure))
+    s = load(name)["summary"]
+    fig = (s["methods"][ranking]["gain_over"].get(against + MEASURES[measure][1]) if against not in s["methods"]
+           else s["paired"][f"{ranking} - {against}"][measure])["mean"]
+    if not (st.undefined and fig != fig) and abs(st.estimate - fig) > 1e-6 * max(1.0, abs(fig)):
+        raise ValueError(f"{name}: {ranking} against {against} ({measure}) gives {st.estimate} from its rows, "
+                         f"{fig} in its summary")
+    return st
+
+
+def _interval(x: dict) -> tuple[float | None, float | None]:
+    return x.get("lo"), x.get("hi")
+
+
+def judged(x: dict, st: RowStats) -> str:
+    """``+0.83 [+0.12, +2.92], 13/16 rows: above (p 0.003), one row carries 74 %``: a fidelity figure, the rows on its
+    side and its verdict (:func:`research.verdict.verdict`)."""
+    if st.undefined:
+        return f"undefined ({st.rows} rows: the other's deletions, summed, do not lower it)"
+    return f"{iv(x, 2, 'mean')}, {st.above}/{st.rows} rows: {verdict(*_interval(x), p=st.p, loo=st.loo)}"
+
+
+def _gain(study: str, method: str, over: str, measure: str = "kl") -> tuple[dict, RowStats]:
+    """``method``'s gain over control ``over`` on a study's rows: the summary's interval and the row statistics."""
+    name = FIDELITY_STUDIES[study][0]
+    return (_study(study)["methods"][method]["gain_over"][over + MEASURES[measure][1]],
+            fidelity_stats(name, method, over, measure))
+
+
+def _pair(study: str, other: str, measure: str = "kl") -> tuple[dict, RowStats]:
+    """The study's first method (the default) against ``other`` on the same rows, paired."""
+    s, name = _study(study), FIDELITY_STUDIES[study][0]
+    first = list(s["methods"])[0]
+    return s["paired"][f"{first} - {other}"][measure], fidelity_stats(name, first, other, measure)
+
+
+def _stat_cells(x: dict, st: RowStats) -> str:
+    """Five table cells: the figure, rows above / rows, the sign-flip p, the largest one-row share, the verdict."""
+    share = "–" if st.loo != st.loo else f"{num(100 * st.loo, 0)} % (row {st.loo_row})"
+    return (f"{iv(x, 2, 'mean')} | {st.above}/{st.rows} | {pval(st.p)} | {share} | "
+            f"{verdict(*_interval(x), p=st.p, loo=st.loo)}")
+
+
 def fidelity_table(study: str) -> str:
-    """Every ranking's gains over the free controls and the paired comparisons, on one study's rows."""
+    """Every ranking's gains over the free controls and the paired comparisons on one study's rows, on both deletion
+    measures (the probe's KL; the answer's log p), each with its row statistics and verdict (issue #68 item 2)."""
     s = _study(study)
-    lines = [f"| ranking ({FIDELITY_STUDIES[study][1].format(rows=s['rows'])}) | over random | over position | "
-             "over entropy | cost × train |", "|---|---|---|---|---|"]
-    for m, x in s["methods"].items():
-        g = x["gain_over"]
-        lines.append(f"| {m} | {iv(g['random'], 2, 'mean')} | {iv(g['position'], 2, 'mean')} | "
-                     f"{iv(g['entropy'], 2, 'mean')} | {x['cost']:.2f} |")
-    lines += ["", "| paired on the same rows | KL measure | log p measure |", "|---|---|---|"]
-    for name, e in s["paired"].items():
-        lines.append(f"| {name.replace(' - ', ' − ')} | {iv(e['kl'], 2, 'mean')} | {iv(e['logp'], 2, 'mean')} |")
+    stat = "Σ/Σ [95 %] | rows above | sign-flip p | largest one-row share | verdict"
+    head = " | ".join(f"{label}: {stat}" if k == "kl" else stat.replace("Σ/Σ", f"{label}: Σ/Σ")
+                      for k, (label, _) in MEASURES.items())
+    lines = [f"| ranking ({FIDELITY_STUDIES[study][1].format(rows=s['rows'])}) | against | {head} |",
+             "|---|---|" + "---|" * 10]
+    for m in s["methods"]:
+        for over in ("random", "position", "entropy"):
+            cells = " | ".join(_stat_cells(*_gain(study, m, over, k)) for k in MEASURES)
+            lines.append(f"| {m} | {over} | {cells} |")
+    for name in s["paired"]:
+        other = name.split(" - ")[1]
+        cells = " | ".join(_stat_cells(*_pair(study, other, k)) for k in MEASURES)
+        lines.append(f"| {name.split(' - ')[0]}, paired | {other} | {cells} |")
+    costs = ", ".join(f"{m} {x['cost']:.2f}" for m, x in s["methods"].items())
+    lines += ["", f"Cost × a training forward + backward on the same rows: {costs}. Σ/Σ: Σ_rows (AOPC − "
+              "AOPC_against) / Σ_rows AOPC_against with its prompt-clustered 95 % bootstrap interval (resamples whose denominator sum "
+              "is not above 0 are left out of the percentiles); rows above: rows where the ranking's AOPC exceeds the "
+              "other's; sign-flip p: exact, two-sided, of Σ (AOPC − AOPC_against) over rows; largest one-row share: "
+              "(Σ/Σ − Σ/Σ without that row) / Σ/Σ; verdict: `research/verdict.py` (above / below only where the "
+              f"interval excludes 0; a one-row share past {100 * LOO_SHARE:.0f} % named)"]
     return "\n".join(lines)
 
 
 def fidelity_pair(study: str, other: str) -> str:
-    """One cell of method §15: the default against ``other`` on the same rows (KL measure)."""
-    s = _study(study)
-    return iv(s["paired"][f"{list(s['methods'])[0]} - {other}"]["kl"], 2, "mean")
+    """One cell of method §15: the default against ``other`` on the same rows (KL measure), judged."""
+    return judged(*_pair(study, other))
 
 
 def fidelity_gain(study: str, method: str) -> str:
-    """One cell of method §15: ``method``'s gain over position (KL measure)."""
-    return iv(_study(study)["methods"][method]["gain_over"]["position"], 2, "mean")
+    """One cell of method §15: ``method``'s gain over position (KL measure), judged."""
+    return judged(*_gain(study, method, "position"))
 
 
 def fidelity_cost(study: str, method: str) -> str:
@@ -374,30 +476,92 @@ def bf16_table(*studies: str) -> str:
 _STUDY_LABEL = {"conservative": "the default", "fisher_k1_mean": "`fisher`", "oar_g": "OAR-G"}
 
 
-def fidelity_paired_headline(study: str = "smollm2") -> str:
-    s = _study(study)
-    first = list(s["methods"])[0]
-    pos = iv(s["methods"][first]["gain_over"]["position"], 2, "mean")
-    pairs = "; ".join(f"against {_STUDY_LABEL.get(k.split(' - ')[1], k.split(' - ')[1])} {iv(e['kl'], 2, 'mean')}"
-                      for k, e in s["paired"].items())
-    return (f"{FIDELITY_STUDIES[study][1].format(rows=s['rows'])} tokens: over position {pos}; paired on the same rows "
-            f"{pairs}")
+def _label(study: str) -> str:
+    return FIDELITY_STUDIES[study][1].format(rows=_study(study)["rows"]) + " tokens"
+
+
+def fidelity_position_headline() -> str:
+    """The README's answer: the default against position in every study, on both deletion measures, judged."""
+    return ". ".join(f"{_label(study)}: " + "; ".join(
+        f"{MEASURES[k][0]} {judged(*_gain(study, 'conservative', 'position', k))}" for k in MEASURES)
+        for study in FIDELITY_STUDIES)
+
+
+def fidelity_paired_headline() -> str:
+    """Method §15: the default against fisher and OAR-G on the same rows in every study, both measures, judged."""
+    parts = []
+    for study in FIDELITY_STUDIES:
+        others = [k.split(" - ")[1] for k in _study(study)["paired"]]
+        parts.append(f"{_label(study)}: " + "; ".join(
+            f"against {_STUDY_LABEL.get(o, o)} " + " / ".join(f"{MEASURES[k][0]} {judged(*_pair(study, o, k))}"
+                                                               for k in MEASURES) for o in others))
+    return ". ".join(parts)
+
+
+def bf16_headline(method: str = "conservative") -> str:
+    """The README's bf16 figure: ``method``'s bf16 against fp32 Spearman in each study that ran it."""
+    where = {"smollm2": "SmolLM2", "gemma3": "Gemma 3 inside its window", "gemma3_past": "Gemma 3 past its window"}
+    return "bf16 against fp32 scores, Spearman: " + ", ".join(
+        f"{label} {bf16_cell(method, study)}" for study, label in where.items()
+        if method in load(BF16_STUDIES[study])["methods"])
+
+
+def mode_row() -> str:
+    """The README's `mode` key: the default against position (KL) per study, judged, and its bf16 agreement."""
+    pos = "; ".join(f"{FIDELITY_STUDIES[s][1].split(',')[0]} {verdict(*_interval(x), p=st.p, loo=st.loo)}"
+                    for s in FIDELITY_STUDIES for x, st in [_gain(s, "conservative", "position")])
+    return f"against position (KL): {pos}; {bf16_headline()}"
+
+
+@cache
+def _no_span_csv() -> list[dict]:
+    import csv
+    with open(RESULTS / "no_span_rows.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def no_span_stats(control: str, key: str = "conservative:eos") -> RowStats:
+    """:class:`RowStats` of ``key``'s scores against ``control`` on the probe they explain, over prompt clusters (each
+    cluster's rows summed: the summary's bootstrap is clustered by prompt)."""
+    by: dict[str, list[float]] = {}
+    for r in _no_span_csv():
+        a, c = by.setdefault(r["cluster"], [0.0, 0.0]), float(r[f"aopc[eos probe] control:{control}"])
+        a[0] += float(r[f"aopc[eos probe] {key}"])
+        a[1] += c
+    st = ratio_row_stats([v[0] for v in by.values()], [v[1] for v in by.values()])
+    fig = load("no_span_rows")["own_probe"]["eos"][key][control]["mean"]
+    if abs(st.estimate - fig) > 1e-4 * max(1.0, abs(fig)):  # the CSV keeps 6 significant digits
+        raise ValueError(f"no_span_rows.csv gives {st.estimate} for {key} against {control}, its JSON {fig}")
+    return st
+
+
+def commands(*names: str) -> str:
+    """The commands that wrote results files ``names`` (their ``command`` field), as code spans."""
+    return "; ".join(f"`{load(n).get('command') or load(n)['meta']['command']}`" for n in names)
 
 
 def no_span_headline() -> str:
-    """The README's figure: the default's scores of a row without a span, on the probe they explain, over random."""
+    """The README's answer: the default's scores of a row without a span, on the probe they explain (log p(EOS)),
+    against random and against position, judged over prompt clusters."""
     r = load("no_span_rows")
-    return f"{r['rows']} rows, {iv(r['own_probe']['eos']['conservative:eos']['random'], 2, 'mean')}"
+    parts = []
+    for c in ("random", "position"):
+        x, st = r["own_probe"]["eos"]["conservative:eos"][c], no_span_stats(c)
+        parts.append(f"against {c} {iv(x, 2, 'mean')}, {st.above}/{st.rows} prompts: "
+                     f"{verdict(*_interval(x), p=st.p, loo=st.loo, unit='prompt')}")
+    return f"SmolLM2, {r['rows']} rows of {r['clusters']} prompts: " + "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # OAR's cost in verl's trainer on CPU (research/overhead.py --results, docs/performance.md, the README's cost row)
 # ---------------------------------------------------------------------------------------------------------------------
 
-_OVERHEAD_LABEL = {"GRPO": "GRPO", "OAR-G": "OAR-G", "OAR-P": "OAR-P (prefix reuse)",
+_OVERHEAD_LABEL = {"GRPO": "GRPO", "OAR-G": "OAR-G (its default keys: teachers read from the pass)",
+                   "OAR-P": "OAR-P (prefix reuse)",
                    "conservative-shared": "the default (`conservative`), read from the old-log-prob pass",
                    "conservative-separate": "the default, its own passes", "fisher-shared": "`fisher`, read from the pass",
-                   "fisher-separate": "`fisher`, its own passes", "OAR-G-shared": "OAR-G, teachers read from the pass",
+                   "fisher-separate": "`fisher`, its own passes",
+                   "OAR-G-shared": "OAR-G, teachers read from the pass (the same keys, a second run)",
                    "OAR-G-separate": "OAR-G, its own teacher passes"}
 
 
@@ -426,19 +590,36 @@ def overhead_cpu() -> str:
     return "\n".join(lines)
 
 
+# runs of one configuration under two names in overhead_cpu.json: OAR-G's defaults read its teachers from the pass
+SAME_CONFIG = {"OAR-G": "OAR-G-shared"}
+
+
 def cost_row() -> str:
     """The README's cost row: OAR's time against the training compute of the same run (each run divided by its own),
-    the default first, then the whole step against GRPO's."""
-    rows = {x["method"]: x for x in load("overhead_cpu")["rows"]}
-    share = {k: rows[k]["oar_share_of_training"] for k in rows if k != "GRPO"}
-    parts = [f"{label} {share[k]:.2f}" for k, label in
+    the default first, every run of a configuration that ran more than once; what ``timing_s/oar_total`` leaves out
+    when attribution is read from the old-log-prob pass (the pass's own slow-down); the whole step against GRPO's."""
+    r = load("overhead_cpu")
+    rows = {x["method"]: x for x in r["rows"]}
+
+    def runs(k: str, key: str, fmt: str = ".2f") -> str:
+        xs = [rows[n][key] for n in (k, SAME_CONFIG.get(k)) if n in rows]
+        return " / ".join(f"{x:{fmt}}" for x in xs) + (f" ({len(xs)} runs of one configuration)" if len(xs) > 1 else "")
+
+    parts = [f"{label} {runs(k, 'oar_share_of_training')}" for k, label in
              (("conservative-shared", "the default (read from the old-log-prob pass)"),
               ("conservative-separate", "its own passes"), ("OAR-G", "OAR-G"), ("OAR-P", "OAR-P")) if k in rows]
-    steps = [rows[k]["ratio_to_grpo"] for k in ("conservative-shared", "OAR-G", "OAR-P") if k in rows]
-    m = load("overhead_cpu")["meta"]
-    return (f"OAR's time × the same run's training compute (old log-prob + update): {', '.join(parts)}; the "
-            f"whole step × GRPO's {min(steps):.2f}–{max(steps):.2f} (tiny model, responses ≤ {m['response_length']} "
-            "tokens, one run each)")
+    steps = [rows[k]["ratio_to_grpo"] for k in ("conservative-shared", "OAR-G", SAME_CONFIG["OAR-G"], "OAR-P")
+             if k in rows]
+    g, sh = rows["GRPO"], rows["conservative-shared"]
+    updates = [x["update_s"] for x in r["rows"]]
+    m = r["meta"]
+    return (f"OAR's time (`timing_s/oar_total`) × the same run's training compute (old log-prob + update): "
+            f"{', '.join(parts)}, the others one run each. Read from the pass, `timing_s/oar_total` times OAR's own "
+            f"blocks, not the pass's slow-down (the pass without them {sh['log_prob_s'] - sh['oar_s']:.2f} s, GRPO's "
+            f"{g['log_prob_s']:.2f} s): counted as the pass with attribution − GRPO's pass, the default costs "
+            f"{(sh['log_prob_s'] - g['log_prob_s']) / g['train_s']:.2f} × GRPO's training compute, across runs whose "
+            f"identical update took {min(updates):.2f}–{max(updates):.2f} s. The whole step × GRPO's "
+            f"{min(steps):.2f}–{max(steps):.2f} (tiny model, responses ≤ {m['response_length']} tokens)")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -615,8 +796,6 @@ def gpu_shared_table() -> str:
 
 def gpu_worker_table() -> str:
     """docs/gpu_check.md: verl's worker group on the GPU, bf16, after the fix (the part's own table)."""
-    from research.gpu_check import verl_worker_markdown
-
     lines = verl_worker_markdown(load(GPU_WORKER["bf16"])["verl_worker"])
     text = "\n".join(x for x in lines if not x.startswith("Host syncs in attribution"))  # the sites: in its JSON
     return re.sub(r"\n{3,}", "\n\n", text).strip()
@@ -629,8 +808,15 @@ def gpu_shared_peaks(variant: str) -> str:
                       for m in ("conservative", "fisher"))
 
 
+def _timings(call: dict) -> list[float]:
+    """A worker call's timings after the first (the warm-up), whose median is its ``seconds``."""
+    return call["seconds_all"][1:] or call["seconds_all"]
+
+
 def gpu_row() -> str:
-    """The README's GPU row: the 7B shape in one process, then verl's FSDP2 worker group with OAR's worker."""
+    """The README's GPU row: the 7B shape in one process, then verl's FSDP2 worker group with OAR's worker: each method
+    as it runs by default and with its own passes; the worker's agreement with the core over every call, the passes
+    read from included; a pass read from given with the range of its timings, not only their median."""
     rows, meta = _gpu_rows(), load(GPU_SHARED)
     a, b = sorted(rows)[:2]
     both = lambda key: f"{rows[a][key]['added_x_train']:.2f} / {rows[b][key]['added_x_train']:.2f}"  # noqa: E731
@@ -639,20 +825,31 @@ def gpu_row() -> str:
     lengths = w["response_lengths"]
     peak = max(steady_peak_ratio(calls[m], update) for m in ("gradient", "fisher", "conservative",
                                                             "conservative-shared", "fisher-shared", "gradient-shared"))
-    exact = max(max(x["max_rel_diff"]) for m, x in w32["agreement"].items() if m != "segment")
-    rho = min(min(x["spearman"]) for m, x in w["agreement"].items() if m != "segment")
+
+    def scores(point: dict, key: str) -> list[float]:  # every mode's rows, its own call's and its pass-read's
+        return ([v for m, x in point["agreement"].items() if m != "segment" for v in x[key]]
+                + [v for x in point["shared"].values() for v in x["agreement"][key]])
+
+    own32 = max(v for m, x in w32["agreement"].items() if m != "segment" for v in x["max_rel_diff"])
+    all32, rho = max(scores(w32, "max_rel_diff")), min(scores(w, "spearman"))
+    sh = calls["conservative-shared"]
+    added = [(s - calls["compute_log_prob"]["seconds"]) / update["seconds"] for s in _timings(sh)]
+    e = lambda x: f"{x:.0e}".replace("e-0", "e-")  # noqa: E731
     return (f"{meta['device'].replace('NVIDIA ', '')}, {meta['dtype'].replace('bfloat16', 'bf16')}, Qwen2.5-7B × "
             f"{a // 1024}k / {b // 1024}k, × a training forward + backward on the same tokens: the default read from "
             f"the old-log-prob pass adds {both('conservative_recompute')} (every layer recomputed), its own passes "
             f"{both('conservative_separate')}; fisher from the pass {both('fisher_recompute')}, own "
-            f"{both('fisher_separate')}; "
-            f"OAR-G {both('gradient_own_recompute')}. verl's FSDP2 worker group, Qwen2.5-1.5B, rows of "
-            f"{min(lengths) // 1024}k–{max(lengths) // 1024}k: the default {calls['conservative']['vs_update_time']:.2f}×, "
+            f"{both('fisher_separate')}; OAR-G with its teachers read from the pass (its default) "
+            f"{both('gradient_recompute')}, its own passes {both('gradient_own_recompute')}. verl's FSDP2 worker "
+            f"group, Qwen2.5-1.5B, rows of {min(lengths) // 1024}k–{max(lengths) // 1024}k, medians of "
+            f"{len(_timings(calls['conservative']))} timings: the default "
+            f"{calls['conservative']['vs_update_time']:.2f}×, "
             f"fisher {calls['fisher']['vs_update_time']:.2f}×, OAR-G {calls['gradient']['vs_update_time']:.2f}× "
-            f"`update_actor` (the default read from the pass: "
-            f"+{calls['conservative-shared']['added_vs_update_time']:.2f}×), peak ≤ {peak:.2f}× the update's; "
-            f"scores equal the core's (fp32 ≤ {exact:.0e}".replace("e-0", "e-") + f", bf16 Spearman ≥ {rho:.2f}); "
-            "log-probs bitwise unchanged")
+            f"`update_actor` (the default read from the pass: +{sh['added_vs_update_time']:.2f}×, its "
+            f"{len(added)} timings +{min(added):.2f} to +{max(added):.2f}×), peak ≤ {peak:.2f}× the update's; the "
+            f"worker's scores against the core's, the passes read from included: bf16 Spearman ≥ {rho:.3f}; fp32 "
+            f"(the run before the recompute fix) max relative difference ≤ {e(own32)} in its own calls, ≤ {e(all32)} "
+            "read from the pass; log-probs bitwise unchanged")
 
 
 RENDERERS: dict[str, Callable[[], str]] = {
@@ -662,6 +859,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "no_span_headline": no_span_headline,
     "signed_gate_rows": signed_gate_rows, "gate_learning": gate_learning, "gate_against_grpo": gate_against_grpo, "sigma_sweep": sigma_sweep,
     "fidelity_paired_headline": fidelity_paired_headline,
+    "fidelity_position_headline": fidelity_position_headline, "bf16_headline": bf16_headline, "mode_row": mode_row,
     **{f"fidelity_{kind}.{study}.{m}": (lambda f, s, m: lambda: f(s, m))(f, study, m)
        for kind, f in (("gain", fidelity_gain), ("cost", fidelity_cost), ("pair", fidelity_pair))
        for study in FIDELITY_STUDIES for m in FIDELITY_METHODS},
@@ -678,6 +876,9 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "learning_methods": learning_methods, "learning_primary": learning_primary,
     "learning_secondary": learning_secondary, "learning_headline": learning_headline,
     "learning_reconcile": learning_reconcile,
+    "commands.fidelity": lambda: commands(*(f for f, _ in FIDELITY_STUDIES.values())),
+    "commands.bf16": lambda: commands(*(BF16_STUDIES[s] for s in ("smollm2", "gemma3", "gemma3_past"))), "learning_verdicts": learning_verdicts,
+    "learning_final_verdicts": learning_final_verdicts, "learning11_wall": learning_wall, "oar_p_scaling": oar_p_scaling,
     "learning11_primary": lambda: learning_primary("learning_protocol_11"),
     "learning11_headline": lambda: learning_headline("learning_protocol_11"),
     "learning11_cell.conservative": lambda: learning_cell("conservative", "learning_protocol_11"),

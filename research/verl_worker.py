@@ -41,19 +41,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from research.worker_report import SHARED_MODES, shared_call, steady_peak_ratio  # noqa: F401 (re-exported)
+
 MODES = ("gradient", "fisher", "conservative", "segment")  # the attribution calls of the step, in order
-# read from the old-log-prob pass (algorithm.oar.shared_forward), in order: fisher's and conservative's scores, OAR-G's
-# clean teachers (its noisy passes right after the pass, in the same call)
-SHARED_MODES = ("fisher", "conservative", "gradient")
 # non-tensor flag: the worker takes its fallback for this call (an engine that cannot carry attribution in the pass:
 # attribution right after it, in the same call), as Megatron, Ulysses or fused kernels would make it
 FALLBACK_KEY = "probe_fallback"
 FALLBACK_CALL = "fisher-fallback"
-
-
-def shared_call(mode: str) -> str:
-    """The name of the old-log-prob pass with ``mode`` read from it, among the step's calls."""
-    return f"{mode}-shared"
 COUNT_SYNCS_KEY = "probe_count_syncs"  # non-tensor flag: count this attribution call's host syncs (slower: untimed)
 FP32_TOLERANCE = 1e-3  # per row: max |worker - core| / max |core|
 BF16_SPEARMAN = 0.98  # per row, over the reasoning tokens
@@ -523,14 +517,6 @@ def summarise_calls(calls: list[dict]) -> dict:
         e["added_vs_update_time"] = (e["seconds"] - logp["seconds"]) / update["seconds"]
         steady_peak(e, update)
     return out
-
-
-def steady_peak_ratio(e: dict, update: dict) -> float:
-    """``e``'s peak as it stands in every step after the first, × the update's: the call's rise above its start on the
-    memory the update starts from (the weights and the optimizer's state, which the first update allocates: the first
-    step's attribution calls ran before it, so their absolute peaks would flatter them)."""
-    base = update["absolute_peak_bytes"] - update["peak_bytes"]
-    return (e["peak_bytes"] + base) / max(update["absolute_peak_bytes"], 1)
 
 
 def steady_peak(e: dict, update: dict) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from oar_verl.core.backends.memory import ModelShape, PassKind, pass_bytes
 from research import scaling, tables
-from research.verl_worker import steady_peak_ratio
+from research.worker_report import steady_peak_ratio
 
 RUNS = {"bf16": ("bf16", 2), "bf16_before": ("bf16", 2), "fp32_before": ("fp32", 4)}
 
