@@ -3,10 +3,16 @@
 TRL 1.16's ``GRPOTrainer._generate_and_score_completions`` returns, per process, ``prompt_ids`` / ``prompt_mask``
 (B, P) left-padded, ``completion_ids`` / ``completion_mask`` (B, C) right-padded (the mask a prefix: the tokens up to
 and with the EOS; all 0 for a truncated completion under ``mask_truncated_completions``), an optional ``tool_mask``
-(B, C) (0 on tool output) and ``advantages`` (B,): GRPO's group-normalised rewards. :func:`reshape_batch` attributes
-the rows with a non-zero advantage on the policy and returns (B, C) advantages ``w_t * A`` over the completion tokens
-(Σw = R over each row's reasoning tokens: each row's advantage mass kept; rows with zero advantage, or nothing to
-attribute, keep A on every token), which ``_compute_loss`` consumes as they are.
+(B, C) (0 on tool-result tokens: TRL's ``tools`` loop, a ``rollout_func``'s ``env_mask``) and ``advantages`` (B,):
+GRPO's group-normalised rewards. :func:`reshape_batch` attributes the rows with a non-zero advantage on the policy and
+returns (B, C) advantages ``w_t * A`` over the completion tokens (Σw = R over each row's reasoning tokens: each row's
+advantage mass kept; rows with zero advantage, or nothing to attribute, keep A on every token), which
+``_compute_loss`` consumes as they are.
+
+Tool outputs inside a completion are context (docs/multi_turn.md): they stay in every pass's input, but the core is
+given the model's own tokens (``completion_mask`` x ``tool_mask``) as ``model_masks``, as verl's ``response_mask`` and
+OpenRLHF's ``action_mask`` are, so they are never scored, replaced, reshaped or searched for the answer, and their
+advantage is TRL's (0: its loss masks them).
 
 This module imports no TRL (the tests compare it with the core on the very rows the trainer reshapes). Every process
 calls :func:`reshape_batch` together: under FSDP and DeepSpeed ZeRO-3 every forward gathers parameters collectively,
@@ -28,7 +34,7 @@ from oar_verl.core.pipeline import RowAttribution, attribute, reshape, token_adv
 from oar_verl.core.preprocess import PreparedAttribution
 from oar_verl.core.reshaping.reshape import Reshaped, attribution_rows
 
-__all__ = ["BatchRows", "TRLReshaped", "batch_rows", "reduce_metrics", "reshape_batch"]
+__all__ = ["BatchRows", "TRLReshaped", "batch_rows", "reduce_metrics", "reshape_batch", "rows_to_run"]
 
 
 @dataclass(frozen=True)
@@ -39,13 +45,18 @@ class BatchRows:
         prompts: B unpadded 1-D prompt ids (on the CPU).
         responses: B 1-D completion ids, the ``completion_mask`` prefix (empty for a masked-out completion).
         response_mask: (B, C) bool the responses' tokens, right-aligned with ``completion_ids``.
-        loss_mask: (B, C) bool the tokens that carry an advantage (``completion_mask`` x ``tool_mask``).
+        loss_mask: (B, C) bool the tokens that carry an advantage, the model's own (``completion_mask`` x
+            ``tool_mask``, inside the response); the response's other tokens are context (tool outputs).
     """
 
     prompts: list[torch.Tensor]
     responses: list[torch.Tensor]
     response_mask: torch.Tensor
     loss_mask: torch.Tensor
+
+    def model_masks(self, idx: list[int]) -> list[torch.Tensor]:
+        """The 1-D model-token masks of rows ``idx`` over their responses (the core's ``model_masks``)."""
+        return [self.loss_mask[i, :len(self.responses[i])] for i in idx]
 
 
 def batch_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
@@ -64,6 +75,20 @@ def batch_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_i
     return BatchRows(prompts, responses, response_mask, loss.cpu() & response_mask)
 
 
+def rows_to_run(rows: BatchRows, sel: torch.Tensor, has_tokens: torch.Tensor, completion_ids: torch.Tensor
+                ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """The rows this process attributes, as (indices, responses, model masks): ``sel`` (n,) long, or on a process
+    with none of its own (others have some: the passes are collective) a filler row, its result discarded: the first
+    with a model token, else row 0 (its first completion id if its response is empty, as the model's token)."""
+    run = sel if len(sel) else has_tokens.nonzero().flatten()[:1]
+    if not len(run):  # no model token at all on this process: a prompt-only filler row
+        run = torch.zeros(1, dtype=torch.long)
+    idx = run.tolist()
+    responses = [rows.responses[i] if len(rows.responses[i]) else completion_ids[i, :1].cpu() for i in idx]
+    masks = [m if len(m) else torch.ones(1, dtype=torch.bool) for m in rows.model_masks(idx)]
+    return idx, responses, masks
+
+
 @dataclass(frozen=True)
 class TRLReshaped:
     """What :func:`reshape_batch` did on this process.
@@ -73,12 +98,15 @@ class TRLReshaped:
         reshaped: the core's :class:`Reshaped` (B, C) (weights, base advantages, this process's metrics).
         attribution: the :class:`RowAttribution` (B, C) (importance, masks; rows not attributed: zeros).
         metrics: ``oar/*`` of every process's rows (:func:`reduce_metrics`).
+        model_mask: (B, C) bool the model's own completion tokens (:attr:`BatchRows.loss_mask`); the attribution's
+            ``response_mask`` minus it is the context (tool outputs): the dump's ``valid`` / ``response_mask`` pair.
     """
 
     advantages: torch.Tensor
     reshaped: Reshaped
     attribution: RowAttribution
     metrics: dict[str, float]
+    model_mask: torch.Tensor
 
 
 _SUMS = ("adv_mass_before", "adv_mass_after", "reshaped_tokens")
@@ -146,11 +174,7 @@ def reshape_batch(model: torch.nn.Module, tokenizer, cfg: OARConfig, step: int, 
     att = RowAttribution.unattributed(rows.response_mask)
     align = (lambda n: max_over_ranks(n, device))
     if max_over_ranks(len(sel), device) > 0:  # every process takes part as soon as one has a row to attribute
-        run = sel if len(sel) else has_tokens.nonzero().flatten()[:1]
-        if not len(run):  # no completion token at all on this process: a prompt-only filler row
-            run = torch.zeros(1, dtype=torch.long)
-        idx = run.tolist()
-        responses = [rows.responses[i] if len(rows.responses[i]) else completion_ids[i, :1].cpu() for i in idx]
+        idx, responses, masks = rows_to_run(rows, sel, has_tokens, completion_ids)
 
         def backend(prepared: PreparedAttribution):
             longest = max_over_ranks(prepared.longest, device)
@@ -161,7 +185,9 @@ def reshape_batch(model: torch.nn.Module, tokenizer, cfg: OARConfig, step: int, 
         was_training = model.training
         model.eval()  # eval numerics (no dropout) for the attribution passes
         try:
-            ran = attribute(backend, [rows.prompts[i] for i in idx], responses, tokenizer, cfg, step, device=device)
+            # the model's own tokens only: tool outputs stay context (docs/multi_turn.md)
+            ran = attribute(backend, [rows.prompts[i] for i in idx], responses, tokenizer, cfg, step, device=device,
+                            model_masks=masks)
         finally:
             model.train(was_training)
         if len(sel):
@@ -173,4 +199,4 @@ def reshape_batch(model: torch.nn.Module, tokenizer, cfg: OARConfig, step: int, 
     counts = {"rows": float(len(rows.prompts)), "attributed": float(att.attributed.sum()),
               "reshaped": float(res.token_weights.reshaped.any(-1).sum())}
     out = res.advantages.to(device=device, dtype=torch.float32)
-    return TRLReshaped(out, res, att, reduce_metrics(metrics, counts))
+    return TRLReshaped(out, res, att, reduce_metrics(metrics, counts), rows.loss_mask)

@@ -229,12 +229,13 @@ class OARGRPOTrainer(GRPOTrainer):
         first = self.accelerator.process_index * B  # TRL's groups: num_generations consecutive rows over processes
         uids = ((torch.arange(B) + first) // self.num_generations).numpy()
         rows = pick_groups(uids, att.attributed, cfg.dump_groups)
-        mask = att.response_mask
-        seq = (reshaped.base_advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        own = res.model_mask  # the model's tokens; the response's others are context (tool outputs: "turn" -1)
+        seq = (reshaped.base_advantages * own).sum(-1) / own.sum(-1).clamp(min=1)
         rewards = self._oar_rewards(first, B)
         write_dump(dump_dir(cfg, self.args.output_dir) / f"step_{step}.jsonl", step, rows, uids, rewards, seq,
-                   output["completion_ids"].cpu(), mask, att.importance, reshaped.token_weights.weights,
-                   att.reasoning_mask, att.answer_mask, att.span_found, self._oar_tokenizer())
+                   output["completion_ids"].cpu(), own, att.importance, reshaped.token_weights.weights,
+                   att.reasoning_mask, att.answer_mask, att.span_found, self._oar_tokenizer(),
+                   valid=att.response_mask)
 
     def _oar_rewards(self, first: int, rows: int) -> torch.Tensor:
         """(rows,) this process's rewards of the batch just scored, from TRL's completion log (every process's

@@ -1,7 +1,8 @@
 """TRL's own trainer end to end with OAR (slow: subprocesses, ~20 s each): 2 gloo processes under accelerate's DDP
-(``torch.distributed.run``; TRL's Accelerator picks gloo on CPU) with gradient checkpointing, token dumps, checkpoints
-and a resume from TRL's checkpoint on 2 processes, a PEFT LoRA policy, and the reshape on an FSDP2 / DeepSpeed ZeRO-3 sharded policy. The tiny offline Qwen2 of the quickstart's assets, TRL's own
-``generate`` path (tests/trl/trl_job.py)."""
+(``torch.distributed.run``; TRL's Accelerator picks gloo on CPU) with gradient checkpointing, a real tool through
+TRL's tool loop on every row, token dumps, checkpoints and a resume from TRL's checkpoint on 2 processes, a PEFT LoRA
+policy, and the reshape on an FSDP2 / DeepSpeed ZeRO-3 sharded policy. The tiny offline Qwen2 of the quickstart's
+assets, TRL's own ``generate`` path (tests/trl/trl_job.py)."""
 
 from __future__ import annotations
 
@@ -42,11 +43,27 @@ def _check_oar(step: dict) -> None:
     assert step["timing/oar"] > 0
 
 
+def _check_tool_rows(out: Path, calls: int) -> None:
+    """Every ``reshape_batch`` call of both processes (trl_job.py's spy) had tool outputs, and left them context: no
+    advantage (TRL's, which its loss masks), no weight (outside the loss mask, as padding), no score, never reasoning,
+    answer or reshaped; Σw = R over each reshaped row's reasoning tokens (the model's)."""
+    records = [json.loads(line) for rank in (0, 1) for line in (out / f"tool_rows_rank{rank}.jsonl").read_text()
+               .splitlines()]
+    assert len(records) == 2 * calls, records
+    for r in records:
+        assert r["tool_tokens"] > 0 and r["rows_with_tool"] == 4 and r["model_tokens"] > 0, r
+        assert r["adv_max_abs"] == 0.0 and r["weight_max_abs"] == 0.0 and r["importance_max_abs"] == 0.0, r
+        assert r["reasoning_or_answer"] == 0 and r["mass_rel_err_max"] <= 1e-6, r
+    assert any(r["attributed"] > 0 for r in records)
+
+
 def test_two_gloo_processes_ddp_gradient_checkpointing_dumps_and_resume(tiny_assets, tmp_path):
     """2 steps on 2 processes with checkpoints, then TRL's checkpoint at step 2 resumed to step 3 on 2 processes: OAR's
-    step (probe schedule, noise seeds) continues with TRL's."""
+    step (probe schedule, noise seeds) continues with TRL's. Every completion calls a real tool through TRL's tool loop
+    (``tools=[add]``; trl_job.py's ``"tool"`` run): its outputs are context, in the reshape and in the dump."""
     out = tmp_path / "ddp"
-    run = {"gradient_checkpointing": True, "oar_dump_every": 2, "save_strategy": "steps", "save_steps": 1}
+    run = {"gradient_checkpointing": True, "oar_dump_every": 2, "save_strategy": "steps", "save_steps": 1,
+           "tool": True, "max_completion_length": 136}  # the call, the tool's output and a next turn fit
     logs = _run(tiny_assets.model_dir, out, {**run, "max_steps": 2}, processes=2)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["wrapped"] == "DistributedDataParallel", summary
@@ -54,17 +71,23 @@ def test_two_gloo_processes_ddp_gradient_checkpointing_dumps_and_resume(tiny_ass
     assert [s["oar/global_step"] for s in steps] == [1.0, 2.0] and [s["step"] for s in steps] == [1, 2]
     for s in steps:
         _check_oar(s)
-    # the heatmap dump of step 2, in the core's format, readable by the heatmap page
+        assert s["tools/call_frequency"] == 1.0 and s["tools/failure_frequency"] == 0.0  # TRL ran `add` on every row
+    _check_tool_rows(out, calls=2)
+    # the heatmap dump of step 2, in the core's format, readable by the heatmap page; the tool outputs marked as
+    # context (turn -1), never scored
     from oar_verl.viz.heatmap import load_dump
 
     dump = out / "oar_dumps" / "step_2.jsonl"
     records = [json.loads(line) for line in dump.read_text().splitlines()]
     assert records and all(len(r["tokens"]) == len(r["weight"]) == len(r["importance"]) for r in records)
+    assert all(len(r["turn"]) == len(r["tokens"]) and -1 in r["turn"] and max(r["turn"]) >= 1 for r in records)
+    assert all(v == 0 for r in records for v, t in zip(r["importance"], r["turn"]) if t == -1)
     assert load_dump(out / "oar_dumps")
     assert (out / "checkpoint-2").is_dir()
     resumed = _steps(_run(tiny_assets.model_dir, out, {**run, "max_steps": 3, "resume": True}, processes=2))
     assert resumed[-1]["step"] == 3 and resumed[-1]["oar/global_step"] == 3.0
     assert resumed[-1]["oar/adv_mass_rel_err"] < 1e-6
+    _check_tool_rows(out, calls=3)
 
 
 def test_lora_policy(tiny_assets, tmp_path):
