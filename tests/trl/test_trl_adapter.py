@@ -87,15 +87,6 @@ def test_an_untested_trl_is_refused_unless_allowed():
 
 # ---- the reshape on TRL's padded rows, against the core on the same (prompt, response) rows
 
-@pytest.fixture(scope="module")
-def policy(tiny_assets):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_assets.model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_assets.model_dir), dtype=torch.float32).eval()
-    return model, tok
-
-
 def _batch(tok):
     """TRL's padded batch of 2 groups x 3: group 0 with rewards that differ, group 1 all equal (zero advantage); one
     completion masked out (TRL's mask_truncated_completions)."""

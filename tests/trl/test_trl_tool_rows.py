@@ -27,15 +27,6 @@ ALTERS = ("gradient", "perturbation", "path")  # modes whose passes move reasoni
 ADVANTAGES = torch.tensor([1.2, -0.6, -0.6, 0.9, -0.45, 0.0])
 
 
-@pytest.fixture(scope="module")
-def policy(tiny_assets):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_assets.model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_assets.model_dir), dtype=torch.float32).eval()
-    return model, tok
-
-
 def tool_batch(tok):
     """TRL's padded batch of 6 rows, each completion built turn by turn as TRL's tool loop builds it (the model's
     turn up to its EOS, the tool's result with the chat template around it, ``tool_mask`` 0, the next turn), padded
