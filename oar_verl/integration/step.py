@@ -34,6 +34,7 @@ from oar_verl.core.fidelity.step import step_metrics
 from oar_verl.core.methods.attribution import METHODS, shared_mode
 from oar_verl.core.reshaping.reshape import attribution_rows
 from oar_verl.core.reshaping.metrics import flat_warning
+from oar_verl.core.text.spans import locate_answer_spans
 from oar_verl.core.text.turns import turn_layout, turn_shares
 from oar_verl.integration import dumps, handoff
 from oar_verl.integration.estimator import base_advantage
@@ -87,7 +88,8 @@ class TrainerIO(Protocol):
     """What a trainer adapter gives the step: its batch, its actor's data-parallel size and the worker RPC."""
 
     def rows(self, with_responses: bool) -> BatchRows:
-        """The batch's rows (responses only when ``with_responses``: a token dump is due)."""
+        """The batch's rows (responses only when ``with_responses``: the step asks for them every step, for the
+        token dump and ``oar/rewarded_without_span_frac``)."""
 
     def dp_size(self) -> int:
         """The actor's data-parallel size."""
@@ -149,17 +151,37 @@ def turn_metrics(batch: BatchRows, result, answer: torch.Tensor | None = None,
     return out
 
 
-def rewarded_without_span(scores: torch.Tensor, found: torch.Tensor, rows: torch.Tensor) -> float:
-    """``oar/rewarded_without_span_frac``: of the attributed rows the reward graded above 0, the share with no answer
-    span in the model's own tokens (their credit falls back to GRPO's w = 1: a reward that pays for words the model
-    did not write, e.g. a tool's output, shows here); 0.0 where no attributed row was rewarded.
+def rewarded_without_span(paid: torch.Tensor, has_span: torch.Tensor) -> float:
+    """``oar/rewarded_without_span_frac``: of the rows the reward graded above 0, the share with no answer span in the
+    model's own tokens (their credit is GRPO's w = 1 where attributed; a reward that pays for words the model did not
+    write, e.g. a tool's output, shows here); 0.0 where no row was paid.
 
     Args:
-        scores: (B, T) token-level rewards. found: (B,) bool a span was found. rows: (N,) attributed rows.
+        paid: (B,) bool the rows graded above 0 (real rows only). has_span: (B,) bool a span among the model's tokens.
     """
-    rows = rows.unique()
-    paid = scores[rows].sum(-1) > 0
-    return float((paid & ~found[rows].bool()).sum()) / max(int(paid.sum()), 1)
+    paid = paid.bool()
+    return float((paid & ~has_span.bool()).sum()) / max(int(paid.sum()), 1)
+
+
+def paid_rows_spans(batch: BatchRows, att, tokenizer, patterns) -> tuple[torch.Tensor, torch.Tensor]:
+    """((B,) bool the real rows the reward graded above 0, (B,) bool whether each has an answer span among the
+    model's own tokens): the attributed rows' spans as the workers found them, the others' (a group paid alike has a
+    zero advantage and is not attributed) located here with the core's rule on the batch's responses."""
+    paid = (batch.scores.sum(-1) > 0) & batch.eligible.bool()
+    B = paid.shape[0]
+    known = torch.zeros(B, dtype=torch.bool)
+    has = torch.zeros(B, dtype=torch.bool)
+    known[att.rows] = True
+    has[att.rows] = att.found[att.rows].bool()
+    rest = (paid & ~known).nonzero().flatten()
+    if len(rest) and batch.responses is not None and tokenizer is not None:
+        width = batch.response_mask.shape[1]
+        valid = (batch.valid if batch.valid is not None else batch.response_mask)[:, :width]
+        spans = locate_answer_spans(batch.responses[rest, :width], valid[rest], tokenizer, patterns,
+                                    model_mask=batch.response_mask[rest])
+        has[rest] = spans.found.cpu()
+        known[rest] = True
+    return paid & known, has
 
 
 def session_grpo(batch: BatchRows, algorithm: Any, cfg: OARConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +231,7 @@ class OARStep:
         there), both as ``timing_s/oar_total`` (each accumulated like verl's timers: several ``_step_once`` calls of
         one step add up)."""
         with marked_timer(TIMER, timing_raw, color="purple"):
-            batch = io.rows(with_responses=dumps.due(self.cfg, global_step))
+            batch = io.rows(with_responses=True)  # the dump's tokens, and the spans of paid rows not attributed
             base = self.base_advantage(batch)
             if self.selector is not None:
                 att = self.attribute_auto(io, batch, base, global_step, timing_raw)
@@ -428,7 +450,8 @@ class OARStep:
             # 1: every rank attributed with exactly the weights its old-log-prob pass used (docs/verl.md)
             metrics["oar/policy_matches_old_log_prob"] = float(att.policy_match.min())
         metrics.update(turn_metrics(att.batch, result, att.answer, self.multi_turn))
-        metrics["oar/rewarded_without_span_frac"] = rewarded_without_span(att.batch.scores, att.found, att.rows)
+        metrics["oar/rewarded_without_span_frac"] = rewarded_without_span(
+            *paid_rows_spans(att.batch, att, self.tokenizer, self.cfg.answer_patterns))
         if fidelity_due(self.cfg, global_step) and att.fidelity:  # docs/fidelity.md, "Logged while training"
             metrics.update(step_metrics(att.fidelity))
         if self.selector is not None:  # docs/auto.md, "What is logged"

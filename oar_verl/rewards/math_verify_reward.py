@@ -14,9 +14,9 @@ rules, the reason for the pool, ``OAR_GRADER_TIMEOUT_S`` and ``OAR_GRADER_WORKER
 and reward".
 
 Only the model's own words are graded. On a multi-turn row of verl's tool agent loop ``solution_str`` is the whole
-decoded response, tool outputs included; :func:`model_turns` cuts the tool outputs out first (the layouts recognised:
-:data:`TOOL_ROUND`) and a GSM8K row that is multi-turn is graded by the strict ``#### N`` rule alone, so a number that
-only a tool printed earns nothing (:func:`compute_score`).
+decoded response, tool outputs included; :func:`model_turns` cuts the tool outputs out first (the layout recognised:
+hermes rounds, :data:`ROUND_START` … :data:`ROUND_END`) and a GSM8K row that is multi-turn is graded by the strict
+``#### N`` rule alone, so a number that only a tool printed earns nothing (:func:`compute_score`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from concurrent.futures.process import BrokenProcessPool
 
-__all__ = ["DEFAULT_TIMEOUT_S", "TOOL_ROUND", "compute_score", "gsm8k_strict", "math_verify_score", "model_turns",
+from oar_verl.core.text.answer_patterns import find_answer_span
+
+__all__ = ["DEFAULT_TIMEOUT_S", "ROUND_END", "ROUND_START", "compute_score", "gsm8k_strict", "math_verify_score", "model_turns",
            "shutdown_pool"]
 
 logger = logging.getLogger("oar_verl")
@@ -40,10 +42,6 @@ logger = logging.getLogger("oar_verl")
 DEFAULT_TIMEOUT_S = float(os.environ.get("OAR_GRADER_TIMEOUT_S", "10"))
 MAX_WORKERS = int(os.environ.get("OAR_GRADER_WORKERS", str(min(4, os.cpu_count() or 1))))
 _CANONICAL_MODULE = "oar_verl.rewards.math_verify_reward"
-
-# "#### N": optional "$", sign, digits with optional thousands commas, optional decimals.
-_GSM8K_ANSWER = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?|-?\.[0-9]+)")
-
 
 def _to_number(text: str) -> float | None:
     """``"1,234.50"`` / ``"$72"`` / ``"72."`` -> float; None when it is not a plain number."""
@@ -56,17 +54,20 @@ def _to_number(text: str) -> float | None:
 
 
 def gsm8k_strict(solution_str: str, ground_truth: str) -> float | None:
-    """Strict GSM8K grading on the last ``#### N`` of the response.
+    """Strict GSM8K grading on the last ``#### N`` of the response, found by the very pattern OAR's answer span uses
+    (:func:`oar_verl.core.text.answer_patterns.find_answer_span` with ``gsm8k``: spaces or tabs after ``####``, an
+    optional ``$``, thousands commas in groups of three), so the number the reward reads is the span OAR reads.
 
     Returns:
         1.0 / 0.0 when the response has a ``#### N`` number and the ground truth is a number; None when the fast path
         cannot decide (no ``#### N``, or a non-numeric ground truth): :func:`compute_score` decides what follows.
     """
-    matches = _GSM8K_ANSWER.findall(solution_str)
     truth = _to_number(str(ground_truth))
-    if not matches or truth is None:
+    text = solution_str.encode("utf-8")
+    span = find_answer_span(text, ("gsm8k",))
+    if span is None or truth is None:
         return None
-    predicted = _to_number(matches[-1])
+    predicted = _to_number(text[span[1]:span[2]].decode("utf-8", "replace"))
     if predicted is None:
         return None
     return 1.0 if abs(predicted - truth) <= 1e-6 * max(1.0, abs(truth)) else 0.0
@@ -81,23 +82,46 @@ def gsm8k_strict(solution_str: str, ground_truth: str) -> float | None:
 # Qwen2.5's and Qwen3's templates (``multi_turn.format=hermes``):
 #     "\nuser\n<tool_response>\n68\n</tool_response>\n<tool_response>\n7\n</tool_response>\nassistant\n"
 # (the leading "\n" is the one verl's Qwen builder adds after the model's <|im_end|>; a round of parallel calls holds
-# several blocks). A round ends at the first "</tool_response>\nassistant\n"; one that never ends runs to the end of the
-# text (a truncated response: what follows it is not the model's).
-TOOL_ROUND = re.compile(r"\n?(?:user\n)?<tool_response>.*?(?:</tool_response>\nassistant\n|\Z)", re.DOTALL)
+# several blocks). A round starts at the template's role line (ROUND_START: a "<tool_response>" the model writes in its
+# own text is not one) and ends at the LAST ROUND_END before the next round starts (a tool output that itself holds
+# "</tool_response>\nassistant\n" cannot end its round early); one that never ends runs to the end of the text (a
+# truncated response: what follows it is not the model's).
+ROUND_START = re.compile(r"(?:^|\n)user\n<tool_response>")
+ROUND_END = "</tool_response>\nassistant\n"
 
 
-def model_turns(solution_str: str) -> list[str]:
+def model_turns(solution_str: str, rounds: int | None = None) -> list[str] | None:
     """The model's own text of a decoded response, one string per assistant turn, tool outputs cut out.
 
-    Recognised: hermes ``<tool_response>`` blocks (:data:`TOOL_ROUND`: Qwen2.5 / Qwen3 chat templates with verl's
-    ``multi_turn.format=hermes``, the GSM8K tool recipes' layout). Any other layout is not recognised: the response is
-    one turn, kept whole. The model's tool calls (``<tool_call>…</tool_call>``) are its own words and stay.
+    Recognised: hermes ``<tool_response>`` rounds (:data:`ROUND_START` … :data:`ROUND_END`: Qwen2.5 / Qwen3 chat
+    templates with verl's ``multi_turn.format=hermes``, the GSM8K tool recipes' layout). Any other layout is not
+    recognised: the response is one turn, kept whole. The model's tool calls (``<tool_call>…</tool_call>``) are its own
+    words and stay.
+
+    Args:
+        solution_str: the decoded response.
+        rounds: the rounds of tool outputs the agent loop appended, when known (verl's ``num_turns``: 1 + assistant
+            turns + tool rounds, so ``(num_turns - 1) // 2``): 0 keeps the text whole (a single-turn row: whatever it
+            holds, the model wrote it); more round starts than ``rounds`` means some were written by the model or a
+            tool, and which are real cannot be told.
 
     Returns:
-        ``[solution_str]`` when no tool output is found (a single-turn response); else the k+1 turns around the k
-        rounds of tool outputs, in order (a turn may be empty).
+        ``[solution_str]`` when no round is found or ``rounds == 0``; else the k+1 turns around the k rounds, in order
+        (a turn may be empty); None where the rounds are ambiguous (more starts than ``rounds``).
     """
-    return TOOL_ROUND.split(solution_str)
+    if rounds == 0:
+        return [solution_str]
+    starts = [m.start() for m in ROUND_START.finditer(solution_str)]
+    if rounds is not None and len(starts) > rounds:
+        return None
+    turns, pos = [], 0
+    for i, start in enumerate(starts):  # per round, not per token
+        turns.append(solution_str[pos:start])
+        limit = starts[i + 1] if i + 1 < len(starts) else len(solution_str)
+        end = solution_str.rfind(ROUND_END, start, limit)
+        pos = limit if end < 0 else end + len(ROUND_END)
+    turns.append(solution_str[pos:])
+    return turns
 
 
 def _num_turns(extra_info) -> int | None:
@@ -123,6 +147,18 @@ def _warn_unrecognised_layout(num_turns: int) -> None:
                        "be told from the model's words, so the whole response is graded (GSM8K: strict #### N only). "
                        "Recognised layout: Qwen2.5/Qwen3 chat templates with multi_turn.format=hermes. Logged once.",
                        num_turns)
+
+
+_warned_ambiguous = False
+
+
+def _warn_ambiguous(num_turns: int) -> None:
+    global _warned_ambiguous
+    if not _warned_ambiguous:
+        _warned_ambiguous = True
+        logger.warning("a row holds more <tool_response> rounds than its num_turns=%d allows: the model or a tool wrote "
+                       "a round of its own, and the model's words cannot be told from the tools'; scored 0. Logged "
+                       "once.", num_turns)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -238,14 +274,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, time
     """verl custom reward: 1.0 for a correct final answer in the model's own words, else 0.0.
 
     Tool outputs are never graded: :func:`model_turns` cuts them out of ``solution_str`` first (hermes
-    ``<tool_response>`` blocks; other layouts are kept whole, so a tool output in them can still be read).
+    ``<tool_response>`` rounds, counted against ``extra_info["num_turns"]``: a row with more rounds in its text than
+    the agent loop appended scores 0; other layouts are kept whole, so a tool output in them can still be read).
 
     GSM8K rows (``data_source`` containing ``gsm8k``) are graded on the **last** ``#### N`` among the model's own turns,
     searched from the final turn back (a match never spans a tool output), like verl's strict GSM8K scorer
     (``verl.utils.reward_score.gsm8k``, ``method="strict"``) on the model's text, and like OAR's answer span (the last
     span among the model's own tokens: oar_verl/core/text/turns.py): an answer stated in an earlier turn and not
-    restated later counts. Unlike verl's scorer, ``$``, spaces after ``####`` and ``72.00`` against ``72`` are accepted
-    and the whole text is searched (verl reads its last 300 characters only). A row without ``#### N``:
+    restated later counts. The ``#### N`` pattern is OAR's own (:func:`gsm8k_strict`); where it and verl's scorer
+    differ is listed in docs/verl.md and held by tests/rewards. A row without ``#### N``:
 
     * **multi-turn** (a tool output found, or ``extra_info["num_turns"] > 2``): 0.0, no math-verify fallback (a
       fallback would read numbers the model did not state as its answer);
@@ -275,7 +312,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, time
     if not solution_str or ground_truth is None:
         return 0.0
     ground_truth = str(ground_truth)
-    turns = model_turns(solution_str)
+    turns = model_turns(solution_str, None if num_turns is None else max(num_turns - 1, 0) // 2)
+    if turns is None:  # more tool rounds in the text than the agent loop appended: a fake one, and no telling which
+        _warn_ambiguous(num_turns)
+        return 0.0
     multi_turn = len(turns) > 1 or (num_turns is not None and num_turns > 2)
     if len(turns) == 1 and multi_turn:
         _warn_unrecognised_layout(num_turns)

@@ -61,6 +61,10 @@ WORKS, REFUSED, NO_EFFECT = "works with OAR", "refused at construction", "no eff
 # f(s) A T, exactly GRPO's (OpenRLHF's GSPO, refused there likewise); cispo and vespo multiply A_t by each token's own
 # log-probability, where the weights matter
 SEQUENCE_INVARIANT_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo")
+# TRL 1.16's enumerated settings (its _compute_loss and advantage code raise on anything else, but only at the first
+# step, after a generation and OAR's attribution): checked at construction
+ALLOWED_VALUES = {"loss_type": SEQUENCE_INVARIANT_LOSSES + ("cispo", "vespo"),
+                  "scale_rewards": ("group", "batch", "none")}
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -253,7 +257,8 @@ def check_trl_args(args) -> None:
     keys this adapter does not carry; the message names the field and the allowed values.
 
     Raises:
-        OARTRLArgsError: a refused value of :data:`FIELD_SUPPORT` (its ``why`` is the message);
+        OARTRLArgsError: a refused value of :data:`FIELD_SUPPORT` (its ``why`` is the message); a value of
+            :data:`ALLOWED_VALUES` outside TRL's set;
             ``oar_base_estimator`` other than ``grpo`` (TRL computes the base advantage itself);
             ``oar_fidelity_every`` > 0 (the in-step fidelity is not wired into TRL's step); the keys of
             :data:`UNSUPPORTED_OAR`.
@@ -262,6 +267,11 @@ def check_trl_args(args) -> None:
         setting = support.refused(args) if support.refused is not None else None
         if setting:
             raise OARTRLArgsError(f"{setting}: {support.why}")
+    for field, allowed in ALLOWED_VALUES.items():
+        value = getattr(args, field, allowed[0])
+        if value not in allowed:
+            raise OARTRLArgsError(f"{field}={value!r}: TRL 1.16 would fail on it at the first step, after a "
+                                  f"generation; allowed: {', '.join(allowed)}")
     base = getattr(args, FIELD_PREFIX + "base_estimator", "grpo")
     if base != "grpo":
         raise OARTRLArgsError(f"{FIELD_PREFIX}base_estimator={base!r}: under TRL the base advantage is TRL's own "

@@ -2,9 +2,9 @@
 # GSM8K with a calculator tool, multi-turn (verl's ToolAgentLoop; docs/multi_turn.md): the default OAR mode on
 # Qwen2.5-Instruct, which calls `calc` in verl's hermes format (<tool_call>{...}</tool_call>) and reads its result in
 # the next turn. OAR credits the model's own tokens of every turn; the tool's outputs stay context (never scored,
-# reshaped or counted in the mass) and the answer is read in the final turn. The reward grades the model's own words
-# only, by the strict `#### N` rule on every row, tool call or not (gsm8k_fallback=False: docs/verl.md, "The recipes'
-# data and reward").
+# reshaped or counted in the mass) and the answer span is the last `#### N` among the model's own tokens
+# (answer_patterns=[gsm8k]). The reward grades the model's own words only, by that same `#### N` on every row, tool
+# call or not (gsm8k_fallback=False: docs/verl.md, "The recipes' data and reward").
 # Shares every other setting with the sibling run_*.sh scripts (recipes/common.sh).
 #
 # usage: [MODEL=qwen2.5-1.5b-instruct|qwen2.5-7b-instruct] [MAX_TURNS=4] [VAR=value ...] \
@@ -31,6 +31,7 @@ oar_args
 launch \
   algorithm.adv_estimator=oar \
   algorithm.oar.mode=conservative \
+  "algorithm.oar.answer_patterns=[gsm8k]" \
   "${OAR_ARGS[@]}" \
   actor_rollout_ref.rollout.multi_turn.enable=True \
   actor_rollout_ref.rollout.multi_turn.format=hermes \

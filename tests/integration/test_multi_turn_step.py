@@ -145,9 +145,7 @@ def test_tool_tokens_keep_grpo_and_the_mass_stays_on_the_model_s_tokens(setup, t
     assert metrics["oar/turns/answer_context_tokens"] == 0.0
     assert metrics["oar/turns/answer_in_earlier_turn_frac"] == 0.0  # every span here is in its row's final turn
     # the rewarded rows without a span the model wrote (none here: row 1, whose only span is a tool's, scored 0)
-    paid = (io.scores.sum(-1) > 0).tolist()
-    expected = sum(p and not f for p, f in zip(paid, att.found.tolist())) / max(sum(paid), 1)
-    assert metrics["oar/rewarded_without_span_frac"] == pytest.approx(expected)
+    assert metrics["oar/rewarded_without_span_frac"] == 0.0
     # the token dump (the heatmap's input): whole rows, tool outputs included, marked as context by "turn"
     records = {r["sample"] + 2 * int(r["uid"][1]): r for r in
                map(json.loads, (tmp_path / "step_3.jsonl").read_text().splitlines())}
@@ -192,11 +190,6 @@ def test_an_answer_in_an_earlier_turn_is_counted(setup):
                          token_importance=torch.rand(2, 6), reasoning_mask=model.bool())
     got = turn_metrics(rows, result, answer)
     assert got["oar/turns/answer_in_earlier_turn_frac"] == 0.5 and got["oar/turns/answer_context_tokens"] == 0.0
-    # a reward paid to rows without a span of the model's (rows 0 and 2 paid, row 2 spanless; row 3 not attributed)
-    scores = torch.tensor([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [1.0, 0.0]])
-    found = torch.tensor([True, False, False, False])
-    assert rewarded_without_span(scores, found, torch.tensor([0, 1, 2, 2])) == 0.5
-    assert rewarded_without_span(scores, found, torch.tensor([1])) == 0.0
 
 
 def test_sessions_with_several_outputs_take_verls_grpo(setup):
@@ -252,3 +245,22 @@ def test_worker_reads_the_model_s_tokens_from_both_layouts(setup):
     # the old-log-prob entropies cover every response token, tool outputs included (not response_mask.sum)
     assert [len(e) for e in response_entropies(padded)] == [len(r) for r in responses]
     assert unpack_model_masks(TensorDict({"prompts": pad_p, "responses": io.response_ids}, batch_size=[4])) is None
+
+
+def test_a_group_paid_for_a_tools_answer_counts_though_not_attributed(setup):
+    """``oar/rewarded_without_span_frac`` counts every paid row: a group the reward pays alike (zero advantage, so not
+    attributed) for an answer only a tool printed shows, its spans located on the driver by the core's rule."""
+    tok, model, prompts, responses, masks = setup
+    # p0: both rows paid, the only span a tool's (row 1's layout twice); p1: a paid row with a span, an unpaid one
+    rows_ids = [responses[1], responses[1], responses[0], responses[3]]
+    rows_masks = [masks[1], masks[1], masks[0], masks[3]]
+    io = MultiTurnIO(tok, model, prompts, rows_ids, rows_masks, [1.0, 1.0, 1.0, 0.0])
+    alg = algorithm(probe="as_mean")
+    step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None, multi_turn=True)
+    timing, metrics = {}, {}
+    att = step.attribute(io, 3, timing)
+    verl_advantage(io, "oar", alg, step, att, metrics)
+    assert set(att.rows.tolist()) <= {2, 3}  # the paid-alike group p0 has a zero advantage: not attributed
+    assert metrics["oar/rewarded_without_span_frac"] == pytest.approx(2 / 3)  # rows 0, 1 of the 3 paid
+    assert rewarded_without_span(torch.tensor([True, False]), torch.tensor([False, False])) == 1.0
+    assert rewarded_without_span(torch.tensor([False, False]), torch.tensor([False, False])) == 0.0

@@ -157,6 +157,7 @@ def test_tool_recipes_run_verl_s_agent_loop_with_the_calculator(script):
     assert cfg.actor_rollout_ref.actor.strategy == ("megatron" if megatron else "fsdp2")
     assert mt.tool_config_path == str(ROOT / "recipes" / "tools" / "calculator.yaml")
     assert cfg.reward.custom_reward_function.reward_kwargs.gsm8k_fallback is False  # tool rows: strict `#### N` only
+    assert list(cfg.algorithm.oar.answer_patterns) == ["gsm8k"]  # OAR's span: the number the reward pays for
     tools = initialize_tools_from_config(mt.tool_config_path)
     assert [type(t) for t in tools] == [CalculatorTool] and tools[0].name == "calc"
     # the data the recipe reads: python -m oar_verl.data.prepare gsm8k --tools

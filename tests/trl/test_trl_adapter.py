@@ -64,6 +64,8 @@ def test_the_argument_parser_takes_the_oar_fields(tmp_path):
     ("oar_fidelity_every", 2, "allowed: 0"),
     ("use_liger_kernel", True, "use_liger_kernel=False"),
     ("importance_sampling_level", "sequence", "'cispo' or 'vespo'"),
+    ("loss_type", "bogus", "grpo, bnpo, dr_grpo, dapo, luspo, sapo, cispo, vespo"),
+    ("scale_rewards", "bogus", "group, batch, none"),
 ])
 def test_a_bad_field_is_refused_at_construction_naming_it(tmp_path, field, value, allowed):
     with pytest.raises((OARConfigError, OARTRLArgsError)) as err:
