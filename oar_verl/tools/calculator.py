@@ -7,7 +7,7 @@ Loaded by verl from its tool config: ``class_name: oar_verl.tools.calculator.Cal
 native``; the schema names one string argument, ``expr`` (a JSON number is taken as that number).
 
 The tool's output text is only ever a number (``68``, ``3.5``: an integral value without ``.0``, other floats rounded
-to 6 decimals) or ``error: <reason>`` from a fixed list of reasons: it never echoes the model's text back, so a tool
+to 6 decimals, a float past 2**53 as its 15 significant digits, ``3.33333333333333e+99``) or ``error: <reason>`` from a fixed list of reasons: it never echoes the model's text back, so a tool
 output never holds text the model did not compute. Nothing raises (parse, evaluation and formatting included), and
 the work is bounded, so no expression can stall verl's agent loop:
 
@@ -159,17 +159,20 @@ def _checked(value: Any) -> int | float:
         raise _Refused(NOT_REAL)
     if isinstance(value, float) and not math.isfinite(value):
         raise _Refused(NOT_FINITE)
-    if abs(value) > LIMIT:
+    if abs(value) > (float(LIMIT) if isinstance(value, float) else LIMIT):  # 1e100 is float(LIMIT), just above it
         raise _Refused(TOO_LARGE)
     return value
 
 
 def _format(value: int | float) -> str:
-    """An integral value without ``.0``; other floats rounded to DECIMALS, never in exponent notation."""
+    """An integral value without ``.0``; other floats rounded to DECIMALS, in exponent notation only past 2**53 (15
+    significant digits: float holds no more)."""
     if isinstance(value, float):
+        if abs(value) >= 2.0 ** 53:  # past float's exact integers: its 15 significant digits, not binary noise
+            return f"{value:.15g}"
         value = round(value, DECIMALS)
         if value.is_integer():
-            value = int(value)  # |value| <= LIMIT: at most MAX_DIGITS + 1 digits
+            value = int(value)
     if isinstance(value, int):
         return str(value)
     text = repr(value)

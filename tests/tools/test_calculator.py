@@ -23,7 +23,7 @@ from oar_verl.tools.calculator import CalculatorTool, evaluate
 
 pytestmark = pytest.mark.timeout(300)  # a hang guard (a regression would stall, not fail), not a timing check
 
-NUMBER = re.compile(r"-?\d+(\.\d+)?")
+NUMBER = re.compile(r"-?\d+(\.\d+)?(e[+-]\d+)?")  # exponent form only past 2**53 (15 significant digits)
 REASONS = {calc.NOT_TEXT, calc.NO_EXPR, calc.TOO_LONG, calc.BAD_CHARS, calc.TOO_DEEP, calc.SYNTAX, calc.UNSUPPORTED,
            calc.ZERO_DIVISION, calc.TOO_LARGE, calc.NOT_FINITE, calc.NOT_REAL, calc.TIMED_OUT, calc.FAILED}
 
@@ -168,7 +168,8 @@ _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.t
 
 def _within(value) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and (not isinstance(value, float) or math.isfinite(value)) and abs(value) <= calc.LIMIT)
+            and (not isinstance(value, float) or math.isfinite(value))
+            and abs(value) <= (float(calc.LIMIT) if isinstance(value, float) else calc.LIMIT))
 
 
 def _apply(fn, a, b):
@@ -218,4 +219,15 @@ def test_small_expressions_match_python(case):
         assert result == str(value)
     else:
         assert math.isclose(float(result), value, rel_tol=1e-12, abs_tol=5.1e-7), (text, result, value)
-        assert ("." in result) == (not round(value, calc.DECIMALS).is_integer())
+        if abs(value) >= 2.0 ** 53:  # past float's exact integers: 15 significant digits
+            assert result == f"{value:.15g}"
+        else:
+            assert ("." in result) == (not round(value, calc.DECIMALS).is_integer())
+
+
+def test_large_floats_print_their_significant_digits_and_floats_reach_the_bound():
+    """A float past 2**53 prints its 15 significant digits, not binary noise; 1e100 (float's nearest to the bound,
+    just above 10**100) is within it."""
+    assert evaluate("10**100/3") == "3.33333333333333e+99"
+    assert evaluate("1e100-1e84") == "1e+100"
+    assert evaluate("1e100*10").startswith("error: ")
