@@ -9,7 +9,8 @@ native``; the schema names one string argument, ``expr`` (a JSON number is taken
 The tool's output text is only ever a number (``68``, ``3.5``: an integral value without ``.0``, other floats rounded
 to 6 decimals, a float past 2**53 as its 15 significant digits, ``3.33333333333333e+99``) or ``error: <reason>``
 from a fixed list of reasons: it never echoes the model's text back, so a tool output never holds text the model did
-not compute. Nothing raises (parse, evaluation and formatting included), and the work is bounded, so no expression can stall verl's agent loop:
+not compute. Nothing raises (parse, evaluation and formatting included), and the work is bounded, so no expression
+can stall verl's agent loop:
 
 - the expression: at most ``MAX_CHARS`` (200) characters; after thousands commas are stripped, only digits, ``.``,
   ``e``/``E``, ``_``, ``+ - * / % ( )`` and blanks; its syntax tree at most ``MAX_DEPTH`` (64) levels deep and
