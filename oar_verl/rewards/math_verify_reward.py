@@ -136,29 +136,22 @@ def _num_turns(extra_info) -> int | None:
                          f"got {value!r}") from None
 
 
-_warned_unrecognised = False
+# the row layouts the grader cannot read (a warning each, logged once a process)
+LAYOUT_WARNINGS = {
+    "unrecognised": "a row has num_turns=%d but no hermes <tool_response> round: its tool outputs (if any) cannot be "
+                    "told from the model's words, so the whole response is graded (GSM8K: strict #### N only). "
+                    "Recognised layout: Qwen2.5/Qwen3 chat templates with multi_turn.format=hermes.",
+    "ambiguous": "a row holds more <tool_response> rounds than its num_turns=%d allows: the model or a tool wrote a "
+                 "round of its own, and the model's words cannot be told from the tools'; scored 0.",
+}
+_warned: set[str] = set()
 
 
-def _warn_unrecognised_layout(num_turns: int) -> None:
-    global _warned_unrecognised
-    if not _warned_unrecognised:
-        _warned_unrecognised = True
-        logger.warning("a row has num_turns=%d but no hermes <tool_response> block: its tool outputs (if any) cannot "
-                       "be told from the model's words, so the whole response is graded (GSM8K: strict #### N only). "
-                       "Recognised layout: Qwen2.5/Qwen3 chat templates with multi_turn.format=hermes. Logged once.",
-                       num_turns)
-
-
-_warned_ambiguous = False
-
-
-def _warn_ambiguous(num_turns: int) -> None:
-    global _warned_ambiguous
-    if not _warned_ambiguous:
-        _warned_ambiguous = True
-        logger.warning("a row holds more <tool_response> rounds than its num_turns=%d allows: the model or a tool wrote "
-                       "a round of its own, and the model's words cannot be told from the tools'; scored 0. Logged "
-                       "once.", num_turns)
+def _warn_once(kind: str, num_turns: int) -> None:
+    """Log :data:`LAYOUT_WARNINGS` ``[kind]`` once a process."""
+    if kind not in _warned:
+        _warned.add(kind)
+        logger.warning(LAYOUT_WARNINGS[kind] + " Logged once.", num_turns)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -314,11 +307,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, time
     ground_truth = str(ground_truth)
     turns = model_turns(solution_str, None if num_turns is None else max(num_turns - 1, 0) // 2)
     if turns is None:  # more tool rounds in the text than the agent loop appended: a fake one, and no telling which
-        _warn_ambiguous(num_turns)
+        _warn_once("ambiguous", num_turns)
         return 0.0
     multi_turn = len(turns) > 1 or (num_turns is not None and num_turns > 2)
     if len(turns) == 1 and multi_turn:
-        _warn_unrecognised_layout(num_turns)
+        _warn_once("unrecognised", num_turns)
     if _is_gsm8k(data_source) and _to_number(ground_truth) is not None:
         for turn in reversed(turns):
             strict = gsm8k_strict(turn, ground_truth)
