@@ -23,7 +23,8 @@ class BatchRows:
         scores: (B, T) token-level outcome scores (verl's ``rm_scores``: the reward on the last token).
         uids: (B,) prompt uids (numpy object array; a prompt's rollouts share one).
         eligible: (B,) bool rows that may be attributed (not verl's synthetic padding rows).
-        responses: (B, T) token ids, when a token dump is due (None otherwise).
+        responses: (B, T) token ids, when asked for (the step asks every step: the token dump, and the spans of
+            paid rows not attributed for ``oar/rewarded_without_span_frac``).
         lengths: (B,) tokens of each row, prompt + response (``mode=auto``: the sliding-window band and the actor
             update's tokens); None when the trainer does not give them.
         valid: (B, T) bool every real response token, the tool outputs of verl's agent loop included

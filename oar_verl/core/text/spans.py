@@ -121,9 +121,8 @@ def locate_answer_spans(
     # turn back; a match never spans two turns).  Rows without an answer keep (0, 0, 0, -1); the `found` gate below
     # makes those values irrelevant.
     spans = [(0, 0, 0, -1)] * B
-    turn_of = layout.turn
     for b in range(B):
-        row_ids, row_turns = ids[b][known[b]], turn_of[b][known[b]]
+        row_ids, row_turns = ids[b][known[b]], layout.turn[b][known[b]]
         for k in range(int(layout.turns[b]) - 1, -1, -1):
             part = row_ids[row_turns == k].tolist()
             hit = find_answer_span(b"".join([table[i] for i in part]), patterns) if part else None
