@@ -28,6 +28,7 @@ problem (a cluster is a row); NAOPC's "best" is the best of the methods compared
 usage: python -m research.long_fidelity [--model smollm2|gemma3|tiny] [--rows N] [--tokens T] [--chunk C]
                                        [--methods a,b] [--out DIR] [--docs] [--workers N/J] [--gates t:b,...]
                                        [--operators o,..] [--fractions f,..] [--random J]
+       python -m research.long_fidelity --refresh research/results/fidelity_*.json   (no model run)
 """
 
 from __future__ import annotations
@@ -343,10 +344,7 @@ def summarise(chunks: list[dict], methods: list[str], min_gap: float = 0.0) -> d
     train = sum(c["train_s"] for c in chunks)
 
     def gains_over(aopc: torch.Tensor, over: tuple[str, ...]) -> dict:
-        keys = [(c, i) for c in over for i in range(2)]
-        ivs = bootstrap_ratio(torch.stack([aopc[i] - ctrl[c][i] for c, i in keys]),
-                              torch.stack([ctrl[c][i] for c, i in keys]), groups=groups, min_gap=min_gap)
-        return {c + ("" if i == 0 else "_logp"): vars(iv) for (c, i), iv in zip(keys, ivs)}
+        return _gains_over(aopc, ctrl, over, groups, min_gap)
 
     for name in methods:
         values = torch.tensor([[v for c in chunks for v in c["stats"][name][s]] for s in STATS], dtype=torch.float64)
@@ -361,6 +359,7 @@ def summarise(chunks: list[dict], methods: list[str], min_gap: float = 0.0) -> d
     for c in CONTROLS[1:]:  # the free alternatives against random: what a user gets for nothing
         out["controls"][c] = {"gain_over": gains_over(ctrl[c], ("random",))}
     out["paired"] = paired_gains(chunks, methods, groups, min_gap)
+    out["min_gap"] = min_gap
     if all("scores" in c for c in chunks):
         out["agreement"] = {low: agreement(chunks, low, base) for low, base in LOW_PRECISION.items()
                             if low in methods and base in methods}
@@ -368,6 +367,16 @@ def summarise(chunks: list[dict], methods: list[str], min_gap: float = 0.0) -> d
 
 
 CONTROLS = ("random", "position", "entropy")  # the free alternatives every method is measured against
+
+
+def _gains_over(aopc: torch.Tensor, ctrl: dict[str, torch.Tensor], over: tuple[str, ...], groups: torch.Tensor,
+                min_gap: float) -> dict:
+    """(2, B) AOPCs (KL, log p) of a ranking -> its gain over each control in ``over`` (``ctrl``: control -> (2, B)),
+    keys ``<control>`` (KL) and ``<control>_logp``: :func:`bootstrap_ratio` records (with ``dropped``)."""
+    keys = [(c, i) for c in over for i in range(2)]
+    ivs = bootstrap_ratio(torch.stack([aopc[i] - ctrl[c][i] for c, i in keys]),
+                          torch.stack([ctrl[c][i] for c, i in keys]), groups=groups, min_gap=min_gap)
+    return {c + ("" if i == 0 else "_logp"): vars(iv) for (c, i), iv in zip(keys, ivs)}
 
 
 def paired_gains(chunks: list[dict], methods: list[str], groups: torch.Tensor, min_gap: float = 0.0) -> dict:
@@ -400,6 +409,52 @@ def results_record(summary: dict, chunks: list[dict], methods: list[str], comman
     return {"command": command, "methods": methods, "summary": summary, "rows": rows,
             "seconds": {n: sum(c["seconds"][n] for c in chunks) for n in methods},
             "train_s": sum(c["train_s"] for c in chunks)}
+
+
+# the fidelity models load in float32 (:func:`load`): default_min_gap's float32 value, for files that predate "min_gap"
+FP32_MIN_GAP = 1e-6
+
+
+def ratio_intervals(record: dict, min_gap: float) -> dict:
+    """Every ratio-of-sums interval of a results file (:func:`results_record`) recomputed from its rows alone, no
+    model run: ``{"methods": {name: gain_over}, "controls": {control: gain_over}, "paired": {...}}`` as
+    :func:`summarise` writes them (the same rows, clusters and resampling; the rows' AOPCs are rounded to 8 digits)."""
+    rows, methods = record["rows"], record["methods"]
+    chunk = {"aopc": {n: [[r["aopc"][n][i] for r in rows] for i in range(2)] for n in methods},
+             "control_aopc": {c: [[r["control_aopc"][c][i] for r in rows] for i in range(2)] for c in CONTROLS}}
+    groups = torch.arange(len(rows))
+    ctrl = {c: torch.tensor(v, dtype=torch.float64) for c, v in chunk["control_aopc"].items()}
+    return {"methods": {n: _gains_over(torch.tensor(chunk["aopc"][n], dtype=torch.float64), ctrl, CONTROLS, groups,
+                                       min_gap) for n in methods},
+            "controls": {c: _gains_over(ctrl[c], ctrl, ("random",), groups, min_gap) for c in CONTROLS[1:]},
+            "paired": paired_gains([chunk], methods, groups, min_gap)}
+
+
+def refresh_results(path: Path, tol: float = 1e-4) -> list[str]:
+    """Rewrite a committed results file's ratio-of-sums intervals from its own rows (:func:`ratio_intervals`), adding
+    what a file written before them lacks (``dropped``, the summary's ``min_gap``); a ValueError naming the figure
+    if a recomputed mean or bound differs from the file's by more than ``tol`` (relative, the rows' rounding).
+    Returns the figures whose share of undefined resamples is above 0, as ``"<where>: <share>"``."""
+    record = json.loads(path.read_text())
+    s = record["summary"]
+    new = ratio_intervals(record, s.get("min_gap", FP32_MIN_GAP))
+    old = {"methods": {n: s["methods"][n]["gain_over"] for n in record["methods"]},
+           "controls": {c: e["gain_over"] for c, e in s["controls"].items()}, "paired": s["paired"]}
+    dropped = []
+    for part, entries in new.items():
+        for name, figures in entries.items():
+            for key, iv in figures.items():
+                was = old[part][name][key]
+                for f in ("mean", "lo", "hi"):
+                    a, b = was[f], iv[f]
+                    if not (a != a and b != b) and abs(a - b) > tol * max(1.0, abs(a)):
+                        raise ValueError(f"{path.name}: {part}/{name}/{key} {f}: {b} from the rows, {a} in the file")
+                if iv["dropped"] > 0:
+                    dropped.append(f"{part}/{name}/{key}: {iv['dropped']:.3f}")
+                was.update({k: v for k, v in iv.items() if k not in ("mean", "lo", "hi")})
+    s.setdefault("min_gap", FP32_MIN_GAP)
+    write_results(path, record)
+    return dropped
 
 
 def agreement(chunks: list[dict], low: str, base: str, seed: int = 0) -> dict:
@@ -485,8 +540,9 @@ def table(summary: dict, model: str, tokens: int) -> str:
     first = next(iter(summary["methods"]))
 
     def iv(d, undefined=True):
-        return f"{d['mean']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]" + (f" ({d['undefined']} undef.)"
-                                                                     if undefined and d["undefined"] else "")
+        return f"{d['mean']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]" + (
+            f" ({d['undefined']} undef.)" if undefined and d["undefined"] else "") + (
+            f" ({100 * d['dropped']:.0f} % of resamples undef.)" if d.get("dropped", 0) > 0 else "")
     lines = [f"**{model}**, {summary['rows']} rows, its own continuations of {min(r)}–{max(r)} reasoning tokens "
              f"(median {int(np.median(r))}), cap {tokens}; rows where nothing moved (counted, kept in the sums): "
              f"{summary['rows_static'][0]} (KL), {summary['rows_static'][1]} (log p).", "",
@@ -544,7 +600,14 @@ def main(argv: list[str] | None = None) -> int:
                     "(summary and every row's AOPCs) here, e.g. research/results/fidelity_smollm2_1024.json")
     ap.add_argument("--gates", default="0.25:1,0.4:2,0.4:4,0.6:2,0.6:4,0.8:4",
                     help="tau:beta settings of the mass-on-target sweep (from the cached scores; '' for none)")
+    ap.add_argument("--refresh", type=Path, nargs="+", default=None, help="no model run: rewrite these committed "
+                    "results files' ratio-of-sums intervals from their own rows (adds each one's share of undefined "
+                    "resamples), then exit")
     a = ap.parse_args(argv)
+    if a.refresh:
+        for path in a.refresh:
+            print(f"{path}: " + ("; ".join(refresh_results(path)) or "no resample undefined"))
+        return 0
     methods = [x for x in a.methods.split(",") if x]
     fractions = tuple(float(f) for f in a.fractions.split(",") if f)
     operators = parse_operators(a.operators)

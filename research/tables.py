@@ -21,7 +21,7 @@ from pathlib import Path
 
 from research import REPO
 from research.row_stats import RowStats, ratio_row_stats
-from research.verdict import LOO_SHARE, verdict
+from research.verdict import DROPPED_SHARE, LOO_SHARE, verdict
 from research.worker_report import steady_peak_ratio, verl_worker_markdown
 
 RESULTS = REPO / "research" / "results"
@@ -41,15 +41,23 @@ def num(x: float, digits: int = 3) -> str:
     return f"{x:+.{digits}f}".replace("-", "\u2212")
 
 
+def dropped_note(x: dict | None) -> str:
+    """``, 31 % of resamples undefined``: a ratio-of-sums record's share of bootstrap resamples left out of its
+    percentiles (``dropped``, :class:`oar_verl.core.fidelity.summary.Interval`); empty where it is 0 or absent."""
+    d = (x or {}).get("dropped") or 0.0
+    return "" if not d > 0 else f", {'< 1' if d < 0.01 else f'{100 * d:.0f}'} % of resamples undefined"
+
+
 def iv(x: dict | None, digits: int = 3, key: str = "diff") -> str:
-    """``+0.058 [+0.020, +0.107]`` from a ``{diff|mean, ci95|lo/hi}`` record."""
+    """``+0.058 [+0.020, +0.107]`` from a ``{diff|mean, ci95|lo/hi}`` record, with :func:`dropped_note`."""
     if x is None or x.get(key, x.get("mean")) is None:
         return "–"
     m = x.get(key, x.get("mean"))
     if m != m:  # NaN: a ratio whose denominator's sum is not above 0 (bootstrap_ratio leaves it undefined)
         return "undefined"
     lo, hi = (x["ci95"] if "ci95" in x and x["ci95"] else (x.get("lo"), x.get("hi")))
-    return num(m, digits) if lo is None else f"{num(m, digits)} [{num(lo, digits)}, {num(hi, digits)}]"
+    return (num(m, digits) if lo is None else f"{num(m, digits)} [{num(lo, digits)}, {num(hi, digits)}]"
+            + dropped_note(x))
 
 
 def pval(p: float | None) -> str:
@@ -334,12 +342,17 @@ def _interval(x: dict) -> tuple[float | None, float | None]:
     return x.get("lo"), x.get("hi")
 
 
+def _verdict(x: dict, st: RowStats, unit: str = "row") -> str:
+    """A ratio of sums' verdict from its interval, its row statistics and its share of undefined resamples."""
+    return verdict(*_interval(x), p=st.p, loo=st.loo, dropped=x.get("dropped"), unit=unit)
+
+
 def judged(x: dict, st: RowStats) -> str:
     """``+0.83 [+0.12, +2.92], 13/16 rows: above (p 0.003), one row carries 74 %``: a fidelity figure, the rows on its
     side and its verdict (:func:`research.verdict.verdict`)."""
     if st.undefined:
         return f"undefined ({st.rows} rows: the other's deletions, summed, do not lower it)"
-    return f"{iv(x, 2, 'mean')}, {st.above}/{st.rows} rows: {verdict(*_interval(x), p=st.p, loo=st.loo)}"
+    return f"{iv(x, 2, 'mean')}, {st.above}/{st.rows} rows: {_verdict(x, st)}"
 
 
 def _gain(study: str, method: str, over: str, measure: str = "kl") -> tuple[dict, RowStats]:
@@ -360,7 +373,7 @@ def _stat_cells(x: dict, st: RowStats) -> str:
     """Five table cells: the figure, rows above / rows, the sign-flip p, the largest one-row share, the verdict."""
     share = "–" if st.loo != st.loo else f"{num(100 * st.loo, 0)} % (row {st.loo_row})"
     return (f"{iv(x, 2, 'mean')} | {st.above}/{st.rows} | {pval(st.p)} | {share} | "
-            f"{verdict(*_interval(x), p=st.p, loo=st.loo)}")
+            f"{_verdict(x, st)}")
 
 
 def fidelity_table(study: str) -> str:
@@ -383,10 +396,12 @@ def fidelity_table(study: str) -> str:
     costs = ", ".join(f"{m} {x['cost']:.2f}" for m, x in s["methods"].items())
     lines += ["", f"Cost × a training forward + backward on the same rows: {costs}. Σ/Σ: Σ_rows (AOPC − "
               "AOPC_against) / Σ_rows AOPC_against with its prompt-clustered 95 % bootstrap interval (resamples whose denominator sum "
-              "is not above 0 are left out of the percentiles); rows above: rows where the ranking's AOPC exceeds the "
+              "is not above 0 are left out of the percentiles, their share shown where it is not 0); rows above: rows "
+              "where the ranking's AOPC exceeds the "
               "other's; sign-flip p: exact, two-sided, of Σ (AOPC − AOPC_against) over rows; largest one-row share: "
               "(Σ/Σ − Σ/Σ without that row) / Σ/Σ; verdict: `research/verdict.py` (above / below only where the "
-              f"interval excludes 0; a one-row share past {100 * LOO_SHARE:.0f} % named)"]
+              f"interval excludes 0; a one-row share past {100 * LOO_SHARE:.0f} % named; not shown past "
+              f"{100 * DROPPED_SHARE:.0f} % of resamples undefined)"]
     return "\n".join(lines)
 
 
@@ -508,7 +523,7 @@ def bf16_headline(method: str = "conservative") -> str:
 
 def mode_row() -> str:
     """The README's `mode` key: the default against position (KL) per study, judged, and its bf16 agreement."""
-    pos = "; ".join(f"{FIDELITY_STUDIES[s][1].split(',')[0]} {verdict(*_interval(x), p=st.p, loo=st.loo)}"
+    pos = "; ".join(f"{FIDELITY_STUDIES[s][1].split(',')[0]} {_verdict(x, st)}"
                     for s in FIDELITY_STUDIES for x, st in [_gain(s, "conservative", "position")])
     return f"against position (KL): {pos}; {bf16_headline()}"
 
@@ -548,7 +563,7 @@ def no_span_headline() -> str:
     for c in ("random", "position"):
         x, st = r["own_probe"]["eos"]["conservative:eos"][c], no_span_stats(c)
         parts.append(f"against {c} {iv(x, 2, 'mean')}, {st.above}/{st.rows} prompts: "
-                     f"{verdict(*_interval(x), p=st.p, loo=st.loo, unit='prompt')}")
+                     f"{_verdict(x, st, unit='prompt')}")
     return f"SmolLM2, {r['rows']} rows of {r['clusters']} prompts: " + "; ".join(parts)
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 
 from research import REPO, tables
 from research.row_stats import ratio_row_stats, sign_flip_p
-from research.verdict import LOO_SHARE, verdict
+from research.verdict import DROPPED_SHARE, LOO_SHARE, verdict
 
 
 def test_the_words_follow_the_interval():
@@ -25,6 +25,11 @@ def test_the_words_follow_the_interval():
     assert verdict(float("nan"), float("nan")) == "undefined" and verdict(None, 0.2) == "undefined"
     assert verdict(-0.2, 0.3, loo=-2.09) == "level, leaving one row out moves it 209 %"
     assert verdict(0.1, 0.3, loo=LOO_SHARE) == "above"  # the threshold itself is not named
+    # a ratio whose bootstrap left out more than DROPPED_SHARE of its resamples: no direction, whatever the bounds
+    assert verdict(0.22, 57.2, p=0.015, loo=-0.73, dropped=0.31) == \
+        "not shown (more than 10 % of resamples undefined), leaving one row out moves it 73 %"
+    assert verdict(0.22, 57.2, p=0.015, dropped=DROPPED_SHARE) == "above (p 0.015)"  # the threshold itself passes
+    assert verdict(-0.5, 0.2, dropped=0.08) == "level"
     with pytest.raises(ValueError, match="lo"):
         verdict(0.3, 0.1)
     with pytest.raises(ValueError, match="n must be"):
@@ -78,12 +83,16 @@ def test_every_judged_figure_in_the_docs_agrees_with_its_interval():
     """Every `[lo, hi]: word` the generated blocks print: above only where lo > 0, below only where hi < 0."""
     import re
 
-    pat = re.compile(r"\[([+−-][\d.]+), ([+−-][\d.]+)\](?:, \d+/\d+ (?:rows|prompts))?: (above|below|level)")
+    pat = re.compile(r"\[([+−-][\d.]+), ([+−-][\d.]+)\](?:, (< 1|\d+) % of resamples undefined)?"
+                     r"(?:, \d+/\d+ (?:rows|prompts))?: (above|below|level|not shown)")
     seen = 0
     for doc in tables.DOCS:
-        for lo, hi, word in pat.findall(doc.read_text()):
+        for lo, hi, dropped, word in pat.findall(doc.read_text()):
             lo, hi = (float(x.replace("−", "-")) for x in (lo, hi))
             seen += 1
+            if dropped and dropped != "< 1" and int(dropped) > 100 * DROPPED_SHARE:
+                assert word == "not shown", (doc.name, lo, hi, dropped, word)
+                continue
             assert (word == "above") == (lo > 0) and (word == "below") == (hi < 0), (doc.name, lo, hi, word)
     assert seen >= 10
 

@@ -90,3 +90,29 @@ def test_long_fidelity_study_quick(tmp_path):
         assert aopc[name].tolist() == [v for c in cached for v in c["aopc"][name][0]]
     assert auto_decisions.main(["--out", str(tmp_path), "--model", "tiny", "--tokens", "40", "--operators",
                                 "token,delete", "--fractions", "0.1,0.2"]) == 0
+
+
+def test_a_results_file_refreshed_from_its_rows(tmp_path):
+    """``--refresh``: a committed results file's ratio-of-sums intervals recomputed from its rows alone (no model),
+    the figures unchanged, each one's share of undefined resamples added; a figure its rows do not give is refused."""
+    import pytest
+
+    from research.long_fidelity import refresh_results
+
+    src = json.loads((ROOT / "research" / "results" / "fidelity_smollm2_1024.json").read_text())
+    for part in ([e["gain_over"] for e in src["summary"]["methods"].values()]
+                 + [e["gain_over"] for e in src["summary"]["controls"].values()] + list(src["summary"]["paired"].values())):
+        for x in part.values():
+            x.pop("dropped", None)  # as written before the field existed
+    path = tmp_path / "f.json"
+    path.write_text(json.dumps(src))
+    dropped = refresh_results(path)
+    got = json.loads(path.read_text())["summary"]
+    paired = got["paired"]["conservative - fisher_k1_mean"]
+    assert paired["kl"]["dropped"] == 0.0 and round(paired["logp"]["dropped"], 2) == 0.31  # issue #68's 31 %
+    assert paired["logp"]["mean"] == src["summary"]["paired"]["conservative - fisher_k1_mean"]["logp"]["mean"]
+    assert "paired/conservative - fisher_k1_mean/logp: 0.310" in dropped and got["min_gap"] == 1e-6
+    src["summary"]["paired"]["conservative - oar_g"]["kl"]["lo"] += 0.01
+    path.write_text(json.dumps(src))
+    with pytest.raises(ValueError, match="paired/conservative - oar_g/kl lo"):
+        refresh_results(path)

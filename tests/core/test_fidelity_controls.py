@@ -98,6 +98,28 @@ def test_ratio_of_sums_and_static_rows_by_hand():
     assert ivs[0].lo < got < ivs[0].hi
 
 
+def test_the_share_of_resamples_dropped_for_an_undefined_ratio():
+    """``dropped``: the share of resamples whose denominator sum is not above 0 (nanquantile leaves them out of the
+    percentiles); 0 where every row's denominator is positive; mean, lo, hi as before, the bounds over the rest."""
+    g = torch.Generator().manual_seed(1)
+    num = torch.randn(2, 2, generator=g, dtype=torch.float64)
+    den = torch.tensor([[1.0, 2.0], [2.0, -1.0]], dtype=torch.float64)  # Σ den > 0; row 1 drawn twice: Σ den < 0
+    R, seed = 4000, 3
+    pos, mixed = bootstrap_ratio(num, den, resamples=R, seed=seed)
+    assert pos.dropped == 0.0 and bootstrap_mean(num)[0].dropped == 0.0
+    # the same resamples by hand: R draws of K = 2 rows with replacement, each row's draw count
+    idx = torch.randint(0, 2, (R, 2), generator=torch.Generator().manual_seed(seed))
+    counts = torch.stack([(idx == k).sum(-1) for k in range(2)], -1).double()  # (R, 2)
+    assert mixed.dropped == pytest.approx((counts[:, 1] == 2).double().mean().item(), abs=1e-12)
+    assert mixed.dropped == pytest.approx(0.25, abs=0.03)  # P(both draws row 1) = 1/4
+    for iv, n, d in ((pos, num[0], den[0]), (mixed, num[1], den[1])):
+        assert iv.mean == pytest.approx(float(ratio_of_sums(n, d)))
+        ratio = (counts @ n) / (counts @ d)
+        kept = ratio[counts @ d > 0]  # the bounds: percentiles of the defined resamples only
+        assert (iv.lo, iv.hi) == pytest.approx((torch.quantile(kept, 0.025).item(),
+                                                torch.quantile(kept, 0.975).item()), rel=1e-12)
+
+
 def test_the_cluster_bootstrap():
     """(d) one cluster: every resample is the whole sample, the interval is the point; rows duplicated within their
     cluster: the interval is the row bootstrap of the distinct rows, not the narrower one of independent copies."""

@@ -98,6 +98,9 @@ class Interval:
         mean: the mean (the ratio) over the rows where the value is defined (NaN if none). lo, hi: the interval's
             bounds.
         rows: rows where the value is defined. undefined: rows where it is NaN (degenerate denominators etc.).
+        dropped: the share (0..1) of bootstrap resamples where the ratio was undefined (the resample's mean
+            denominator not above ``min_gap``), left out of the percentiles: ``lo``, ``hi`` then describe only the
+            resamples with a positive denominator. 0 for a mean (its denominator is a row count).
     """
 
     mean: float
@@ -105,6 +108,7 @@ class Interval:
     hi: float
     rows: int
     undefined: int
+    dropped: float = 0.0
 
 
 def clusters(groups: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, int]:
@@ -134,8 +138,10 @@ def bootstrap_ratio(num: torch.Tensor, den: torch.Tensor, *, groups: torch.Tenso
         min_gap: the smallest mean denominator trusted (:func:`ratio_of_sums`).
 
     Returns:
-        S :class:`Interval` s: ``mean`` the ratio on all rows, ``lo``, ``hi`` the percentile bounds (NaN where the
-        ratio is); with one cluster every resample is the whole sample and the interval collapses to the ratio.
+        S :class:`Interval` s: ``mean`` the ratio on all rows, ``lo``, ``hi`` the percentile bounds over the
+        resamples where the ratio is defined (NaN where the ratio on all rows is), ``dropped`` the share of resamples
+        left out for an undefined ratio; with one cluster every resample is the whole sample and the interval
+        collapses to the ratio.
     """
     n, d = num.detach().double().cpu(), den.detach().double().cpu()
     S, B = n.shape
@@ -151,11 +157,12 @@ def bootstrap_ratio(num: torch.Tensor, den: torch.Tensor, *, groups: torch.Tenso
     boot = _ratio(*(per @ times.T), min_gap)  # (S, resamples): each cluster's sums times its draws
     lo = torch.nanquantile(boot, alpha / 2, dim=-1)
     hi = torch.nanquantile(boot, 1 - alpha / 2, dim=-1)
+    dropped = boot.isnan().double().mean(-1)  # (S,) the share of resamples nanquantile leaves out
     rows = ok.sum(-1)
     nan = float("nan")
     return [Interval(float(point[s]), float(lo[s]) if not point[s].isnan() else nan,
-                     float(hi[s]) if not point[s].isnan() else nan, int(rows[s]), int(B - rows[s]))
-            for s in range(S)]
+                     float(hi[s]) if not point[s].isnan() else nan, int(rows[s]), int(B - rows[s]),
+                     float(dropped[s])) for s in range(S)]
 
 
 def bootstrap_mean(values: torch.Tensor, *, groups: torch.Tensor | None = None, resamples: int = 1000,
