@@ -7,7 +7,8 @@ environment) train each warm-started model once per session, not once per test; 
 The work units (``--dist loadgroup``): the verl and OpenRLHF trainer runs are one and the research quick modes another,
 each run in order on one worker, while the other worker takes the rest test by test: two trainer runs of one unit never
 run side by side, and the research studies share their warm starts in one process. A trainer run beside another test is
-slower (GRPO 127 s against 87 s), the suite as a whole 25 % faster (tests/README.md).
+slower (GRPO 127 s against 87 s), the suite as a whole 25 % faster (tests/README.md). The minutes-long tests of units of
+their own are queued first (``pytest_collection_modifyitems``), so that the workers finish together.
 """
 
 from __future__ import annotations
@@ -49,6 +50,23 @@ def pytest_xdist_make_scheduler(config, log):
             return work_unit(nodeid)
 
     return WorkUnits(config, log)
+
+
+# a test of its own unit carrying one of these markers takes minutes, not seconds
+HEAVY_MARKERS = ("e2e", "slow", "megatron", "trl")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``--dist loadgroup``, the modules holding a heavy test (HEAVY_MARKERS) that is a unit of its own are
+    queued first, in collection order, each module whole: the workers then end on tests of seconds and finish
+    together, instead of one running a minutes-long test (the TRL environment's, 215 s) while the other waits. The
+    order of the tests inside a module and inside a work unit is kept; the order is the same on every worker."""
+    if config.getoption("dist", default=None) != "loadgroup":
+        return
+    heavy = {item.nodeid.split("::")[0] for item in items
+             if work_unit(item.nodeid) == item.nodeid and any(item.get_closest_marker(m) for m in HEAVY_MARKERS)}
+    items[:] = sorted(items, key=lambda item: item.nodeid.split("::")[0] not in heavy)
 
 
 @pytest.fixture(scope="session", autouse=True)
