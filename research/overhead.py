@@ -301,8 +301,8 @@ def summary_rows(runs: list[dict]) -> list[dict]:
     for name in dict.fromkeys(r["method"] for r in runs):
         mine = [r for r in runs if r["method"] == name]
         row = {"method": name, "n": len(mine), "rounds": [r["round"] for r in mine]}
-        for key in ("step_s", "ratio_to_grpo", "log_prob_s", "update_s", "train_s", "oar_s", "adv_s", "oar_share_of_step",
-                    "oar_share_of_training", "pass_added_x_training", "attributed_frac", "peak_used_gib"):
+        for key in ("step_s", "ratio_to_grpo", "log_prob_s", "update_s", "train_s", "oar_s", "adv_s",
+                    "oar_share_of_step", "oar_share_of_training", "pass_added_x_training", "attributed_frac", "peak_used_gib"):
             xs = [r[key] for r in mine if r.get(key) is not None and r[key] == r[key]]
             row[key] = statistics.median(xs) if xs else float("nan")
             row[f"{key}_min"], row[f"{key}_max"] = (min(xs), max(xs)) if xs else (float("nan"),) * 2

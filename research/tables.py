@@ -629,13 +629,13 @@ def _overhead_runs() -> tuple[dict, dict[str, list[dict]], dict[str, dict]]:
     return r, by, rep
 
 
-def _spread(xs: list[float], fmt: str = ".2f") -> str:
+def _spread(xs: list[float], fmt: str = ".2f", unit: str = "") -> str:
     """``1.10 [1.05–1.29]``: the median over runs with its min–max; "0.31 (one run)" for one."""
     if len(xs) == 1:
-        return f"{xs[0]:{fmt}} ({verdict(None, None, n=1)})"
+        return f"{xs[0]:{fmt}}{unit} ({verdict(None, None, n=1)})"
     if f"{min(xs):{fmt}}" == f"{max(xs):{fmt}}":
-        return f"{xs[0]:{fmt}} (each run)"
-    return f"{_median(xs):{fmt}} [{min(xs):{fmt}}–{max(xs):{fmt}}]"
+        return f"{xs[0]:{fmt}}{unit} (each run)"
+    return f"{_median(xs):{fmt}}{unit} [{min(xs):{fmt}}–{max(xs):{fmt}}]"
 
 
 def _steps(runs: list[dict], meta: dict) -> str:
@@ -704,7 +704,8 @@ def overhead_cpu() -> str:
         if one or k not in rep:
             again = "–"
         else:
-            again = ", ".join(f"{rep[k][key]:.2f} ({'inside' if _inside(rep[k][key], [x[key] for x in runs]) else 'outside'})"
+            again = ", ".join(f"{rep[k][key]:.2f} "
+                              f"({'inside' if _inside(rep[k][key], [x[key] for x in runs]) else 'outside'})"
                               for key in ("ratio", "added"))
         lines.append(f"| {_OVERHEAD_LABEL.get(k, k)} | {n} | {_spread([x['step_s'] for x in runs])} | "
                      f"**{_spread([x['ratio'] for x in runs])}** | **{_spread([x['added'] for x in runs])}** | "
@@ -724,12 +725,17 @@ def overhead_cpu() -> str:
               f"{m['response_length']} tokens, each run's median of steps 2–{_steps(every, m)}; {rounds} rounds, each "
               f"running each of its configurations once in a rotated order ({_orders(r['runs'])}); "
               f"the cells: median [min–max] over the rounds, each round's run against that round's GRPO; {m['machine']}; "
-              f"one-minute load average {min(loads):.1f}–{max(loads):.1f} around the runs{_busy(loads, m)}. The actor update, which OAR does not change, took {min(updates):.2f}–{max(updates):.2f} s "
+              f"one-minute load average {min(loads):.1f}–{max(loads):.1f} around the runs{_busy(loads, m)}. "
+              f"The actor update, which OAR does not change, took {min(updates):.2f}–{max(updates):.2f} s "
               "across the runs: this machine's run-to-run spread."]
-    if "conservative-separate" in by:  # a user's recipe: the pass alone, read from a run with its own passes
-        alone = [x["log_prob_s"] - x["oar_s"] for x in by["conservative-separate"]]
-        lines[-1] += (" With its own passes, the default's `timing_s/old_log_prob` − `timing_s/oar_total` (the pass "
-                      f"alone) took {_spread(alone)} s, GRPO's pass {_spread([x['log_prob_s'] for x in by['GRPO']])} s.")
+    # a user's recipe: the pass alone, read from a run with its own passes, beside GRPO's pass in the same invocation
+    src, when = ((by, "") if "conservative-separate" in by
+                 else (_earlier(r), f" ({r.get('earlier', {}).get('meta', {}).get('date')})"))
+    if "conservative-separate" in src:
+        alone = [x["log_prob_s"] - x["oar_s"] for x in src["conservative-separate"]]
+        lines[-1] += (f" The recipe's two readings of the pass alone{when}: the default with its own passes, "
+                      f"`timing_s/old_log_prob` − `timing_s/oar_total`, {_spread(alone, unit=' s')}; GRPO's "
+                      f"`timing_s/old_log_prob` {_spread([x['log_prob_s'] for x in src['GRPO']], unit=' s')}.")
     if early:
         em = r["earlier"]["meta"]
         lines[-1] += (f" Rows dated {em['date']}: the earlier invocation `{em['command']}`, each configuration once in "
