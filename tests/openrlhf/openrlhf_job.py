@@ -1,13 +1,14 @@
 """Jobs run with the .venv-openrlhf interpreter by tests/openrlhf/test_openrlhf.py (OpenRLHF 0.11.2 on CPU).
 
     python openrlhf_job.py advantages OUT_JSON MODEL_DIR          one process
-    python -m torch.distributed.run --nproc_per_node 2 openrlhf_job.py zero OUT_JSON MODEL_DIR STAGE MODE
+    python -m torch.distributed.run --nproc_per_node 2 openrlhf_job.py zero OUT_DIR MODEL_DIR STAGE:MODE[,STAGE:MODE]
     python openrlhf_job.py train OUT_JSON MODEL_DIR WORK_DIR TRAINER STAGE MODE
 
 ``advantages``: OpenRLHF's real ``compute_advantages_and_returns`` (group_norm = GRPO, rloo) and replay buffer split,
 then :func:`oar_verl.openrlhf.reshape.reshape_replay_buffer` on the items, against the core computed independently on
 the original (prompt, response) rows. ``zero``: the same on 2 gloo ranks with unequal shards, the policy wrapped in
-OpenRLHF's ``Actor`` inside a DeepSpeed ZeRO-``STAGE`` engine, then one policy-gradient update through the engine.
+OpenRLHF's ``Actor`` inside a DeepSpeed ZeRO-``STAGE`` engine, then one policy-gradient update through the engine;
+each ``STAGE:MODE`` in turn in the same two ranks (a fresh model and engine each, ``OUT_DIR/zeroSTAGE.json.rankR``).
 ``train``: OpenRLHF's whole ``train_ppo_ray`` through OAR's entry point on the CPU platform
 (:mod:`devtools.openrlhf_platform`): 2 ZeRO ranks, one rollout engine, the sync or the async trainer, 2 steps; the
 steps' scalars are read back from OpenRLHF's own TensorBoard log. Results are written as JSON (per rank for
@@ -20,6 +21,7 @@ import json
 import os
 import runpy
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -243,12 +245,24 @@ def entropy_check(model, items) -> dict:
     return {"max_abs_diff": diff, "lengths": lengths}
 
 
-def job_zero(out, model_dir, stage, mode):
+def job_zero(out_dir, model_dir, runs):
+    """Each ``STAGE:MODE`` of ``runs`` (comma-separated) on the same 2 gloo ranks, one process group."""
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    for run in runs.split(","):
+        stage, mode = run.split(":")
+        zero_run(Path(out_dir) / f"zero{stage}.json", model_dir, int(stage), mode)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def zero_run(out, model_dir, stage, mode):
     import deepspeed
     import torch.distributed as dist
     from openrlhf.models import Actor
 
-    deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     tok, model = load(model_dir)
@@ -300,8 +314,6 @@ def job_zero(out, model_dir, stage, mode):
         json.dump({"rank": rank, "world": world, "stage": stage, "rows": len(items), "reshaped": len(rows),
                    "max_abs_diff_vs_core": diff, "zero_rows_changed": zero_changed, "loss": float(loss),
                    "metrics": result.metrics}, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 TRAIN_PROMPTS = 4
@@ -410,6 +422,6 @@ if __name__ == "__main__":
     elif kind == "train":
         job_train(*sys.argv[2:9])
     elif kind == "zero":
-        job_zero(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        job_zero(sys.argv[2], sys.argv[3], sys.argv[4])
     else:
         raise SystemExit(f"unknown job {kind!r}")

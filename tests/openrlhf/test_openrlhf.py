@@ -116,15 +116,28 @@ def test_advantages_and_reshape_match_core(model_dir, tmp_path):
         assert r["metrics"]["oar/reshaped_seq_frac"] == pytest.approx(8 / 12)
 
 
-@pytest.mark.parametrize("stage,mode", [(2, "gradient"), (3, "perturbation")])
-def test_zero_two_ranks_unequal_shards(model_dir, tmp_path, stage, mode):
-    out = tmp_path / f"zero{stage}.json"
+ZERO_RUNS = [(2, "gradient"), (3, "perturbation")]
+
+
+@pytest.fixture(scope="module")
+def zero_runs(model_dir, tmp_path_factory) -> Path:
+    """Every (stage, mode) of ZERO_RUNS in turn, in one 2-rank job (one start-up of both ranks, a fresh engine each);
+    the folder of their per-rank results."""
+    out = tmp_path_factory.mktemp("zero")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     _run([str(PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-          "--master_port", str(port), str(JOB), "zero", str(out), str(model_dir), str(stage), mode])
+          "--master_port", str(port), str(JOB), "zero", str(out), str(model_dir),
+          ",".join(f"{stage}:{mode}" for stage, mode in ZERO_RUNS)], timeout=900)  # a hang guard (600 s a stage before)
+    return out
+
+
+@pytest.mark.parametrize("stage,mode", ZERO_RUNS)
+def test_zero_two_ranks_unequal_shards(zero_runs, stage, mode):
+    out = zero_runs / f"zero{stage}.json"
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+    assert [r["stage"] for r in ranks] == [stage, stage] and [r["world"] for r in ranks] == [2, 2]
     assert [r["rows"] for r in ranks] == [8, 4] and [r["reshaped"] for r in ranks] == [8, 0]
     assert ranks[0]["max_abs_diff_vs_core"] < TOL
     assert all(r["zero_rows_changed"] == 0 for r in ranks)
