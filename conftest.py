@@ -58,11 +58,11 @@ HEAVY_MARKERS = ("e2e", "slow", "megatron", "trl")
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Under ``--dist loadgroup``, the modules holding a heavy test (HEAVY_MARKERS) that is a unit of its own are
-    queued first, in collection order, each module whole: the workers then end on tests of seconds and finish
+    """Under ``--dist loadgroup`` on workers, the modules holding a heavy test (HEAVY_MARKERS) that is a unit of its
+    own are queued first, in collection order, each module whole: the workers then end on tests of seconds and finish
     together, instead of one running a minutes-long test (the TRL environment's, 215 s) while the other waits. The
     order of the tests inside a module and inside a work unit is kept; the order is the same on every worker."""
-    if config.getoption("dist", default=None) != "loadgroup":
+    if config.getoption("dist", default=None) != "loadgroup" or not config.getoption("numprocesses", default=None):
         return
     heavy = {item.nodeid.split("::")[0] for item in items
              if work_unit(item.nodeid) == item.nodeid and any(item.get_closest_marker(m) for m in HEAVY_MARKERS)}
