@@ -39,13 +39,19 @@ from oar_verl.core.config import ATTENTION_RULES
 
 def ratio_times(grad: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """grad · (out / x) elementwise, the ratio in fp32 or wider (0 where x = 0), in x's dtype: the gradient of a map
-    taken as linear at its own value. Two wide temporaries at a time, formed in place."""
+    taken as linear at its own value. One wide temporary, formed and used in place (:func:`_ratio_`)."""
     wide = torch.promote_types(out.dtype, torch.float32)
-    xf = x.to(wide, copy=True)
-    zero = xf == 0
-    ratio = out.to(wide, copy=True).div_(xf.masked_fill_(zero, 1.0))
-    del xf
-    return ratio.masked_fill_(zero, 0.0).mul_(grad).to(x.dtype)
+    return _ratio_(out.to(wide, copy=True), x).mul_(grad).to(x.dtype)
+
+
+def _ratio_(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``out`` (wide, owned) overwritten by out / x, 0 where x = 0: the division in out's dtype (x converted in the
+    kernel, exactly), then its non-finite entries set to 0. Where x = 0 the quotient is ±inf or nan, so this is the
+    ratio with the zeros masked, without a mask: two passes and no bool tensor (the compare and masked fills cost
+    more than the division on CPU). A quotient of finite out and x ≠ 0 overflows only where |out / x| passes the
+    dtype's range, which none of the ruled maps reaches (act(g) / g in (0, 1) for SiLU and GELU, the norm's scale
+    at most |w| / √ε, a soft-cap's tanh ratio at most 1)."""
+    return out.div_(x).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 class _Linearised(torch.autograd.Function):
@@ -124,10 +130,14 @@ class _GatedHalf(torch.autograd.Function):
     def backward(ctx, grad):
         g, u = ctx.saved_tensors
         wide = torch.promote_types(g.dtype, torch.float32)
-        gw, uw = g.to(wide), u.to(wide)
+        gw = g.to(wide)
         a = ctx.act(gw)
-        half = 0.5 * grad.to(wide)
-        return ratio_times(half * uw, a, gw).to(g.dtype), (half * a).to(u.dtype), None, None
+        if a.untyped_storage().data_ptr() == gw.untyped_storage().data_ptr():  # an act that hands back its input
+            a = a.clone()
+        half = grad.to(wide, copy=True).mul_(0.5)
+        du = (half * a).to(u.dtype)
+        # ∂g = ratio_times(half · u, a, g): a and half reused in place (u converted in the kernel, exactly)
+        return _ratio_(a, gw).mul_(half.mul_(u)).to(g.dtype), du, None, None
 
 
 def gated_half_split(g: torch.Tensor, u: torch.Tensor, h: torch.Tensor, act) -> torch.Tensor:
