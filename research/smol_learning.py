@@ -665,8 +665,8 @@ def analyse_curves(curves: dict[int, dict[str, list[float]]], failed: dict[int, 
         ds = np.array([auc["default"][s] - auc["grpo"][s] for s in counted])
         shares = [(d - float(np.delete(ds, i).mean())) / d for i in range(n)]
         loo = max(shares, key=abs)
-    phrase = verdict(ci[0], ci[1], p=pv, n=max(n, 1), loo=loo, above="faster", below="slower", level="not shown",
-                     unit="seed")
+    phrase = verdict(ci[0], ci[1], p=pv, n=n or None, loo=loo, above="faster", below="slower", level="not shown",
+                     unit="seed")  # no seed: "undefined"
     return {"seeds_counted": sorted(counted), "seeds_dropped": {str(s): why for s, why in sorted(failed.items())},
             "steps_per_seed": {str(s): lengths[s] for s in counted}, "s_prime": s_prime,
             "auc": {a: {str(s): v for s, v in auc[a].items()} for a in ARMS},

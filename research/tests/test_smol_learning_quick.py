@@ -211,6 +211,10 @@ def test_analysis_inconclusive_criteria_each():
     uneven[3]["grpo"] = uneven[3]["grpo"][:15]  # a seed cut by the deadline: S' is the fewest steps
     uneven[3]["default"] = uneven[3]["default"][:14]
     assert sl.analyse_curves(uneven, {})["s_prime"] == 14
+    none = sl.analyse_curves({1: {"grpo": [], "default": []}}, {})
+    assert none["s_prime"] == 0 and none["verdict"] == "undefined" and none["decision"] == "inconclusive"
+    one = sl.analyse_curves({1: _curves()[1]}, {})
+    assert one["verdict"] == "one run" and one["p"] is None
 
 
 def test_analyse_reads_files_cut_short_and_failed_seeds(tmp_path):
