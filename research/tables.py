@@ -717,9 +717,11 @@ def overhead_cpu() -> str:
     rounds = len({x["round"] for x in r["runs"]})
     rm = r.get("reproduction", {}).get("meta", {})
     lines += ["", f"`{m['command']}`, {m['date']}, commit {m['commit'][:7]}"
+              + (f" ({m['note']})" if m.get("note") else "")
               + "".join(f"; more rounds `{a['command']}`, {a['date']}, commit {a['commit'][:7]}"
                         for a in m.get("appended", []))
-              + (f" ({m['note']})" if m.get("note") else "")
+              + (f"; the runs' commits {', '.join(dict.fromkeys(x['commit'][:7] for x in every if 'commit' in x))}"
+                 if any("commit" in x for x in every) else "")
               + (f"; rerun round `{rm['command']}`, {rm['date']}, commit {rm['commit'][:7]}" if rm else "")
               + f": trainer mode `{m['trainer_mode']}`, {m['batch']} prompts × {m['rollout_n']} responses of ≤ "
               f"{m['response_length']} tokens, each run's median of steps 2–{_steps(every, m)}; {rounds} rounds, each "
