@@ -202,7 +202,8 @@ def assemble(carry: Path = CARRY) -> Path:
 
 
 def dry_run(out: Path, extra: list[str]) -> int:
-    """The device's command on the CPU with the tiny model: ``bash scripts/smol_learning.sh OUT --tiny --device cpu``."""
+    """The device's command on the CPU with the tiny model:
+    ``bash scripts/smol_learning.sh OUT --tiny --device cpu``."""
     return subprocess.run(["bash", str(ROOT / "scripts" / "smol_learning.sh"), str(out), "--tiny", "--device", "cpu",
                            *extra], cwd=ROOT).returncode
 

@@ -23,16 +23,16 @@ seeded from (seed, step) for both arms, so step 1's rollouts are identical. An a
 
 Each step of each arm is one line of ``OUT/steps.jsonl`` (every seed's process appends its lines there, each one
 write to the file; a call cut short keeps what ran; one file, since a device call returns at most 8 files), the seeds'
-output goes to ``OUT/seeds.log`` (each line prefixed with its seed). A process stops after S_max steps, or at the deadline: a step starts only while training time so far plus the last
-paired step's time stays within 330 s. The driver (``run``) starts the seed processes side by side, waits (past
-``--wall-s`` it kills those still running: they count as failed), and writes ``OUT/processes.json`` and
-``OUT/results.json`` (:func:`analyse`): S', per-seed AUC per arm, the mean d with its paired bootstrap interval and
-exact sign-flip p (``research.credit_lr.paired``), the protocol's decision, the verdict phrase (research/verdict.py)
-and each inconclusive criterion.
+output goes to ``OUT/seeds.log`` (each line prefixed with its seed). A process stops after S_max steps, or at the
+deadline: a step starts only while training time so far plus the last paired step's time stays within 330 s. The
+driver (``run``) starts the seed processes side by side, waits (past ``--wall-s`` it kills those still running: they
+count as failed), and writes ``OUT/processes.json`` and ``OUT/results.json`` (:func:`analyse`): S', per-seed AUC
+per arm, the mean d with its paired bootstrap interval and exact sign-flip p (``research.credit_lr.paired``), the
+protocol's decision, the verdict phrase (research/verdict.py) and each inconclusive criterion.
 
-``--tiny`` is the CPU dry run of the same command (CI): a random two-layer Llama built from a config with the quickstart's
-offline tokenizer (:func:`oar_verl.quickstart.tiny_assets.build_tokenizer`, ChatML like SmolLM2's), the protocol cut
-to :data:`TINY`.
+``--tiny`` is the CPU dry run of the same command (CI): a random two-layer Llama built from a config with the
+quickstart's offline tokenizer (:func:`oar_verl.quickstart.tiny_assets.build_tokenizer`, ChatML like SmolLM2's),
+the protocol cut to :data:`TINY`.
 
 usage: python -m research.smol_learning run --out DIR [--seeds 1-8] [--device cuda|cpu] [--tiny] [--threads N]
            [--wall-s S]
@@ -337,9 +337,9 @@ def default_advantages(model, tok, r: Rollouts, base, step: int, p: Protocol):
 
 
 def policy_loss(logp, old, advantages, mask, clip: float, sequences: int):
-    """The GPU recipes' loss on a micro-batch: verl's vanilla PPO loss (ratio exp(logp − old), clipped to 1 ± ``clip``,
-    no dual-clip) aggregated ``seq-mean-token-mean`` over the whole batch's ``sequences`` rows with a token (this
-    micro-batch's share of it; the micro-batches' sum is the batch's loss). Shapes (b, T)."""
+    """The GPU recipes' loss on a micro-batch: verl's vanilla PPO loss (ratio exp(logp − old), clipped to
+    1 ± ``clip``, no dual-clip) aggregated ``seq-mean-token-mean`` over the whole batch's ``sequences`` rows with a
+    token (this micro-batch's share of it; the micro-batches' sum is the batch's loss). Shapes (b, T)."""
     import torch
 
     m = mask.float()

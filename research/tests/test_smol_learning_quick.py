@@ -267,8 +267,9 @@ def test_protocol_page_quotes_the_modules_numbers():
     assert list(range(int(lo), int(hi) + 1)) == list(p.seeds)
     assert int(one(r"At most S_max = (\d+)")[0]) == p.s_max
     assert float(one(r"stops at (\d+) s of training wall time")[0]) == p.deadline_s
-    lr, b1, b2, clip = one(r"\*\*([\d.e-]+) for both arms\*\* \(AdamW \((\d+(?:\.\d+)?), (\d+(?:\.\d+)?)\), no weight decay, "
-                           r"gradient norm clipped at (\d+(?:\.\d+)?)\)")
+    num = r"(\d+(?:\.\d+)?)"
+    lr, b1, b2, clip = one(rf"\*\*([\d.e-]+) for both arms\*\* \(AdamW \({num}, {num}\), no weight decay, "
+                           rf"gradient norm clipped at {num}\)")
     assert (float(lr), (float(b1), float(b2)), float(clip), p.weight_decay) == (p.lr, p.betas, p.grad_clip, 0.0)
     assert float(one(r"PPO clip (\d+(?:\.\d+)?)")[0]) == p.clip_ratio
     k, n, total = one(r"Each step uses (\d+) fresh prompts × (\d+) rollouts = (\d+) rollouts")
@@ -283,7 +284,7 @@ def test_protocol_page_quotes_the_modules_numbers():
     assert float(one(r"if p < (\d+(?:\.\d+)?) and mean d > 0")[0]) == p.alpha
     seeds, steps = one(r"Fewer than (\d+) seeds have both arms complete with S' ≥ (\d+)")
     assert (int(seeds), int(steps)) == (p.min_seeds, p.min_steps)
-    last, first, gain = one(r"over the last (\d+) of the S' steps minus that over the first (\d+) is below (\d+(?:\.\d+)?)")
+    last, first, gain = one(rf"over the last (\d+) of the S' steps minus that over the first (\d+) is below {num}")
     assert (int(last), int(first), float(gain)) == (p.window, p.window, p.grpo_learn_min)
     w, below = one(r"its success over the last (\d+) steps is below (\d+(?:\.\d+)?) on at least half the seeds")
     assert (int(w), float(below), p.collapse_share) == (p.window, p.collapse_below, 0.5)
