@@ -1055,38 +1055,16 @@ RENDERERS: dict[str, Callable[[], str]] = {
 }
 
 
-def auto_recompute_7b(gpu_gib: float = 80.0, gpus: int = 8) -> str:
-    """What ``algorithm.oar.recompute=auto`` picks for the default and fisher read from verl's old-log-prob pass at
-    Qwen2.5-7B × 4k response tokens in bf16 on ``gpu_gib`` GiB GPUs, and the cost model's peak and added time there
-    (docs/scaling.md): the product's rule (:func:`~oar_verl.core.backends.memory.recompute_choice` of
-    :func:`~oar_verl.core.backends.memory.attribution_need`, the pass's logits counted, bounded by verl's update at the
-    micro-batch's tokens plus the rank's parameter gradients, and by 0.9 × the free memory). Two set-ups: FSDP over
-    ``gpus`` GPUs as the table above (fp32 parameters, gradients and Adam sharded: 16 bytes a parameter over the
-    GPUs held, 4 of them gradients), and one GPU holding bf16 weights and gradients only (research/shared_forward.py's
-    measurement: 2 + 2 bytes a parameter)."""
-    from oar_verl.core.backends.memory import PassKind, attribution_need, pass_bytes, recompute_choice
-    from oar_verl.core.methods.attribution import METHODS
-    from research.scaling import _params, _shape
-
-    shape, (total, _) = _shape("qwen2.5-7b", 2), _params("qwen2.5-7b")
-    gib = 2**30
-    setups = ((f"FSDP, {gpus} GPUs, 3 × (1k + 4k)", 3 * 5120, 4 * total / gpus, 16 * total / gpus),
-              (f"FSDP, {gpus} GPUs, 1 × (128 + 4k)", 128 + 4096, 4 * total / gpus, 16 * total / gpus),
-              ("one GPU, bf16 weights and gradients, 1 × (128 + 4k)", 128 + 4096, 2 * total, 4 * total))
+def auto_recompute_7b() -> str:
+    """docs/scaling.md: what ``algorithm.oar.recompute=auto`` picks for the default and fisher read from the old-log-prob
+    pass at Qwen2.5-7B × 4k on 80 GB GPUs, the cost model's peak and added time (research/auto_recompute.py's file)."""
+    r = load("auto_recompute_7b")
     lines = ["| set-up, micro-batch | method | layers recomputed | peak GiB (model) | verl's update peak + gradients "
              "GiB | added time × training (model) |", "|---|---|---|---|---|---|"]
-    for label, tokens, grads, state in setups:
-        update = pass_bytes(PassKind.UPDATE, tokens, shape, checkpointing=True) + int(grads)
-        limit = min(update, int(0.9 * (gpu_gib * gib - state)))
-        for mode in ("conservative", "fisher"):
-            kind = METHODS.get(mode).backward_pass
-            share = recompute_choice("auto", attribution_need(kind, shape, host=PassKind.LOG_PROB), limit,
-                                     shape.layers)(tokens)
-            kept = round(shape.layers * (1 - share))
-            peak = attribution_need(kind, shape, host=PassKind.LOG_PROB, margin=1.0)(tokens, kept)
-            name = "the default (`conservative`)" if mode == "conservative" else mode
-            lines.append(f"| {label} | {name} | {shape.layers - kept} of {shape.layers} | {peak / gib:.1f} | "
-                         f"{update / gib:.1f} | {(1 + share) / 4:.2f} |")
+    for x in r["rows"]:
+        name = "the default (`conservative`)" if x["mode"] == "conservative" else x["mode"]
+        lines.append(f"| {x['setup']} | {name} | {x['recomputed']} of {x['layers']} | {x['peak_gib']:.1f} | "
+                     f"{x['update_gib']:.1f} | {x['added_time_x_training']:.2f} |")
     return "\n".join(lines)
 
 

@@ -41,3 +41,14 @@ def test_shared_pass_peaks_against_the_update(run):
         assert min(peaks) > 1.0, peaks  # the logits of the pass were not counted
     else:
         assert max(peaks) < 1.0 and point["checks"]["conservative-shared: peak <= update_actor's"]["ok"], peaks
+
+
+def test_the_auto_recompute_table_is_the_cost_models_choice_today():
+    """docs/scaling.md's `recompute=auto` table renders a committed file (so the docs render without torch); it must be
+    what the product's rule picks now: rerun `python -m research.auto_recompute` when the cost model changes."""
+    import json
+
+    from research import auto_recompute
+
+    kept = json.loads(auto_recompute.RESULTS.read_text())
+    assert kept["rows"] == auto_recompute.rows(kept["gpu_gib"], kept["gpus"])
