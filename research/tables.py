@@ -773,7 +773,7 @@ def cost_row() -> str:
     early = _earlier(r)
     rest = [(k, label) for k, label in _COST_ROW if k not in by and k in early]
     if rest:
-        logged += (f". {r['earlier']['meta']['date']}, one invocation, added × GRPO's training compute: "
+        logged += (". An earlier invocation (performance.md's dated rows), added × GRPO's training compute: "
                    + ", ".join(f"{label} " + " / ".join(f"{x['added']:.2f}" for x in early[k])
                                + f" ({verdict(None, None, n=1) if len(early[k]) == 1 else f'{len(early[k])} runs'})"
                                for k, label in rest))
