@@ -1,7 +1,7 @@
 """The rules' backward as it was before its passes were cut (issue #69 item 5) against the backward now: the same bits.
 
-The reference below is the earlier code, kept verbatim: the ratio with its zeros masked by a bool mask, the gated
-MLP's gradients formed in fresh tensors. The speed-up divides in place and sets the quotient's non-finite entries to 0
+The reference is the earlier code, kept verbatim in research/rule_overhead.py (which times it): the ratio with its
+zeros masked by a bool mask, the gated MLP's gradients formed in fresh tensors. The speed-up divides in place and sets the quotient's non-finite entries to 0
 (x = 0 gives ±inf or nan there); every value must be unchanged, the elementwise functions' and the scores'."""
 
 from __future__ import annotations
@@ -15,32 +15,9 @@ from oar_verl.core.backends.hf import ModuleBackend
 from oar_verl.core.batch.layout import build_attribution_batch
 from oar_verl.core.batch.probes import ProbeKind
 from oar_verl.core.methods.conservative import conservative
-
-
-def reference_ratio_times(grad, out, x):
-    wide = torch.promote_types(out.dtype, torch.float32)
-    xf = x.to(wide, copy=True)
-    zero = xf == 0
-    ratio = out.to(wide, copy=True).div_(xf.masked_fill_(zero, 1.0))
-    del xf
-    return ratio.masked_fill_(zero, 0.0).mul_(grad).to(x.dtype)
-
-
-class ReferenceGatedHalf(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, g, u, h, act):
-        ctx.save_for_backward(g, u)
-        ctx.act = act
-        return h.view_as(h)
-
-    @staticmethod
-    def backward(ctx, grad):
-        g, u = ctx.saved_tensors
-        wide = torch.promote_types(g.dtype, torch.float32)
-        gw, uw = g.to(wide), u.to(wide)
-        a = ctx.act(gw)
-        half = 0.5 * grad.to(wide)
-        return reference_ratio_times(half * uw, a, gw).to(g.dtype), (half * a).to(u.dtype), None, None
+# the earlier code, kept once beside the measurement that times it against the present code
+from research.rule_overhead import EarlierGatedHalf as ReferenceGatedHalf
+from research.rule_overhead import earlier_ratio_times as reference_ratio_times
 
 
 def with_zeros(shape, dtype, seed: int) -> torch.Tensor:
