@@ -5,7 +5,7 @@
 # docs/gpu_check.md ("SmolLM2 learning (issue #69)").
 #
 #   bash scripts/smol_learning.sh "$OUT" --device cuda                      # the GPU run (seeds 1-8)
-#   bash scripts/smol_learning.sh /tmp/smol --tiny --device cpu             # its CPU dry run (CI)
+#   bash scripts/smol_learning.sh "$(mktemp -d)" --tiny --device cpu             # its CPU dry run (CI)
 #   PYTHON=/path/to/python bash scripts/smol_learning.sh ...                # another interpreter
 set -euo pipefail
 if [[ $# -lt 1 || "$1" == -* ]]; then
