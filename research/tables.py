@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from functools import cache
@@ -585,12 +586,6 @@ _COST_ROW = (("conservative-shared", "the default (read from the pass)"),
 SAME_CONFIG = {"OAR-G-shared": "OAR-G"}
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    k = len(xs) // 2
-    return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
-
-
 def _with_grpo(runs: list[dict]) -> list[dict]:
     """Each run with, against GRPO's run in the same round: ``ratio`` (whole step × GRPO's) and ``added`` (this run's
     old-log-prob timer − GRPO's, × GRPO's training compute: what OAR adds to the pass wherever it ran in it)."""
@@ -635,7 +630,7 @@ def _spread(xs: list[float], fmt: str = ".2f", unit: str = "") -> str:
         return f"{xs[0]:{fmt}}{unit} ({verdict(None, None, n=1)})"
     if f"{min(xs):{fmt}}" == f"{max(xs):{fmt}}":
         return f"{xs[0]:{fmt}}{unit} (each run)"
-    return f"{_median(xs):{fmt}}{unit} [{min(xs):{fmt}}–{max(xs):{fmt}}]"
+    return f"{statistics.median(xs):{fmt}}{unit} [{min(xs):{fmt}}–{max(xs):{fmt}}]"
 
 
 def _steps(runs: list[dict], meta: dict) -> str:
