@@ -39,18 +39,10 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
              "manylinux1_x86_64", "any")
 
 # verl's worker path (verl.workers.engine_workers, the FSDP engine, Ray's worker group, TensorDict, Hydra config) and
-# what those import, at the versions the CPU test environment resolves for verl[verl-core]==0.9.1 (a test keeps them
-# equal): everything these import that the GPU image lacks
-PINS = {
-    "verl": "0.9.1", "ray": "2.60.0", "tensordict": "0.10.0", "pyvers": "0.1.0", "orjson": "3.13.0",
-    "hydra-core": "1.3.8", "omegaconf": "2.3.1", "antlr4-python3-runtime": "4.9.3", "codetiming": "1.4.0",
-    "datasets": "5.2.0", "dill": "0.4.1", "multiprocess": "0.70.19", "torchdata": "0.11.0",
-    "jsonschema": "4.26.0", "jsonschema-specifications": "2025.9.1", "referencing": "0.37.0", "rpds-py": "2026.9.1",
-    "pydantic": "2.14.4", "pydantic-core": "2.50.5", "annotated-types": "0.8.0", "typing-inspection": "0.4.5",
-    "pydantic-extra-types": "2.11.1", "fastapi": "0.136.3", "starlette": "1.10.0", "uvicorn": "0.54.0",
-    "sniffio": "1.3.1", "python-multipart": "0.0.34", "pyzmq": "27.3.0", "transferqueue": "0.1.11",
-    "msgspec": "0.22.0", "cachetools": "8.0.2", "colorful": "0.5.8", "jmespath": "1.1.0", "nvtx": "0.2.17",
-}
+# what those import that the GPU image lacks, at the versions the CPU test environment installs (scripts/setup_env.sh
+# takes the same file as constraints; a test keeps them equal)
+PINS = dict(line.split("==") for line in (ROOT / "scripts" / "verl_pins.txt").read_text().splitlines()
+            if line and not line.startswith("#"))
 SDIST_ONLY = {"antlr4-python3-runtime"}  # no wheel on PyPI: built here (pure Python)
 # unpacked paths no worker path imports (Ray: Java workers, the dashboard's web UI, RLlib, Ray LLM, Serve, Tune)
 STRIP = ("ray/jars", "ray/dashboard/client/build", "ray/rllib", "ray/llm", "ray/serve", "ray/tune")
