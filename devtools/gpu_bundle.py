@@ -39,10 +39,18 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
              "manylinux1_x86_64", "any")
 
 # verl's worker path (verl.workers.engine_workers, the FSDP engine, Ray's worker group, TensorDict, Hydra config) and
-# what those import that the GPU image lacks, at the versions the CPU test environment installs (scripts/setup_env.sh
-# takes the same file as constraints; a test keeps them equal)
-PINS = dict(line.split("==") for line in (ROOT / "scripts" / "verl_pins.txt").read_text().splitlines()
-            if line and not line.startswith("#"))
+# what those import that the GPU image lacks, at the versions of the CPU test environment's lock (scripts/cpu_lock.txt,
+# which scripts/setup_env.sh installs under; a test keeps the environment equal to it)
+LOCK_FILE = ROOT / "scripts" / "cpu_lock.txt"
+BUNDLED = (
+    "verl", "ray", "tensordict", "pyvers", "orjson", "hydra-core", "omegaconf", "antlr4-python3-runtime",
+    "codetiming", "datasets", "dill", "multiprocess", "torchdata", "jsonschema", "jsonschema-specifications",
+    "referencing", "rpds-py", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+    "pydantic-extra-types", "fastapi", "starlette", "uvicorn", "sniffio", "python-multipart", "pyzmq",
+    "transferqueue", "msgspec", "cachetools", "colorful", "jmespath", "nvtx",
+)
+LOCK = dict(line.split("==") for line in LOCK_FILE.read_text().splitlines() if line and not line.startswith("#"))
+PINS = {name: LOCK[name] for name in BUNDLED}
 SDIST_ONLY = {"antlr4-python3-runtime"}  # no wheel on PyPI: built here (pure Python)
 # unpacked paths no worker path imports (Ray: Java workers, the dashboard's web UI, RLlib, Ray LLM, Serve, Tune)
 STRIP = ("ray/jars", "ray/dashboard/client/build", "ray/rllib", "ray/llm", "ray/serve", "ray/tune")

