@@ -42,6 +42,7 @@ usage (the committed results: ``research/results/no_span_rows.{json,csv}``, abou
     OMP_NUM_THREADS=1 python -m research.no_span_rows --model smollm2 --prompts 8 --samples 2 --tokens 128 \\
         --results research/results/no_span_rows
     python -m research.no_span_rows --model tiny --prompts 2 --samples 1 --tokens 24 --out DIR   # the quick mode
+    python -m research.no_span_rows --refresh research/results/no_span_rows   # the intervals again from the CSV's rows
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from oar_verl.core.preprocess import PreparedAttribution, pad_rows, prepare_attr
 from oar_verl.core.text.spans import locate_answer_spans
 from research import REPO, common
 from research.common import progress, study_dir
-from research.long_fidelity import Loaded, _own_answer, _sample, load
+from research.long_fidelity import FP32_MIN_GAP, Loaded, _own_answer, _sample, load
 from research.long_reasoning import gsm_solution
 
 METHODS = {"conservative": {"mode": "conservative"},
@@ -330,8 +331,51 @@ def command(argv: list[str] | None) -> str:
     return " ".join(["python -m research.no_span_rows", *kept])
 
 
+def refresh_results(results: Path, tol: float = 1e-4) -> list[str]:
+    """Recompute ``<results>.json``'s intervals from the per-row AOPC and agreement in ``<results>.csv`` (no model
+    run; the SmolLM2 run was float32: ``min_gap`` 1e-6), adding what a file written before them lacks (``dropped``);
+    a ValueError naming the figure if a mean or bound moves by more than ``tol`` (relative: the CSV's 6 digits).
+    Returns the figures with undefined resamples, as ``"<where>: <share>"``."""
+    record = json.loads(results.with_suffix(".json").read_text())
+    with open(results.with_suffix(".csv"), newline="") as f:
+        lines = list(csv.DictReader(f))
+    aopc: dict = {lay: {} for lay in LAYOUTS}
+    agreement: dict = {}
+    for col in lines[0]:
+        if col.startswith("aopc["):
+            lay, key = col[len("aopc["):].split(" probe] ")
+            aopc[lay][key] = [float(x[col]) for x in lines]
+        elif col.endswith(" vs answer"):
+            stat, key = col[:-len(" vs answer")].split(" ", 1)
+            agreement.setdefault(key, {})[stat] = [float(x[col]) for x in lines]
+    chunk = {"rows": len(lines), "aopc": aopc, "agreement": agreement, "static": {lay: [0] for lay in LAYOUTS},
+             "reasoning": [int(x["reasoning_tokens"]) for x in lines]}
+    new = summarise([chunk], [{"cluster": int(x["cluster"])} for x in lines], record["methods"], FP32_MIN_GAP)
+    dropped = []
+
+    def walk(was: dict, now: dict, where: str) -> None:
+        if "mean" in now:
+            for f in ("mean", "lo", "hi"):
+                a, b = was[f], now[f]
+                if not (a != a and b != b) and abs(a - b) > tol * max(1.0, abs(a)):
+                    raise ValueError(f"{results.name}: {where} {f}: {b} from the rows, {a} in the file")
+            was.update({k: v for k, v in now.items() if k not in ("mean", "lo", "hi")})
+            if now.get("dropped", 0) > 0:
+                dropped.append(f"{where}: {now['dropped']:.3f}")
+            return
+        for k, v in now.items():
+            walk(was[k], v, f"{where}/{k}" if where else k)
+
+    for part in ("own_probe", "answer_probe", "agreement", "controls_over_random"):
+        walk(record[part], new[part], part)
+    results.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    return dropped
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--refresh", type=Path, default=None, metavar="RESULTS",
+                    help="recompute RESULTS.json's intervals from RESULTS.csv's rows (no model run) and stop")
     ap.add_argument("--model", default="smollm2", choices=("smollm2", "tiny"))
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=2, help="sampled rows per prompt (a bootstrap cluster)")
@@ -345,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "outputs" / "no_span_rows"))
     ap.add_argument("--results", default=None, help="write <RESULTS>.json and <RESULTS>.csv (default: in --out)")
     a = ap.parse_args(argv)
+    if a.refresh:
+        for line in refresh_results(a.refresh) or ["no resample undefined"]:
+            print(f"[no_span_rows] {a.refresh}: {line}")
+        return 0
     methods = [x for x in a.methods.split(",") if x]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:

@@ -51,3 +51,26 @@ def test_no_span_rows_study_quick(tmp_path):
     again = _run(tmp_path)  # resumes from the cached rows and chunks
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert [c.stat().st_mtime_ns for c in sorted(run.glob("chunk_*.json"))] == stamp
+
+
+def test_the_committed_results_refreshed_from_their_rows(tmp_path):
+    """``--refresh``: the committed JSON's intervals recomputed from the CSV's rows (no model), each unchanged within
+    the CSV's rounding and given its share of undefined resamples; a figure the rows do not give is refused."""
+    import shutil
+
+    import pytest
+
+    from research.no_span_rows import refresh_results
+
+    for suffix in (".json", ".csv"):
+        shutil.copy(ROOT / "research" / "results" / f"no_span_rows{suffix}", tmp_path / f"r{suffix}")
+    src = json.loads((tmp_path / "r.json").read_text())
+    assert refresh_results(tmp_path / "r") == []  # no resample undefined: every denominator is a positive AOPC
+    got = json.loads((tmp_path / "r.json").read_text())
+    assert got["own_probe"]["eos"]["conservative:eos"]["position"]["dropped"] == 0.0
+    assert got["own_probe"]["eos"]["conservative:eos"]["position"]["mean"] == pytest.approx(
+        src["own_probe"]["eos"]["conservative:eos"]["position"]["mean"], rel=1e-4)
+    src["answer_probe"]["fisher:eos"]["random"]["hi"] += 0.01
+    (tmp_path / "r.json").write_text(json.dumps(src))
+    with pytest.raises(ValueError, match="answer_probe/fisher:eos/random hi"):
+        refresh_results(tmp_path / "r")
