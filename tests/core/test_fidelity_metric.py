@@ -372,7 +372,8 @@ def test_bootstrap_intervals(small_report):
     assert bootstrap_mean(x, resamples=2000, seed=0)[0] == iv  # seeded
     m = rep.metrics()
     assert m["oar/fidelity/a/naopc"] == rep.summary["a/naopc"].mean
-    assert {"oar/fidelity/b/mass_lo", "oar/fidelity/a/suppression_logp_undefined", "oar/fidelity/forwards"} <= set(m)
+    assert {"oar/fidelity/b/mass_lo", "oar/fidelity/a/suppression_logp_undefined", "oar/fidelity/forwards",
+            "oar/fidelity/a/gain_over_random_dropped"} <= set(m)
     assert all(isinstance(v, float) for v in m.values())
 
 

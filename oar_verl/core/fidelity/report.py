@@ -146,15 +146,17 @@ class FidelityReport:
                               resamples=self.resamples, seed=self.seed, alpha=self.alpha)[0]
 
     def metrics(self, prefix: str = "oar/fidelity/") -> dict[str, float]:
-        """Scalars for a logger: per method and statistic the mean, the interval ("_lo", "_hi") and the undefined
-        rows ("_undefined"); plus rows, clusters, ``rows_static`` (and ``rows_static_logp``), forwards, the
-        size of NAOPC's candidate set and the random / best / each control's mean AOPC."""
+        """Scalars for a logger: per method and statistic the mean, the interval ("_lo", "_hi"), the undefined
+        rows ("_undefined") and the share of bootstrap resamples the interval left out as undefined ("_dropped"); plus
+        rows, clusters, ``rows_static`` (and ``rows_static_logp``), forwards, the size of NAOPC's candidate set and
+        the random / best / each control's mean AOPC."""
         out: dict[str, float] = {}
         for key, iv in self.summary.items():
             out[f"{prefix}{key}"] = iv.mean
             out[f"{prefix}{key}_lo"] = iv.lo
             out[f"{prefix}{key}_hi"] = iv.hi
             out[f"{prefix}{key}_undefined"] = float(iv.undefined)
+            out[f"{prefix}{key}_dropped"] = iv.dropped
         out[f"{prefix}rows"] = float(self.reasoning_tokens.shape[0])
         out[f"{prefix}clusters"] = float(self.clusters)
         if self.static is not None:
@@ -176,7 +178,8 @@ class FidelityReport:
         if measure not in MEASURES:
             raise ValueError(f"fidelity: unknown measure {measure!r}; allowed: {', '.join(MEASURES)}")
         sfx = _suffix(measure)
-        fmt = (lambda iv: f"{iv.mean:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}]")
+        fmt = (lambda iv: f"{iv.mean:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}]"
+               + (f" ({100 * iv.dropped:.0f} % of resamples undefined)" if iv.dropped > 0 else ""))
         head = ["method", *(f"gain over {c}" for c in self.controls), "NAOPC", "S"]
         rows = [[name, *(fmt(m.gain_over[c + sfx]) for c in self.controls), fmt(self.summary[f"{name}/naopc{sfx}"]),
                  fmt(self.summary[f"{name}/suppression{sfx}"])] for name, m in self.methods.items()]
