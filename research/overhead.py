@@ -152,7 +152,8 @@ def main() -> int:
     ap.add_argument("--append", action="store_true",
                     help="run --rounds more rounds after those in --results' 'runs' and add them there")
     ap.add_argument("--reproduction", action="store_true",
-                    help="add the runs under --results' 'reproduction' key, keeping its rounds (the rerun check)")
+                    help="add the runs as a rerun round under --results' 'reproduction' key (the rerun check), "
+                         "keeping the rounds and any earlier rerun")
     ap.add_argument("--results", type=Path, default=None,
                     help="also write the rows and the run's settings and machine load to this committed results file "
                          "(research/results/overhead_cpu.json: the README's cost row and docs/performance.md's table "
@@ -181,7 +182,8 @@ def main() -> int:
     previous = json.loads(args.results.read_text()) if args.reproduction or args.append else None
     if previous is not None and "runs" not in previous:
         raise SystemExit(f"--reproduction/--append: {args.results} holds no 'runs' from --rounds")
-    done = [r["round"] for r in previous["runs"]] if previous else []
+    done = ([r["round"] for r in [*previous["runs"], *previous.get("reproduction", {}).get("runs", [])]]
+            if previous else [])
     first_round = max(done) + 1 if done else 0
     if previous is None:
         shutil.rmtree(out, ignore_errors=True)
@@ -204,16 +206,8 @@ def main() -> int:
             meta.update(rounds=len({x["round"] for x in runs}), orders=orders,
                         load_average_before_after=[round(load_before[0], 2), round(os.getloadavg()[0], 2)])
             if args.results:  # after every run: a stopped session keeps what it measured
-                if args.reproduction:
-                    record = {**previous, "reproduction": {"meta": meta, "runs": runs}}
-                elif args.append:  # more rounds: the first invocation's meta, this one's command beside it
-                    every = [*previous["runs"], *runs]
-                    _added(every)
-                    record = {**previous, "meta": {**previous["meta"], "appended": [
-                        *previous["meta"].get("appended", []), {k: meta[k] for k in ("date", "command", "commit")}]},
-                        "runs": every, "rows": summary_rows(every)}
-                else:
-                    record = {"meta": meta, "runs": runs, "rows": summary_rows(runs)}
+                mode = "reproduction" if args.reproduction else "append" if args.append else "new"
+                record = merged_record(previous, meta, runs, mode)
                 write_results(args.results, record)
     rows = summary_rows(runs)
     print(f"\n# overhead — {date.today()} — CPU, trainer mode {args.trainer_mode}, tiny Qwen2 (head_dim 32), batch "
@@ -230,6 +224,29 @@ def main() -> int:
     _plot(rows, out / "overhead.png")
     print(f"\nwrote {out / 'overhead.json'} and overhead.png")
     return 0
+
+
+def merged_record(previous: dict | None, meta: dict, runs: list[dict], mode: str) -> dict:
+    """The results file after this invocation's ``runs``: ``new`` (this invocation alone), ``append`` (more rounds
+    after ``previous``' runs: its meta, this command listed under ``appended``) or ``reproduction`` (a rerun round
+    under ``reproduction``; an earlier rerun's runs and meta kept, this command under its ``appended``): no run that
+    ran is ever dropped."""
+    said = {k: meta[k] for k in ("date", "command", "commit")}
+    if mode == "new":
+        return {"meta": meta, "runs": runs, "rows": summary_rows(runs)}
+    if mode == "append":
+        every = [*previous["runs"], *runs]
+        _added(every)
+        return {**previous, "meta": {**previous["meta"], "appended": [*previous["meta"].get("appended", []), said]},
+                "runs": every, "rows": summary_rows(every)}
+    if mode != "reproduction":
+        raise ValueError(f"merged_record: mode {mode!r}; allowed: new, append, reproduction")
+    before = previous.get("reproduction")
+    if not before:
+        return {**previous, "reproduction": {"meta": meta, "runs": runs}}
+    return {**previous, "reproduction": {
+        "meta": {**before["meta"], "appended": [*before["meta"].get("appended", []), said]},
+        "runs": [*before["runs"], *runs]}}
 
 
 def round_order(names: list[str], r: int) -> list[str]:

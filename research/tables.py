@@ -270,10 +270,16 @@ def gate_learning() -> str:
     if not g:
         return "(the learning arm has not run)"
     per = "; ".join(f"{t} {iv(x)}" for t, x in g["per_task"].items())
-    verdict = (f"non-inferior (lower bound above −{g['margin']:g})" if g["non_inferior"]
-               else f"not shown non-inferior (lower bound at or below −{g['margin']:g})")
+    # non-inferiority at margin m: verdict's rule on the interval shifted by m (above 0 = lower bound above −m)
+    lo, hi, m = *g["pooled"]["ci95"], g["margin"]
+    word = verdict(lo + m, hi + m, n=g["pooled"]["seeds"], above=f"non-inferior (lower bound above −{m:g})",
+                   below=f"inferior (upper bound below −{m:g})",
+                   level=f"not shown non-inferior (lower bound at or below −{m:g})")
+    if word.startswith("non-inferior") != bool(g["non_inferior"]):
+        raise ValueError(f"learning_protocol.json: gate non_inferior={g['non_inferior']} but the interval "
+                         f"[{lo}, {hi}] at margin {m} reads {word!r}")
     return (f"`{g['candidate']}` − `clamp`, Δ AUC over the {g['pooled']['seeds']} (task, seed) pairs "
-            f"{iv(g['pooled'])} (sign-flip p {pval(g['pooled']['p'])}): {verdict}; per task {per}")
+            f"{iv(g['pooled'])} (sign-flip p {pval(g['pooled']['p'])}): {word}; per task {per}")
 
 
 def gate_against_grpo() -> str:
@@ -587,8 +593,10 @@ SAME_CONFIG = {"OAR-G-shared": "OAR-G"}
 
 
 def _with_grpo(runs: list[dict]) -> list[dict]:
-    """Each run with, against GRPO's run in the same round: ``ratio`` (whole step × GRPO's) and ``added`` (this run's
-    old-log-prob timer − GRPO's, × GRPO's training compute: what OAR adds to the pass wherever it ran in it)."""
+    """Each run with, against GRPO's run in the same round, each × GRPO's training compute (its old log-prob +
+    update): ``ratio`` (whole step × GRPO's), ``added`` (this run's old-log-prob timer − GRPO's: what OAR adds to the
+    pass wherever it ran in it), ``logged`` (``timing_s/oar_total``) and ``adv_added`` (``timing_s/adv`` − GRPO's,
+    None where a run lacks it)."""
     grpo = {r["round"]: r for r in runs if r["method"] == "GRPO"}
     for r in runs:
         if r["method"] in SAME_CONFIG:
@@ -596,9 +604,14 @@ def _with_grpo(runs: list[dict]) -> list[dict]:
                              "under a second name; run it under one name")
         if r["round"] not in grpo:
             raise ValueError(f"overhead_cpu.json: round {r['round']} has no GRPO run to divide by")
-    return [{**r, "ratio": r["step_s"] / grpo[r["round"]]["step_s"],
-             "added": (r["log_prob_s"] - grpo[r["round"]]["log_prob_s"]) / grpo[r["round"]]["train_s"]}
-            for r in runs]
+    def against(r: dict) -> dict:
+        g = grpo[r["round"]]
+        return {"ratio": r["step_s"] / g["step_s"], "added": (r["log_prob_s"] - g["log_prob_s"]) / g["train_s"],
+                "logged": r["oar_s"] / g["train_s"],
+                # verl's advantage step (OAR's reshaping and oar/* report), outside both figures above
+                "adv_added": (r["adv_s"] - g["adv_s"]) / g["train_s"] if "adv_s" in r and "adv_s" in g else None}
+
+    return [{**r, **against(r)} for r in runs]
 
 
 def _earlier(r: dict) -> dict[str, list[dict]]:
@@ -613,24 +626,39 @@ def _earlier(r: dict) -> dict[str, list[dict]]:
     return by
 
 
-def _overhead_runs() -> tuple[dict, dict[str, list[dict]], dict[str, dict]]:
-    """(meta, the rounds' runs by configuration, the reproduction round's run by configuration)."""
+def _overhead_runs() -> tuple[dict, dict[str, list[dict]], dict[str, list[dict]]]:
+    """(meta, the rounds' runs by configuration, the rerun rounds' runs by configuration, in the order they ran)."""
     r = load("overhead_cpu")
     by: dict[str, list[dict]] = {}
     for x in _with_grpo(r["runs"]):
         by.setdefault(x["method"], []).append(x)
-    again = r.get("reproduction", {}).get("runs", [])  # a rerun stopped before its GRPO run checks nothing yet
-    rep = {x["method"]: x for x in _with_grpo(again)} if any(x["method"] == "GRPO" for x in again) else {}
+    again = r.get("reproduction", {}).get("runs", [])
+    checked = {x["round"] for x in again if x["method"] == "GRPO"}  # a rerun stopped before its GRPO run checks nothing
+    rep: dict[str, list[dict]] = {}
+    for x in _with_grpo([x for x in again if x["round"] in checked]):
+        rep.setdefault(x["method"], []).append(x)
     return r, by, rep
 
 
+def _adv(runs: list[dict]) -> str:
+    """The spread of ``adv_added`` over the runs that logged ``timing_s/adv`` ("–" where none did)."""
+    xs = [x["adv_added"] for x in runs if x.get("adv_added") is not None]
+    return _spread(xs) if xs else "–"
+
+
 def _spread(xs: list[float], fmt: str = ".2f", unit: str = "") -> str:
-    """``1.10 [1.05–1.29]``: the median over runs with its min–max; "0.31 (one run)" for one."""
+    """``1.10 [1.05–1.29]``: the median over runs with its min–max; "0.31 (one run)" for one; a range reaching below 0
+    reads ``[−0.01 to 0.03]`` (a minus sign; "−0.00" is 0.00)."""
+    def f(x: float) -> str:
+        t = f"{x:{fmt}}"
+        return t.lstrip("-") if float(t) == 0 else t.replace("-", "\u2212")
+
     if len(xs) == 1:
-        return f"{xs[0]:{fmt}}{unit} ({verdict(None, None, n=1)})"
-    if f"{min(xs):{fmt}}" == f"{max(xs):{fmt}}":
-        return f"{xs[0]:{fmt}}{unit} (each run)"
-    return f"{statistics.median(xs):{fmt}}{unit} [{min(xs):{fmt}}–{max(xs):{fmt}}]"
+        return f"{f(xs[0])}{unit} ({verdict(None, None, n=1)})"
+    if f(min(xs)) == f(max(xs)):
+        return f"{f(xs[0])}{unit} (each run)"
+    sep = " to " if f(min(xs)).startswith("\u2212") else "–"
+    return f"{f(statistics.median(xs))}{unit} [{f(min(xs))}{sep}{f(max(xs))}]"
 
 
 def _steps(runs: list[dict], meta: dict) -> str:
@@ -658,22 +686,31 @@ def _inside(x: float, xs: list[float]) -> bool:
     return min(xs) <= x <= max(xs)
 
 
-def _reproduction(by: dict[str, list[dict]], rep: dict[str, dict]) -> list[tuple[str, str, float, bool]]:
-    """(configuration, figure, the reproduction round's value, inside the rounds' min–max) for each configuration that
-    ran in both, on the whole step × GRPO's and the pass's added time."""
+def _reproduction(by: dict[str, list[dict]], rep: dict[str, list[dict]]) -> list[tuple[str, str, float, bool]]:
+    """(configuration, figure, a rerun round's value, inside the rounds' min–max) for every rerun run of each
+    configuration that ran in both (with at least 2 runs in the rounds), on the whole step × GRPO's and the pass's
+    added time: every rerun is checked, none picked."""
     out = []
     for k, runs in by.items():
         if k == "GRPO" or k not in rep or len(runs) < 2:
             continue
-        for key, label in (("ratio", "× GRPO"), ("added", "added")):
-            out.append((k, label, rep[k][key], _inside(rep[k][key], [x[key] for x in runs])))
+        for y in rep[k]:
+            for key, label in (("ratio", "× GRPO"), ("added", "added")):
+                out.append((k, label, y[key], _inside(y[key], [x[key] for x in runs])))
     return out
 
 
-def _reproduction_sentence(checks: list[tuple[str, str, float, bool]], rounds: int) -> str:
+def _reproduction_sentence(checks: list[tuple[str, str, float, bool]], by: dict[str, list[dict]]) -> str:
+    """How many rerun figures lie inside the rounds' min–max, beside how many would by chance alone: a run drawn like a
+    configuration's n others lands inside their min–max with probability (n − 1)/(n + 1) (50 % at n = 3), so the
+    check can flag a shift, not confirm a figure."""
     out = [f"{dict(_COST_ROW).get(k, k)} {label} {v:.2f}" for k, label, v, ok in checks if not ok]
-    return (f"the rerun round's figures lie inside the {rounds} rounds' min–max for {sum(ok for *_, ok in checks)} of "
-            f"{len(checks)}" + (f" (outside: {', '.join(out)})" if out else ""))
+    expected = sum((len(by[k]) - 1) / (len(by[k]) + 1) for k, *_ in checks)
+    return (f"the rerun rounds' figures lie inside their configuration's min–max over the rounds for "
+            f"{sum(ok for *_, ok in checks)} of "
+            f"{len(checks)}" + (f" (outside: {', '.join(out)})" if out else "")
+            + f"; runs drawn like the rounds' would land inside for {expected:.1f} of {len(checks)} on average "
+            "(a new run falls inside the min–max of n runs with probability (n − 1)/(n + 1))")
 
 
 def overhead_cpu() -> str:
@@ -683,28 +720,32 @@ def overhead_cpu() -> str:
     r, by, rep = _overhead_runs()
     m = r["meta"]
     lines = ["| configuration | runs | step s | whole step × GRPO's | added to the old-log-prob pass × GRPO's training "
-             "compute | `timing_s/oar_total` × training compute (what the trainer logs) | sequences attributed | "
-             "rerun round: × GRPO's, added |", "|---|---|---|---|---|---|---|---|"]
+             "compute | `timing_s/oar_total` (what the trainer logs) × GRPO's training compute | `timing_s/adv` − "
+             "GRPO's × GRPO's training compute | sequences attributed | rerun round: × GRPO's, added |",
+             "|---|---|---|---|---|---|---|---|---|"]
     early = _earlier(r)
     order = [*by, *(k for k in rep if k not in by), *(k for k in early if k not in by and k not in rep)]
     for k in order:
-        # a configuration only in the rerun round: its one run; only in the earlier invocation: its runs there
-        runs = by.get(k) or ([rep[k]] if k in rep else early[k])
+        # a configuration only in the rerun rounds: its runs there; only in the earlier invocation: its runs there
+        runs = by.get(k) or rep.get(k) or early[k]
         one = k not in by
         n = f"{len(runs)}" + ("" if not one else " (rerun round)" if k in rep else f" ({r['earlier']['meta']['date']})")
         if k == "GRPO":
-            again = f"{rep['GRPO']['step_s']:.2f} s" if "GRPO" in rep else "–"
-            lines.append(f"| GRPO | {n} | {_spread([x['step_s'] for x in runs])} | 1 | – | – | – | {again} |")
+            again = " / ".join(f"{x['step_s']:.2f} s" for x in rep["GRPO"]) if "GRPO" in rep else "–"
+            lines.append(f"| GRPO | {n} | {_spread([x['step_s'] for x in runs])} | 1 | – | – | – | – | {again} |")
             continue
         if one or k not in rep:
             again = "–"
+        elif len(runs) < 2:  # one run: no spread to hold the rerun against
+            again = "; ".join(", ".join(f"{y[key]:.2f}" for key in ("ratio", "added")) for y in rep[k]) + \
+                " (no spread: one run)"
         else:
-            again = ", ".join(f"{rep[k][key]:.2f} "
-                              f"({'inside' if _inside(rep[k][key], [x[key] for x in runs]) else 'outside'})"
-                              for key in ("ratio", "added"))
+            again = "; ".join(", ".join(f"{y[key]:.2f} "
+                                        f"({'inside' if _inside(y[key], [x[key] for x in runs]) else 'outside'})"
+                                        for key in ("ratio", "added")) for y in rep[k])
         lines.append(f"| {_OVERHEAD_LABEL.get(k, k)} | {n} | {_spread([x['step_s'] for x in runs])} | "
                      f"**{_spread([x['ratio'] for x in runs])}** | **{_spread([x['added'] for x in runs])}** | "
-                     f"{_spread([x['oar_share_of_training'] for x in runs])} | "
+                     f"{_spread([x['logged'] for x in runs])} | {_adv(runs)} | "
                      f"{_spread([x['attributed_frac'] for x in runs])} | {again} |")
     every = [*r["runs"], *(r.get("reproduction", {}).get("runs", []))]
     loads = [v for x in every for v in x["load_average_before_after"]]
@@ -717,7 +758,8 @@ def overhead_cpu() -> str:
                         for a in m.get("appended", []))
               + (f"; the runs' commits {', '.join(dict.fromkeys(x['commit'][:7] for x in every if 'commit' in x))}"
                  if any("commit" in x for x in every) else "")
-              + (f"; rerun round `{rm['command']}`, {rm['date']}, commit {rm['commit'][:7]}" if rm else "")
+              + "".join(f"; rerun round `{a['command']}`, {a['date']}, commit {a['commit'][:7]}"
+                        for a in ([rm, *rm.get("appended", [])] if rm else []))
               + f": trainer mode `{m['trainer_mode']}`, {m['batch']} prompts × {m['rollout_n']} responses of ≤ "
               f"{m['response_length']} tokens, each run's median of steps 2–{_steps(every, m)}; {rounds} rounds, each "
               f"running each of its configurations once in a rotated order ({_orders(r['runs'])}); "
@@ -730,23 +772,27 @@ def overhead_cpu() -> str:
                  else (_earlier(r), f" ({r.get('earlier', {}).get('meta', {}).get('date')})"))
     if "conservative-separate" in src:
         alone = [x["log_prob_s"] - x["oar_s"] for x in src["conservative-separate"]]
+        same = {x["round"] for x in src["conservative-separate"]}  # GRPO's runs of the same rounds
         lines[-1] += (f" The recipe's two readings of the pass alone{when}: the default with its own passes, "
                       f"`timing_s/old_log_prob` − `timing_s/oar_total`, {_spread(alone, unit=' s')}; GRPO's "
-                      f"`timing_s/old_log_prob` {_spread([x['log_prob_s'] for x in src['GRPO']], unit=' s')}.")
+                      f"`timing_s/old_log_prob` in the same rounds "
+                      f"{_spread([x['log_prob_s'] for x in src['GRPO'] if x['round'] in same], unit=' s')}.")
     if early:
         em = r["earlier"]["meta"]
         lines[-1] += (f" Rows dated {em['date']}: the earlier invocation `{em['command']}`, each configuration once in "
                       f"one order (OAR-G's default twice, under two names), each against its GRPO run, on the same "
                       f"machine at load average {em['load_average_before_after'][0]}–"
                       f"{em['load_average_before_after'][1]}; not rerun in this session.")
-        again = [f"{dict(_COST_ROW).get(k, k)} × GRPO {early[k][0]['ratio']:.2f}, added {early[k][0]['added']:.2f}"
+        again = [f"{dict(_COST_ROW).get(k, k)} × GRPO " + " / ".join(f"{x['ratio']:.2f}" for x in early[k])
+                 + ", added " + " / ".join(f"{x['added']:.2f}" for x in early[k])
+                 + (f" ({len(early[k])} runs)" if len(early[k]) > 1 else f" ({verdict(None, None, n=1)})")
                  for k in by if k != "GRPO" and k in early]
         if again:
             lines[-1] += f" That invocation's runs of the configurations above: {'; '.join(again)}."
     checks = _reproduction(by, rep)
     if checks:
-        lines[-1] += (f" Rerun once more ({_orders(r['reproduction']['runs'])}): "
-                      f"{_reproduction_sentence(checks, rounds)}.")
+        lines[-1] += (f" Rerun rounds, each checked ({_orders(r['reproduction']['runs'])}): "
+                      f"{_reproduction_sentence(checks, by)}.")
     return "\n".join(lines)
 
 
@@ -761,8 +807,9 @@ def cost_row() -> str:
     added = ", ".join(f"{label} {_spread([x['added'] for x in by[k]])}"
                       + (f" ({len(by[k])} runs)" if len(by[k]) > 1 else "") for k, label in keys)
     step = ", ".join(f"{label} {_spread([x['ratio'] for x in by[k]])}" for k, label in keys)
-    logged = (f"; the default's `timing_s/oar_total` (its own blocks, not the pass's slow-down) "
-              f"{_spread([x['oar_share_of_training'] for x in by['conservative-shared']])}"
+    logged = (f"; what the trainer logs for the default, `timing_s/oar_total` (its own blocks, not the pass's "
+              f"slow-down), × the same {_spread([x['logged'] for x in by['conservative-shared']])}; its reshaping, "
+              f"in `timing_s/adv` (outside both), adds {_adv(by['conservative-shared'])} more"
               if "conservative-shared" in by else "")
     checks = [c for c in _reproduction(by, rep) if c[0] in dict(keys)]
     early = _earlier(r)
@@ -774,8 +821,8 @@ def cost_row() -> str:
                                for k, label in rest))
     return (f"median [min–max] over {rounds} alternating rounds. Added to verl's old-log-prob pass (the pass with "
             f"attribution − GRPO's, same round) × GRPO's training compute: {added}{logged}. Whole step × GRPO's: "
-            f"{step} (tiny model, responses ≤ {r['meta']['response_length']} tokens). Rerun once more: "
-            + (_reproduction_sentence(checks, rounds) if checks else "not yet run"))
+            f"{step} (tiny model, responses ≤ {r['meta']['response_length']} tokens). Rerun rounds, each checked: "
+            + (_reproduction_sentence(checks, by) if checks else "not yet run"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -833,7 +880,8 @@ def scaling_row() -> str:
         if xs:
             parts.append(f"{_SCALING_LABEL[m]} peak {_span([x['peak_ratio'] for x in xs])}×, time "
                          f"{_span([x['time_ratio'] for x in xs])}× a training step")
-    return f"{lengths[0]}–{lengths[-1]} tokens (fp32, a 12-layer Qwen2 shape): " + "; ".join(parts)
+    return (f"{lengths[0]}–{lengths[-1]} tokens (fp32, a 12-layer Qwen2 shape, {verdict(None, None, n=1)} per "
+            "length): " + "; ".join(parts))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -856,12 +904,13 @@ def planted_recall_row() -> str:
     for k, label in _RECALL_LABEL.items():
         if k not in ms:
             continue
-        part = f"{label} {_mean(ms[k]['recall']):.2f}"
+        part = f"{label} {_mean(ms[k]['recall']):.2f}" + (f" (mean of {len(ms[k]['recall'])} draws)"
+                                                          if len(ms[k]["recall"]) > 1 else "")
         gate = _mean(ms[k].get("recall_gate_reading", ms[k]["recall"]))
         if f"{gate:.2f}" != f"{_mean(ms[k]['recall']):.2f}":
             part += f" (its signed scores as the gate reads them, by magnitude: {gate:.2f})"
         parts.append(part)
-    return "recall@k: " + ", ".join(parts)
+    return f"recall@k, {verdict(None, None, n=1)} each unless a mean is named: " + ", ".join(parts)
 
 
 def planted_recall_table() -> str:
@@ -996,7 +1045,8 @@ def gpu_row() -> str:
             f"the old-log-prob pass adds {both('conservative_recompute')} (every layer recomputed), its own passes "
             f"{both('conservative_separate')}; fisher from the pass {both('fisher_recompute')}, own "
             f"{both('fisher_separate')}; OAR-G with its teachers read from the pass (its default) "
-            f"{both('gradient_recompute')}, its own passes {both('gradient_own_recompute')}. verl's FSDP2 worker "
+            f"{both('gradient_recompute')}, its own passes {both('gradient_own_recompute')} "
+            f"({verdict(None, None, n=1)} each). verl's FSDP2 worker "
             f"group, Qwen2.5-1.5B, rows of {min(lengths) // 1024}k–{max(lengths) // 1024}k, medians of "
             f"{len(_timings(calls['conservative']))} timings: the default "
             f"{calls['conservative']['vs_update_time']:.2f}×, "
