@@ -211,6 +211,18 @@ def command_line(module: str, argv: list[str] | None) -> str:
     return f"python -m research.{module} " + " ".join(sys.argv[1:] if argv is None else argv)
 
 
+def refresh_interval(was: dict, now: dict, where: str, tol: float) -> float:
+    """Merge a recomputed interval ``now`` into the stored one ``was`` (in place): a ValueError naming ``where`` if its
+    mean or a bound moved by more than ``tol`` (relative; NaN equals NaN), else ``now``'s other fields (``dropped``,
+    counts) added. Returns ``now``'s share of undefined resamples (0 where it has none)."""
+    for f in ("mean", "lo", "hi"):
+        a, b = was[f], now[f]
+        if not (a != a and b != b) and abs(a - b) > tol * max(1.0, abs(a)):
+            raise ValueError(f"{where} {f}: {b} from the rows, {a} in the file")
+    was.update({k: v for k, v in now.items() if k not in ("mean", "lo", "hi")})
+    return now.get("dropped", 0.0)
+
+
 def write_results(path, record: dict) -> None:
     """A committed results file (``research/results/*.json``): ``record`` as indented JSON, parents made."""
     import json

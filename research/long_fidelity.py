@@ -54,7 +54,8 @@ from oar_verl.core.fidelity.curves import FRACTIONS
 from oar_verl.core.fidelity.summary import bootstrap_ratio
 from oar_verl.core.preprocess import prepare_attribution
 from research import REPO, common
-from research.common import command_line, measure, progress, smollm2_path, study_dir, write_results
+from research.common import (command_line, measure, progress, refresh_interval, smollm2_path, study_dir,
+                             write_results)
 from research.long_reasoning import gsm_solution
 
 # name -> OARConfig overrides of each method compared
@@ -444,14 +445,9 @@ def refresh_results(path: Path, tol: float = 1e-4) -> list[str]:
     for part, entries in new.items():
         for name, figures in entries.items():
             for key, iv in figures.items():
-                was = old[part][name][key]
-                for f in ("mean", "lo", "hi"):
-                    a, b = was[f], iv[f]
-                    if not (a != a and b != b) and abs(a - b) > tol * max(1.0, abs(a)):
-                        raise ValueError(f"{path.name}: {part}/{name}/{key} {f}: {b} from the rows, {a} in the file")
-                if iv["dropped"] > 0:
-                    dropped.append(f"{part}/{name}/{key}: {iv['dropped']:.3f}")
-                was.update({k: v for k, v in iv.items() if k not in ("mean", "lo", "hi")})
+                share = refresh_interval(old[part][name][key], iv, f"{path.name}: {part}/{name}/{key}", tol)
+                if share > 0:
+                    dropped.append(f"{part}/{name}/{key}: {share:.3f}")
     s.setdefault("min_gap", FP32_MIN_GAP)
     write_results(path, record)
     return dropped

@@ -66,7 +66,7 @@ from oar_verl.core.methods.attribution import probe_kinds
 from oar_verl.core.preprocess import PreparedAttribution, pad_rows, prepare_attribution
 from oar_verl.core.text.spans import locate_answer_spans
 from research import REPO, common
-from research.common import progress, study_dir
+from research.common import progress, refresh_interval, study_dir
 from research.long_fidelity import FP32_MIN_GAP, Loaded, _own_answer, _sample, load
 from research.long_reasoning import gsm_solution
 
@@ -355,13 +355,9 @@ def refresh_results(results: Path, tol: float = 1e-4) -> list[str]:
 
     def walk(was: dict, now: dict, where: str) -> None:
         if "mean" in now:
-            for f in ("mean", "lo", "hi"):
-                a, b = was[f], now[f]
-                if not (a != a and b != b) and abs(a - b) > tol * max(1.0, abs(a)):
-                    raise ValueError(f"{results.name}: {where} {f}: {b} from the rows, {a} in the file")
-            was.update({k: v for k, v in now.items() if k not in ("mean", "lo", "hi")})
-            if now.get("dropped", 0) > 0:
-                dropped.append(f"{where}: {now['dropped']:.3f}")
+            share = refresh_interval(was, now, f"{results.name}: {where}", tol)
+            if share > 0:
+                dropped.append(f"{where}: {share:.3f}")
             return
         for k, v in now.items():
             walk(was[k], v, f"{where}/{k}" if where else k)
