@@ -1,8 +1,9 @@
 """Token-level dumps of attributed rollouts for heatmaps (``python -m oar_verl.viz.heatmap``), written by every trainer
 integration (verl's step, the TRL trainer).
 
-Every ``dump_every`` steps a trainer writes ``step_<N>.jsonl`` with the rollouts of ``dump_groups`` prompt groups, one
-JSON object per rollout:
+Every ``dump_every`` steps a trainer writes ``step_<N>.jsonl`` with the rollouts of ``dump_groups`` attributed prompt
+groups; a due step that attributed no row (every group's rewards tied) passes the dump on to the next step that did
+(:class:`DumpSchedule`), so that a dump is never silently empty or missing. One JSON object per rollout:
 
     {"step", "uid", "sample", "reward", "advantage", "tokens": [str], "importance": [float], "weight": [float],
      "reasoning": [0|1], "answer": [0|1], "span_found": bool}
@@ -31,6 +32,30 @@ from oar_verl.core.text.turns import turn_layout
 
 def due(cfg: OARConfig, step: int) -> bool:
     return cfg.dump_every > 0 and step % cfg.dump_every == 0
+
+
+class DumpSchedule:
+    """Which steps write a dump: every ``dump_every``-th step, or, where that step attributed no row, the first later
+    step that did (one dump for any number of due steps passed on; the file is named for the step it holds). A
+    trainer keeps one per run; a dump passed on is not carried across a resume."""
+
+    def __init__(self, cfg: OARConfig):
+        self.cfg = cfg
+        self.pending: int | None = None  # the due step whose dump is still to be written
+
+    def take(self, step: int, attributed: bool) -> bool:
+        """Whether ``step`` writes the dump; prints once where a due step passes it on."""
+        if due(self.cfg, step) and self.pending is None:
+            self.pending = step
+        if self.pending is None:
+            return False
+        if attributed:
+            self.pending = None
+            return True
+        if self.pending == step:
+            print(f"oar: no row attributed at step {step} (every prompt group's rewards tied): its token dump "
+                  "(dump_every) is written at the next step that attributes one", flush=True)
+        return False
 
 
 def dump_dir(cfg: OARConfig, default_local_dir: str | None) -> Path:

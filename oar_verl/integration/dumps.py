@@ -10,9 +10,9 @@ from pathlib import Path
 
 from oar_verl.core.batch.selection import sequence_advantage
 from oar_verl.core.config import OARConfig
-from oar_verl.core.dumps import due, dump_dir, pick_groups, write_dump
+from oar_verl.core.dumps import DumpSchedule, due, dump_dir, pick_groups, write_dump
 
-__all__ = ["due", "dump_dir", "dump_step", "pick_groups", "write_dump"]
+__all__ = ["DumpSchedule", "due", "dump_dir", "dump_step", "pick_groups", "write_dump"]
 
 
 def dump_step(cfg: OARConfig, step: int, att, result, tokenizer, default_local_dir: str | None) -> Path:

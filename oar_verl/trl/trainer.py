@@ -23,8 +23,7 @@ from oar_verl.core.backends.rules import rules_error
 from oar_verl.core.checks.mask_token import check_model_mask_token
 from oar_verl.core.checks.model_rules import rules_refusal
 from oar_verl.core.config import OARConfigError
-from oar_verl.core.dumps import due as dump_due
-from oar_verl.core.dumps import dump_dir, pick_groups, write_dump
+from oar_verl.core.dumps import DumpSchedule, dump_dir, pick_groups, write_dump
 from oar_verl.core.reshaping.metrics import flat_warning
 from oar_verl.trl.config import (FIELD_SUPPORT, OARGRPOConfig, OARTRLArgsError, _rename, check_trl_args,
                                  check_trl_version, oar_config_of)
@@ -92,6 +91,7 @@ class OARGRPOTrainer(GRPOTrainer):
         _refuse_multimodal(model, kw.get("processing_class", a[2] if len(a) > 2 else None))  # before loading it
         super().__init__(model, reward_funcs, args, *a, **kw)
         self._oar_flat_warned = False
+        self._oar_dumps = DumpSchedule(self.oar_cfg)  # the main process's rows
         self._oar_logps: list[torch.Tensor] | None = None  # set while _compute_loss runs for a sequence metric
         # OAR steps per optimizer step: ⌈GA / (steps_per_generation × num_iterations)⌉, the most generations in one
         self._oar_per_step = max(1, -(-self.args.gradient_accumulation_steps //
@@ -152,7 +152,7 @@ class OARGRPOTrainer(GRPOTrainer):
             self._oar_flat_warned = True
             if self.accelerator.is_main_process:
                 print(warning, flush=True)
-        if dump_due(self.oar_cfg, step) and self.accelerator.is_main_process:
+        if self.accelerator.is_main_process and self._oar_dumps.take(step, bool(res.attribution.attributed.any())):
             self._oar_dump(step, output, res)
         return output
 

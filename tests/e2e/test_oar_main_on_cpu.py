@@ -75,7 +75,7 @@ def _run(tiny_assets, tmp_path, experiment, extra, module="oar_verl.main", timeo
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def _check_oar_run(name, run, steps, dump_dir=None):
+def _check_oar_run(name, run, steps, dump_dir=None, dump_every=0):
     """The assertions every OAR run must pass, on its logged ``steps``."""
     print(f"{name}: rc={run.returncode} wall={run.wall_s:.0f}s peak tree RSS={run.peak_rss_gib} GiB "
           f"peak used-memory rise={run.peak_used_gib} GiB")
@@ -117,7 +117,7 @@ def _check_oar_run(name, run, steps, dump_dir=None):
     grad_norms = [m.get("actor/grad_norm", 0.0) for m in run.metrics]
     assert any(g > 0 and math.isfinite(g) for g in grad_norms), grad_norms
     if dump_dir is not None:
-        _check_dumps(dump_dir)
+        _check_dumps(run, dump_dir, dump_every)
 
 
 @pytest.mark.e2e
@@ -135,14 +135,17 @@ def _check_oar_run(name, run, steps, dump_dir=None):
     # OAR-G on verl's colocate_async trainer, its clean teachers read from the old-log-prob forward and its noisy
     # passes right after it on the rows the step marked in TransferQueue (docs/method.md §14; fisher's and
     # conservative's scores read from it: the worker-group tests and auto_legacy's step 2), and the fidelity of its
-    # attribution measured on step 2 right after that pass (docs/fidelity.md, "Logged while training"); the actor in
+    # attribution measured right after that pass on every step that attributed a row, and the token dump written
+    # there (every step: a step's tool-calling rows may all tie, and then nothing is attributed, measured or dumped)
+    # (docs/fidelity.md, "Logged while training"); the actor in
     # bf16 (verl's default), so that attribution with frozen parameters is the FSDP2 module's first forward and the
     # update after it must still get fp32 gradients
     # The rollout is verl's multi-turn agent loop (docs/multi_turn.md): a tiny model warm-started to call the
     # calculator (oar_verl.tools.calculator, a BaseTool through verl's hermes tool parser) and to state its result;
     # the tool's output sits inside each response with response_mask 0 (devtools/tool_assets.py)
     ("oar_g_colocate_async", STEPS, ["algorithm.oar.mode=gradient", "trainer.v1.trainer_mode=colocate_async",
-                              "algorithm.oar.fidelity_every=2", BF16_ACTOR, *MULTI_TURN]),
+                              "algorithm.oar.fidelity_every=1", "algorithm.oar.dump_every=1", BF16_ACTOR,
+                              *MULTI_TURN]),
     # mode=auto (docs/auto.md) with its default candidates on the legacy trainer: conservative (auto_default) until
     # the first decision at step 1, the decision's mode after (step 2 read from the old-log-prob forward: both
     # candidates can), a re-check at step 3, the selector's state saved beside the step-3 checkpoint
@@ -159,9 +162,10 @@ def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, request, name, steps, extra)
     if multi_turn:
         assets = request.getfixturevalue("tool_assets")
         extra = [*extra, f"actor_rollout_ref.rollout.multi_turn.tool_config_path={assets.tool_config}"]
-    run = _run(assets, tmp_path, name, [*extra, "algorithm.oar.dump_every=2", f"algorithm.oar.dump_dir={dump_dir}"],
-               steps=steps)
-    _check_oar_run(name, run, range(1, steps + 1), dump_dir)
+    every = 1 if "algorithm.oar.dump_every=1" in extra else 2  # every second step unless the run says every step
+    dumps = [f"algorithm.oar.dump_every={every}"] if every == 2 else []
+    run = _run(assets, tmp_path, name, [*dumps, *extra, f"algorithm.oar.dump_dir={dump_dir}"], steps=steps)
+    _check_oar_run(name, run, range(1, steps + 1), dump_dir, every)
     if multi_turn:
         _check_multi_turn(run, dump_dir)
     reported = ["oar/policy_matches_old_log_prob" in m for m in run.metrics]
@@ -173,8 +177,8 @@ def test_oar_main_ppo_on_cpu(tiny_assets, tmp_path, request, name, steps, extra)
         assert not perturbed
     fidelity = [m for m in run.metrics if "oar/fidelity/aopc" in m]
     attributed = [m for m in run.metrics if m["oar/attributed_seq_frac"] > 0]
-    if "algorithm.oar.fidelity_every=2" in extra:  # every even step that attributed measured its fidelity
-        assert [m["step"] for m in fidelity] == [m["step"] for m in attributed if m["step"] % 2 == 0]
+    if "algorithm.oar.fidelity_every=1" in extra:  # every step that attributed measured its fidelity
+        assert [m["step"] for m in fidelity] == [m["step"] for m in attributed]
         assert fidelity
         for m in fidelity:
             print({k: v for k, v in m.items() if "fidelity" in k})
@@ -279,7 +283,7 @@ def _check_multi_turn(run, dump_dir):
     assert any(m["oar/span_found_frac"] > 0 for m in run.metrics)
     # the dumped rows (the heatmap's input): tool outputs marked as context, never reasoning nor answer (the answer:
     # the last span among the model's own tokens)
-    records = [json.loads(line) for line in (dump_dir / "step_2.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for p in dump_dir.glob("step_*.jsonl") for line in p.read_text().splitlines()]
     multi = [r for r in records if "turn" in r]
     assert multi, "no dumped row called the tool"
     for r in multi:
@@ -295,18 +299,25 @@ def tool_assets(tmp_path_factory):
     return build_tool_assets(tmp_path_factory.mktemp("tool_assets"))
 
 
-def _check_dumps(dump_dir):
-    """Token dumps for heatmaps: step 2 only (dump_every=2), whole prompt groups, per-token arrays aligned."""
-    assert sorted(p.name for p in dump_dir.glob("*.jsonl")) == ["step_2.jsonl"]
-    records = [json.loads(line) for line in (dump_dir / "step_2.jsonl").read_text().splitlines()]
-    assert records and all(r["step"] == 2 for r in records)
+def _check_dumps(run, dump_dir, every):
+    """Token dumps for heatmaps: on the due steps (dump_every), each passed on to the next step that attributed a row
+    where its own attributed none (a step whose groups all tied); whole prompt groups, per-token arrays aligned."""
+    from oar_verl.core.config import OARConfig
+    from oar_verl.core.dumps import DumpSchedule
+
+    schedule = DumpSchedule(OARConfig(dump_every=every))
+    due = [m["step"] for m in run.metrics if schedule.take(m["step"], m["oar/attributed_seq_frac"] > 0)]
+    assert sorted(p.name for p in dump_dir.glob("*.jsonl")) == sorted(f"step_{s}.jsonl" for s in due)
+    records = [json.loads(line) for s in due for line in (dump_dir / f"step_{s}.jsonl").read_text().splitlines()]
+    assert all(r["step"] in due for r in records)
+    assert all(any(r["step"] == s for r in records) for s in due)  # a written dump holds rows
     for r in records:
         n = len(r["tokens"])
         assert n and len(r["importance"]) == len(r["weight"]) == len(r["reasoning"]) == len(r["answer"]) == n
         reasoning_w = [w for w, m in zip(r["weight"], r["reasoning"]) if m]
         if r["advantage"] != 0 and reasoning_w:
             assert abs(sum(reasoning_w) - len(reasoning_w)) < 1e-3 * len(reasoning_w)
-    assert len({r["uid"] for r in records}) <= 2
+    assert all(len({r["uid"] for r in records if r["step"] == s}) <= 2 for s in due)
 
 
 def _fails_fast(args, env_extra=None, timeout=300):

@@ -20,6 +20,21 @@ def test_due_and_dir(tmp_path):
     assert dumps.dump_dir(OARConfig(dump_dir="x/y"), str(tmp_path)).as_posix() == "x/y"
 
 
+def test_a_due_step_without_attributed_rows_passes_its_dump_on(capsys):
+    """dump_every=2 over steps 1-9 with nothing attributed at steps 2, 3, 6 and 7: step 4 writes the dump due at
+    step 2 (one dump, not one per due step passed on), step 8 the one due at 6; a step is never dumped twice."""
+    schedule = dumps.DumpSchedule(OARConfig(dump_every=2))
+    attributed = {1: True, 2: False, 3: False, 4: True, 5: True, 6: False, 7: False, 8: True, 9: True}
+    assert [s for s, a in attributed.items() if schedule.take(s, a)] == [4, 8]
+    said = capsys.readouterr().out
+    assert "no row attributed at step 2" in said and "no row attributed at step 6" in said
+    assert "step 3" not in said and "step 4" not in said  # said once, at the due step
+    every = dumps.DumpSchedule(OARConfig(dump_every=1))
+    assert [s for s, a in attributed.items() if every.take(s, a)] == [1, 4, 5, 8, 9]
+    never = dumps.DumpSchedule(OARConfig())
+    assert not any(never.take(s, True) for s in range(1, 10))
+
+
 def test_pick_groups_takes_whole_groups():
     uids = np.array(["a", "a", "b", "b", "c", "c"], dtype=object)
     attributed = torch.tensor([False, False, True, True, True, False])
