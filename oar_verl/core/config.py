@@ -226,8 +226,8 @@ class OARConfig:
                                      "weight 1).")
     dump_every: int = _key(0, "dumps",
                            "Every this-many steps, dump attributed rollouts (tokens, importance, weights) as JSONL "
-                           "for token heatmaps (`python -m oar_verl.viz.heatmap`); a step that attributed no row "
-                           "passes its dump to the next that does; 0 = never.")
+                           "for token heatmaps (`python -m oar_verl.viz.heatmap`); a due step that attributed no row "
+                           "passes its dump to the next step that does (within a launch); 0 = never.")
     dump_dir: str | None = _key(None, "dumps",
                                 "Where the dumps go; null = `<trainer.default_local_dir>/oar_dumps`.")
     dump_groups: int = _key(2, "dumps", "Prompt groups (all their rollouts) per dump; >= 1.")

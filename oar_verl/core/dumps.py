@@ -1,15 +1,17 @@
 """Token-level dumps of attributed rollouts for heatmaps (``python -m oar_verl.viz.heatmap``), written by every trainer
 integration (verl's step, the TRL trainer).
 
-Every ``dump_every`` steps a trainer writes ``step_<N>.jsonl`` with the rollouts of ``dump_groups`` attributed prompt
-groups; a due step that attributed no row (every group's rewards tied) passes the dump on to the next step that did
-(:class:`DumpSchedule`), so that a dump is never silently empty or missing. One JSON object per rollout:
+Every ``dump_every`` steps (the first step at or past each multiple, where a trainer's steps skip numbers) a trainer
+writes ``step_<N>.jsonl`` with the rollouts of ``dump_groups`` attributed prompt groups; a due step that attributed no
+row (e.g. every group's rewards tied) says so and passes the dump on to the next step that attributes one
+(:class:`DumpSchedule`). One JSON object per rollout:
 
     {"step", "uid", "sample", "reward", "advantage", "tokens": [str], "importance": [float], "weight": [float],
      "reasoning": [0|1], "answer": [0|1], "span_found": bool}
 
-and, on a multi-turn row (tool outputs or user turns inside the response; docs/multi_turn.md), ``"turn": [int]``: the
-assistant turn of each of the model's tokens (0, 1, ...) and -1 on the context, which the heatmap boxes.
+with ``"due_step"``, the due step a dump stands in for, where it was passed on; and, on a multi-turn row (tool outputs
+or user turns inside the response; docs/multi_turn.md), ``"turn": [int]``: the assistant turn of each of the model's
+tokens (0, 1, ...) and -1 on the context, which the heatmap boxes.
 
 ``tokens`` are the exact text of each response token (from the token byte table: no re-tokenisation, multi-byte
 characters split across tokens show as replacement characters). Framework-free: the integrations pick the rows.
@@ -30,32 +32,41 @@ from oar_verl.core.text.token_bytes import token_byte_table
 from oar_verl.core.text.turns import turn_layout
 
 
-def due(cfg: OARConfig, step: int) -> bool:
-    return cfg.dump_every > 0 and step % cfg.dump_every == 0
-
-
 class DumpSchedule:
-    """Which steps write a dump: every ``dump_every``-th step, or, where that step attributed no row, the first later
-    step that did (one dump for any number of due steps passed on; the file is named for the step it holds). A
-    trainer keeps one per run; a dump passed on is not carried across a resume."""
+    """Which steps write a dump: the first step at or past each multiple of ``every`` (its due step), or, where that
+    step attributed no row, the first later step that does (one dump for any number of due steps passed on). A
+    trainer keeps one per run; a dump still waiting when the run stops is not carried across a resume.
 
-    def __init__(self, cfg: OARConfig):
-        self.cfg = cfg
+    Args:
+        every: ``dump_every`` (0: never).
+        key: the key as the user sets it (verl: ``algorithm.oar.dump_every``; TRL: ``oar_dump_every``), for the log.
+        where: whose rows decide, for the log (TRL: " on the main process", which dumps its own rows).
+    """
+
+    def __init__(self, every: int, key: str, where: str = ""):
+        self.every, self.key, self.where = every, key, where
+        self.last: int | None = None  # the last step seen
         self.pending: int | None = None  # the due step whose dump is still to be written
 
-    def take(self, step: int, attributed: bool) -> bool:
-        """Whether ``step`` writes the dump; prints once where a due step passes it on."""
-        if due(self.cfg, step) and self.pending is None:
+    def take(self, step: int, attributed: bool) -> int | None:
+        """The due step whose dump ``step`` writes (``step`` itself, or an earlier one passed on), or None; prints
+        once, at the due step, where a due step passes its dump on."""
+        if self.every <= 0:
+            return None
+        last = step - 1 if self.last is None else self.last
+        self.last = step
+        if step // self.every > last // self.every and self.pending is None:
             self.pending = step
         if self.pending is None:
-            return False
+            return None
         if attributed:
-            self.pending = None
-            return True
+            due, self.pending = self.pending, None
+            return due
         if self.pending == step:
-            print(f"oar: no row attributed at step {step} (every prompt group's rewards tied): its token dump "
-                  "(dump_every) is written at the next step that attributes one", flush=True)
-        return False
+            print(f"oar: no row attributed{self.where} at step {step} (e.g. every prompt group's rewards tied): the "
+                  f"token dump due there ({self.key}={self.every}) is written at the next step that attributes one",
+                  flush=True)
+        return None
 
 
 def dump_dir(cfg: OARConfig, default_local_dir: str | None) -> Path:
@@ -76,7 +87,8 @@ def pick_groups(uids: np.ndarray, attributed: torch.Tensor, groups: int) -> list
 def write_dump(path: Path, step: int, rows: list[int], uids: np.ndarray, scores: torch.Tensor,
                advantages: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor,
                importance: torch.Tensor, weights: torch.Tensor, reasoning: torch.Tensor, answer: torch.Tensor,
-               span_found: torch.Tensor, tokenizer, valid: torch.Tensor | None = None) -> Path:
+               span_found: torch.Tensor, tokenizer, valid: torch.Tensor | None = None,
+               due_step: int | None = None) -> Path:
     """Write the rows' token records.
 
     Args:
@@ -86,6 +98,7 @@ def write_dump(path: Path, step: int, rows: list[int], uids: np.ndarray, scores:
         valid: (B, T) every real response token, where ``response_mask`` holds the model's only (verl's agent loop:
             0 on tool outputs); rows are written to their last real token, with ``"turn"`` on multi-turn rows. None:
             ``response_mask`` is every real token (single-turn).
+        due_step: the due step this dump stands in for (:meth:`DumpSchedule.take`); recorded where not ``step``.
     """
     layout = None
     if valid is not None:
@@ -112,6 +125,7 @@ def write_dump(path: Path, step: int, rows: list[int], uids: np.ndarray, scores:
                 "weight": [round(float(v), 5) for v in weights[i, :n]],
                 "reasoning": reasoning[i, :n].int().tolist(), "answer": answer[i, :n].int().tolist(),
                 "span_found": bool(span_found[i]),
+                **({"due_step": due_step} if due_step is not None and due_step != step else {}),
                 **({"turn": layout.turn[i, :n].tolist()} if layout is not None and bool(layout.context[i].any())
                    else {}),
             }) + "\n")

@@ -224,7 +224,7 @@ class OARStep:
         self._update_spt = float("nan")  # the actor update's seconds per token per rank (the previous step's)
         self._calibrating = False  # whether the last attributed step was a calibration step
         self._flat_warned = False  # flat_warning is logged once a run
-        self._dumps = dumps.DumpSchedule(cfg)
+        self._dumps = dumps.DumpSchedule(cfg.dump_every, "algorithm.oar.dump_every")
 
     def attribute(self, io: TrainerIO, global_step: int, timing_raw: dict) -> StepAttribution:
         """Steps 1-5, timed as ``timing_s/oar``: rows → base advantage → selection → worker RPC → assembly; the
@@ -460,6 +460,8 @@ class OARStep:
             metrics["oar/auto/calibrating"] = float(self._calibrating)  # this step scored the candidates
             if self._update_spt == self._update_spt:
                 metrics["oar/auto/update_s_per_token"] = self._update_spt
-        if att.batch.responses is not None and self._dumps.take(global_step, bool(len(att.rows))):
-            dumps.dump_step(self.cfg, global_step, att, result, self.tokenizer, self.default_local_dir)
+        # the rows the estimator reshaped from their scores (mode=auto's plain fallback attributes and then drops them)
+        due = self._dumps.take(global_step, bool(att.estimator_inputs.attributed.any()))
+        if due is not None and att.batch.responses is not None:
+            dumps.dump_step(self.cfg, global_step, att, result, self.tokenizer, self.default_local_dir, due)
         return metrics

@@ -91,7 +91,7 @@ class OARGRPOTrainer(GRPOTrainer):
         _refuse_multimodal(model, kw.get("processing_class", a[2] if len(a) > 2 else None))  # before loading it
         super().__init__(model, reward_funcs, args, *a, **kw)
         self._oar_flat_warned = False
-        self._oar_dumps = DumpSchedule(self.oar_cfg)  # the main process's rows
+        self._oar_dumps = DumpSchedule(self.oar_cfg.dump_every, "oar_dump_every", " on the main process")
         self._oar_logps: list[torch.Tensor] | None = None  # set while _compute_loss runs for a sequence metric
         # OAR steps per optimizer step: ⌈GA / (steps_per_generation × num_iterations)⌉, the most generations in one
         self._oar_per_step = max(1, -(-self.args.gradient_accumulation_steps //
@@ -152,8 +152,10 @@ class OARGRPOTrainer(GRPOTrainer):
             self._oar_flat_warned = True
             if self.accelerator.is_main_process:
                 print(warning, flush=True)
-        if self.accelerator.is_main_process and self._oar_dumps.take(step, bool(res.attribution.attributed.any())):
-            self._oar_dump(step, output, res)
+        if self.accelerator.is_main_process:  # it dumps its own rows
+            due = self._oar_dumps.take(step, bool(res.attribution.attributed.any()))
+            if due is not None:
+                self._oar_dump(step, output, res, due)
         return output
 
     def _oar_step(self) -> int:
@@ -221,9 +223,10 @@ class OARGRPOTrainer(GRPOTrainer):
         totals = self.accelerator.reduce(local, reduction="sum")
         return (totals[0] / totals[1].clamp(min=1.0)).item()
 
-    def _oar_dump(self, step: int, output: dict, res: TRLReshaped) -> None:
-        """The main process's attributed prompt groups of this step as token records (``oar_dump_every``), in the
-        core's dump format (``python -m oar_verl.viz.heatmap``); default folder ``<output_dir>/oar_dumps``."""
+    def _oar_dump(self, step: int, output: dict, res: TRLReshaped, due: int) -> None:
+        """The main process's attributed prompt groups of this step as token records (``oar_dump_every``; ``due``: the
+        due step it stands in for), in the core's dump format (``python -m oar_verl.viz.heatmap``); default folder
+        ``<output_dir>/oar_dumps``."""
         cfg, att, reshaped = self.oar_cfg, res.attribution, res.reshaped
         B = att.attributed.shape[0]
         first = self.accelerator.process_index * B  # TRL's groups: num_generations consecutive rows over processes
@@ -235,7 +238,7 @@ class OARGRPOTrainer(GRPOTrainer):
         write_dump(dump_dir(cfg, self.args.output_dir) / f"step_{step}.jsonl", step, rows, uids, rewards, seq,
                    output["completion_ids"].cpu(), own, att.importance, reshaped.token_weights.weights,
                    att.reasoning_mask, att.answer_mask, att.span_found, self._oar_tokenizer(),
-                   valid=att.response_mask)
+                   valid=att.response_mask, due_step=due)
 
     def _oar_rewards(self, first: int, rows: int) -> torch.Tensor:
         """(rows,) this process's rewards of the batch just scored, from TRL's completion log (every process's

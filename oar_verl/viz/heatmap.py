@@ -5,7 +5,7 @@ usage::
     python -m oar_verl.viz.heatmap DUMP_DIR_OR_FILE --out page.html [--max-steps 10] [--correct-threshold 0.5]
 
 Input: the trainer's token dumps (``algorithm.oar.dump_every=K``: ``step_<N>.jsonl``, one JSON object per rollout in
-the format of :mod:`oar_verl.integration.dumps`; an optional ``"prompt"`` is shown above its group). Per step and
+the format of :mod:`oar_verl.core.dumps`; an optional ``"prompt"`` is shown above its group). Per step and
 prompt group, the correct rollouts on the left and the incorrect ones on the right, each reasoning token coloured by
 its weight (blue < 1 < red), the rest grey. Multi-turn rows (an optional per-token ``"turn"``: the assistant turn
 of each of the model's tokens, -1 on context; docs/multi_turn.md) show tool outputs and user turns boxed as context

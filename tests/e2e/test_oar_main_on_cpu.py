@@ -302,14 +302,16 @@ def tool_assets(tmp_path_factory):
 def _check_dumps(run, dump_dir, every):
     """Token dumps for heatmaps: on the due steps (dump_every), each passed on to the next step that attributed a row
     where its own attributed none (a step whose groups all tied); whole prompt groups, per-token arrays aligned."""
-    from oar_verl.core.config import OARConfig
     from oar_verl.core.dumps import DumpSchedule
 
-    schedule = DumpSchedule(OARConfig(dump_every=every))
-    due = [m["step"] for m in run.metrics if schedule.take(m["step"], m["oar/attributed_seq_frac"] > 0)]
-    assert sorted(p.name for p in dump_dir.glob("*.jsonl")) == sorted(f"step_{s}.jsonl" for s in due)
+    # (none of these runs has mode=auto's plain fallback, so a step's attributed rows are the estimator's)
+    schedule = DumpSchedule(every, "algorithm.oar.dump_every")
+    written = {m["step"]: d for m in run.metrics
+               if (d := schedule.take(m["step"], m["oar/attributed_seq_frac"] > 0)) is not None}
+    assert sorted(p.name for p in dump_dir.glob("*.jsonl")) == sorted(f"step_{s}.jsonl" for s in written)
+    due = list(written)
     records = [json.loads(line) for s in due for line in (dump_dir / f"step_{s}.jsonl").read_text().splitlines()]
-    assert all(r["step"] in due for r in records)
+    assert all(r["step"] in due and r.get("due_step", r["step"]) == written[r["step"]] for r in records)
     assert all(any(r["step"] == s for r in records) for s in due)  # a written dump holds rows
     for r in records:
         n = len(r["tokens"])

@@ -423,3 +423,26 @@ def test_an_engine_that_cannot_carry_attribution_in_its_pass_says_why():
     assert fsdp.shared_error(Engine(), oar_g, fused_kernels=False, packed=True, tokens=(8, 8)) is None
     assert "reads only its clean teachers" in megatron.shared_error(plain, oar_g, fused_kernels=False, packed=True,
                                                                     tokens=(8, 8))
+
+
+def test_a_plain_grpo_fallback_step_writes_no_empty_dump(setup, tmp_path, capsys):
+    """mode=auto whose band fell back to plain GRPO: a re-check step attributes the rows to score the candidates and
+    then reshapes none of them. A dump is due on every step; neither step may write an empty file, and the dump
+    waits for a step whose rows the estimator reshaped from their scores."""
+    from oar_verl.core.auto import UNIFORM
+
+    tok, model, prompts, responses = setup
+    alg = algorithm(mode="auto", probe="as_mean", auto_rows=2, auto_prompts=1, auto_every=2, auto_fallback="best",
+                    auto_candidates=["fisher", "gradient"], auto_default="fisher", dump_every=1,
+                    dump_dir=str(tmp_path / "dumps"))
+    step = OARStep(OARConfig.from_mapping(alg.oar), alg, tok, None)
+    state = step.selector.state_dict()
+    state["bands"]["all"].update(mode=UNIFORM, decided=True, collecting=False, next_check=6)
+    step.selector.load_state_dict(state)
+    for global_step in (5, 6):  # the fallback, then the re-check: rows attributed for the candidates only
+        _, att, _, metrics = run_step(step, AutoIO(tok, model, prompts, responses, SCORES), global_step=global_step)
+        assert not att.estimator_inputs.attributed.any()
+    assert len(att.rows) and metrics["oar/auto/calibrating"] == 1
+    assert not (tmp_path / "dumps").exists()
+    said = capsys.readouterr().out
+    assert "no row attributed at step 5" in said and "(algorithm.oar.dump_every=1)" in said

@@ -12,27 +12,56 @@ from oar_verl.integration import dumps
 from oar_verl.quickstart.tiny_assets import build_tokenizer
 
 
-def test_due_and_dir(tmp_path):
-    assert not dumps.due(OARConfig(), 4)
-    cfg = OARConfig(dump_every=3)
-    assert [s for s in range(1, 10) if dumps.due(cfg, s)] == [3, 6, 9]
-    assert dumps.dump_dir(cfg, str(tmp_path)) == tmp_path / "oar_dumps"
+def _written(every, attributed, key="algorithm.oar.dump_every", where=""):
+    """(step, due step) of each dump a run with ``attributed`` = {step: bool} writes."""
+    schedule = dumps.DumpSchedule(every, key, where)
+    return [(s, d) for s, a in attributed.items() if (d := schedule.take(s, a)) is not None]
+
+
+def test_dump_dir(tmp_path):
+    assert dumps.dump_dir(OARConfig(dump_every=3), str(tmp_path)) == tmp_path / "oar_dumps"
     assert dumps.dump_dir(OARConfig(dump_dir="x/y"), str(tmp_path)).as_posix() == "x/y"
 
 
-def test_a_due_step_without_attributed_rows_passes_its_dump_on(capsys):
+def test_dumps_on_every_multiple_and_a_due_step_without_attributed_rows_passes_its_dump_on(capsys):
     """dump_every=2 over steps 1-9 with nothing attributed at steps 2, 3, 6 and 7: step 4 writes the dump due at
-    step 2 (one dump, not one per due step passed on), step 8 the one due at 6; a step is never dumped twice."""
-    schedule = dumps.DumpSchedule(OARConfig(dump_every=2))
+    step 2 (one dump, not one per due step passed on), step 8 the one due at 6; the log says so once, at the due
+    step, naming the key as the user sets it."""
+    everything = {s: True for s in range(1, 10)}
+    assert _written(3, everything) == [(3, 3), (6, 6), (9, 9)]
+    assert _written(0, everything) == []
     attributed = {1: True, 2: False, 3: False, 4: True, 5: True, 6: False, 7: False, 8: True, 9: True}
-    assert [s for s, a in attributed.items() if schedule.take(s, a)] == [4, 8]
+    assert _written(2, attributed) == [(4, 2), (8, 6)]
     said = capsys.readouterr().out
     assert "no row attributed at step 2" in said and "no row attributed at step 6" in said
-    assert "step 3" not in said and "step 4" not in said  # said once, at the due step
-    every = dumps.DumpSchedule(OARConfig(dump_every=1))
-    assert [s for s, a in attributed.items() if every.take(s, a)] == [1, 4, 5, 8, 9]
-    never = dumps.DumpSchedule(OARConfig())
-    assert not any(never.take(s, True) for s in range(1, 10))
+    assert "step 3 " not in said and "step 4 " not in said  # said once, at the due step
+    assert "(algorithm.oar.dump_every=2)" in said
+    assert _written(1, attributed, "oar_dump_every", " on the main process") == [(1, 1), (4, 2), (5, 5), (8, 6), (9, 9)]
+    said = capsys.readouterr().out
+    assert "no row attributed on the main process at step 2" in said and "(oar_dump_every=1)" in said
+
+
+def test_steps_that_skip_numbers_or_resume_still_dump():
+    """TRL's OAR steps skip numbers where a generation serves several optimizer steps (1, 3, 5, ...): the first step
+    at or past each multiple is due. A resumed run starts at its checkpoint's step + 1."""
+    odd = {s: True for s in range(1, 12, 2)}
+    assert _written(2, odd) == [(3, 3), (5, 5), (7, 7), (9, 9), (11, 11)]
+    assert _written(4, odd) == [(5, 5), (9, 9)]
+    assert _written(5, {s: True for s in range(11, 21)}) == [(15, 15), (20, 20)]
+    assert _written(4, {s: s != 5 for s in range(1, 12, 2)}) == [(7, 5), (9, 9)]
+
+
+def test_a_dump_passed_on_records_its_due_step(tmp_path):
+    tok = build_tokenizer(seed=0)
+    ids = torch.tensor([tok.encode("The answer is 4.", add_special_tokens=False)])
+    T = ids.shape[1]
+    ones, zeros = torch.ones(1, T), torch.zeros(1, T)
+    uids = np.array(["a"], dtype=object)
+    for step, due, want in ((4, 2, {"due_step": 2}), (4, 4, {}), (4, None, {})):
+        path = dumps.write_dump(tmp_path / f"s{step}_{due}.jsonl", step, [0], uids, torch.ones(1), torch.ones(1), ids,
+                                ones, zeros, ones, ones, zeros, torch.ones(1, dtype=torch.bool), tok, due_step=due)
+        record = json.loads(path.read_text())
+        assert {k: record[k] for k in record if k == "due_step"} == want and record["step"] == 4
 
 
 def test_pick_groups_takes_whole_groups():

@@ -314,6 +314,20 @@ def test_generations_within_one_optimizer_step_get_distinct_steps_and_dumps(tiny
     assert [{json.loads(line)["step"] for line in p.read_text().splitlines()} for p in dumps] == [{1}, {2}, {3}, {4}]
 
 
+def test_a_generation_serving_two_optimizer_steps_still_dumps(tiny_assets, policy, tmp_path):
+    """num_iterations=2: a generation every second optimizer step, so OAR's steps are 1, 3 (global_step + 1 at each
+    generation) and never a multiple of oar_dump_every=2: the first step past each multiple is due."""
+    import json
+
+    _, tok = policy
+    trainer = _tiny_trainer(str(tiny_assets.model_dir), tok, tmp_path, num_iterations=2, max_steps=4,
+                            oar_dump_every=2, save_strategy="no", logging_steps=1)
+    trainer.train()
+    dumps = sorted((tmp_path / "oar_dumps").glob("step_*.jsonl"))
+    assert [p.name for p in dumps] == ["step_3.jsonl"]
+    assert {json.loads(line)["step"] for line in dumps[0].read_text().splitlines()} == {3}
+
+
 # ---- TRL's per-sequence metrics read TRL's own (B,) advantages
 
 @pytest.mark.parametrize("loss_type,key", [("cispo", "cispo_clip_ratio"), ("vespo", "vespo/phi_seq_mean")])
