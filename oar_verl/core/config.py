@@ -226,10 +226,11 @@ class OARConfig:
                                      "weight 1).")
     dump_every: int = _key(0, "dumps",
                            "Every this-many steps, dump attributed rollouts (tokens, importance, weights) as JSONL "
-                           "for token heatmaps (`python -m oar_verl.viz.heatmap`); a due step that attributed no row "
+                           "for token heatmaps (`python -m oar_verl.viz.heatmap`); a due step that reshaped no row "
                            "passes its dump to the next step that does (within a launch); 0 = never.")
     dump_dir: str | None = _key(None, "dumps",
-                                "Where the dumps go; null = `<trainer.default_local_dir>/oar_dumps`.")
+                                "Where the dumps go; null = `oar_dumps` in the run's output folder (verl: "
+                                "`trainer.default_local_dir`; TRL: `output_dir`).")
     dump_groups: int = _key(2, "dumps", "Prompt groups (all their rollouts) per dump; >= 1.")
     fidelity_every: int = _key(0, "fidelity",
                                "Every this-many steps, measure the fidelity of that step's attribution with the "

@@ -2,9 +2,9 @@
 integration (verl's step, the TRL trainer).
 
 Every ``dump_every`` steps (the first step at or past each multiple, where a trainer's steps skip numbers) a trainer
-writes ``step_<N>.jsonl`` with the rollouts of ``dump_groups`` attributed prompt groups; a due step that attributed no
-row (e.g. every group's rewards tied) says so and passes the dump on to the next step that attributes one
-(:class:`DumpSchedule`). One JSON object per rollout:
+writes ``step_<N>.jsonl`` with the rollouts of ``dump_groups`` prompt groups whose rows it reshaped from their scores;
+a due step that reshaped none (every group's rewards tied, or verl's ``mode=auto`` on its plain-GRPO fallback) says so
+and passes the dump on to the next step that reshapes one (:class:`DumpSchedule`). One JSON object per rollout:
 
     {"step", "uid", "sample", "reward", "advantage", "tokens": [str], "importance": [float], "weight": [float],
      "reasoning": [0|1], "answer": [0|1], "span_found": bool}
@@ -34,17 +34,19 @@ from oar_verl.core.text.turns import turn_layout
 
 class DumpSchedule:
     """Which steps write a dump: the first step at or past each multiple of ``every`` (its due step), or, where that
-    step attributed no row, the first later step that does (one dump for any number of due steps passed on). A
-    trainer keeps one per run; a dump still waiting when the run stops is not carried across a resume.
+    step reshaped no row from its scores, the first later step that does (one dump for any number of due steps passed
+    on). A trainer keeps one per launch; a dump still waiting when it stops is not carried across a resume, and a step
+    number lower than the last one seen starts the schedule afresh.
 
     Args:
         every: ``dump_every`` (0: never).
         key: the key as the user sets it (verl: ``algorithm.oar.dump_every``; TRL: ``oar_dump_every``), for the log.
         where: whose rows decide, for the log (TRL: " on the main process", which dumps its own rows).
+        why: what leaves a step without a reshaped row, for the log.
     """
 
-    def __init__(self, every: int, key: str, where: str = ""):
-        self.every, self.key, self.where = every, key, where
+    def __init__(self, every: int, key: str, where: str = "", why: str = "every prompt group's rewards tied"):
+        self.every, self.key, self.where, self.why = every, key, where, why
         self.last: int | None = None  # the last step seen
         self.pending: int | None = None  # the due step whose dump is still to be written
 
@@ -53,6 +55,8 @@ class DumpSchedule:
         once, at the due step, where a due step passes its dump on."""
         if self.every <= 0:
             return None
+        if self.last is not None and step < self.last:  # a new start from an earlier step: nothing is waiting
+            self.last = self.pending = None
         last = step - 1 if self.last is None else self.last
         self.last = step
         if step // self.every > last // self.every and self.pending is None:
@@ -63,9 +67,8 @@ class DumpSchedule:
             due, self.pending = self.pending, None
             return due
         if self.pending == step:
-            print(f"oar: no row attributed{self.where} at step {step} (e.g. every prompt group's rewards tied): the "
-                  f"token dump due there ({self.key}={self.every}) is written at the next step that attributes one",
-                  flush=True)
+            print(f"oar: no row reshaped from its scores{self.where} at step {step} ({self.why}): the token dump due "
+                  f"there ({self.key}={self.every}) is written at the next step that reshapes one", flush=True)
         return None
 
 

@@ -224,7 +224,8 @@ class OARStep:
         self._update_spt = float("nan")  # the actor update's seconds per token per rank (the previous step's)
         self._calibrating = False  # whether the last attributed step was a calibration step
         self._flat_warned = False  # flat_warning is logged once a run
-        self._dumps = dumps.DumpSchedule(cfg.dump_every, "algorithm.oar.dump_every")
+        self._dumps = dumps.DumpSchedule(cfg.dump_every, "algorithm.oar.dump_every", why=(
+            "every prompt group's rewards tied" + (", or mode=auto's plain-GRPO fallback" if self.selector else "")))
 
     def attribute(self, io: TrainerIO, global_step: int, timing_raw: dict) -> StepAttribution:
         """Steps 1-5, timed as ``timing_s/oar``: rows → base advantage → selection → worker RPC → assembly; the
@@ -461,7 +462,8 @@ class OARStep:
             if self._update_spt == self._update_spt:
                 metrics["oar/auto/update_s_per_token"] = self._update_spt
         # the rows the estimator reshaped from their scores (mode=auto's plain fallback attributes and then drops them)
-        due = self._dumps.take(global_step, bool(att.estimator_inputs.attributed.any()))
-        if due is not None and att.batch.responses is not None:
+        due = None if att.batch.responses is None else \
+            self._dumps.take(global_step, bool(att.estimator_inputs.attributed.any()))
+        if due is not None:
             dumps.dump_step(self.cfg, global_step, att, result, self.tokenizer, self.default_local_dir, due)
         return metrics

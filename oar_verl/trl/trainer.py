@@ -91,12 +91,11 @@ class OARGRPOTrainer(GRPOTrainer):
         _refuse_multimodal(model, kw.get("processing_class", a[2] if len(a) > 2 else None))  # before loading it
         super().__init__(model, reward_funcs, args, *a, **kw)
         self._oar_flat_warned = False
-        self._oar_dumps = DumpSchedule(self.oar_cfg.dump_every, "oar_dump_every", " on the main process")
         self._oar_logps: list[torch.Tensor] | None = None  # set while _compute_loss runs for a sequence metric
         # OAR steps per optimizer step: ⌈GA / (steps_per_generation × num_iterations)⌉, the most generations in one
         self._oar_per_step = max(1, -(-self.args.gradient_accumulation_steps //
                                       (self.args.steps_per_generation * self.num_iterations)))
-        self._oar_last = (-1, 0)  # (global_step, index in it) of the last generation reshaped
+        self._oar_launch()
         self._oar_check_model()
 
     # -- start-up checks on the built policy
@@ -157,6 +156,16 @@ class OARGRPOTrainer(GRPOTrainer):
             if due is not None:
                 self._oar_dump(step, output, res, due)
         return output
+
+    def _oar_launch(self) -> None:
+        """OAR's state of one ``train()`` call: a second call (a resume from an earlier checkpoint) starts afresh."""
+        self._oar_last = (-1, 0)  # (global_step, index in it) of the last generation reshaped
+        self._oar_dumps = DumpSchedule(self.oar_cfg.dump_every, "oar_dump_every", " on the main process",
+                                       "its prompt groups' rewards tied")
+
+    def train(self, *args, **kwargs):
+        self._oar_launch()
+        return super().train(*args, **kwargs)
 
     def _oar_step(self) -> int:
         """This generation's OAR step (probe schedule, noise seeds, dump file): ``global_step × r + k + 1``, r =

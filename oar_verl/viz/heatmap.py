@@ -5,8 +5,9 @@ usage::
     python -m oar_verl.viz.heatmap DUMP_DIR_OR_FILE --out page.html [--max-steps 10] [--correct-threshold 0.5]
 
 Input: the trainer's token dumps (``algorithm.oar.dump_every=K``: ``step_<N>.jsonl``, one JSON object per rollout in
-the format of :mod:`oar_verl.core.dumps`; an optional ``"prompt"`` is shown above its group). Per step and
-prompt group, the correct rollouts on the left and the incorrect ones on the right, each reasoning token coloured by
+the format of :mod:`oar_verl.core.dumps`; an optional ``"prompt"`` is shown above its group, a ``"due_step"`` beside its
+step). Per step and prompt group, the correct rollouts on the left and the incorrect ones on the right, each reasoning
+token coloured by
 its weight (blue < 1 < red), the rest grey. Multi-turn rows (an optional per-token ``"turn"``: the assistant turn
 of each of the model's tokens, -1 on context; docs/multi_turn.md) show tool outputs and user turns boxed as context
 and a marker where each later turn starts. Layout and colours: docs/verl.md, "Token dumps and heatmaps".
@@ -198,7 +199,9 @@ def render_html(records: list[dict], *, title: str = "OAR token weights", correc
     parts.append(f'<div class="meta">groups with both correct and incorrect rollouts: '
                  f'{" · ".join(links) if links else "none"}</div>')
     for step, groups in steps.items():
-        parts.append(f'<h2 id="step-{step}">step {step}</h2>')
+        due = sorted({r["due_step"] for rows in groups.values() for r in rows if "due_step" in r})
+        stood_in = f' (the dump due at step {", ".join(map(str, due))})' if due else ""
+        parts.append(f'<h2 id="step-{step}">step {step}{stood_in}</h2>')
         # groups with both correct and incorrect rollouts first: those are the comparisons worth reading
         for uid, rows in sorted(groups.items(), key=lambda kv: not mixed(kv[1])):
             good = [r for r in rows if r["reward"] >= correct_threshold]

@@ -445,4 +445,5 @@ def test_a_plain_grpo_fallback_step_writes_no_empty_dump(setup, tmp_path, capsys
     assert len(att.rows) and metrics["oar/auto/calibrating"] == 1
     assert not (tmp_path / "dumps").exists()
     said = capsys.readouterr().out
-    assert "no row attributed at step 5" in said and "(algorithm.oar.dump_every=1)" in said
+    assert "no row reshaped from its scores at step 5 (every prompt group's rewards tied, or mode=auto's plain-GRPO " \
+        "fallback)" in said and "(algorithm.oar.dump_every=1)" in said

@@ -33,12 +33,12 @@ def test_dumps_on_every_multiple_and_a_due_step_without_attributed_rows_passes_i
     attributed = {1: True, 2: False, 3: False, 4: True, 5: True, 6: False, 7: False, 8: True, 9: True}
     assert _written(2, attributed) == [(4, 2), (8, 6)]
     said = capsys.readouterr().out
-    assert "no row attributed at step 2" in said and "no row attributed at step 6" in said
+    assert "no row reshaped from its scores at step 2" in said and "at step 6 (" in said
     assert "step 3 " not in said and "step 4 " not in said  # said once, at the due step
     assert "(algorithm.oar.dump_every=2)" in said
     assert _written(1, attributed, "oar_dump_every", " on the main process") == [(1, 1), (4, 2), (5, 5), (8, 6), (9, 9)]
     said = capsys.readouterr().out
-    assert "no row attributed on the main process at step 2" in said and "(oar_dump_every=1)" in said
+    assert "no row reshaped from its scores on the main process at step 2" in said and "(oar_dump_every=1)" in said
 
 
 def test_steps_that_skip_numbers_or_resume_still_dump():
@@ -49,6 +49,16 @@ def test_steps_that_skip_numbers_or_resume_still_dump():
     assert _written(4, odd) == [(5, 5), (9, 9)]
     assert _written(5, {s: True for s in range(11, 21)}) == [(15, 15), (20, 20)]
     assert _written(4, {s: s != 5 for s in range(1, 12, 2)}) == [(7, 5), (9, 9)]
+
+
+def test_a_step_number_going_back_starts_the_schedule_afresh():
+    """A second launch from an earlier step on the same schedule (TRL: ``train()`` again, resuming an earlier
+    checkpoint): the dump waiting from the first is dropped, never recorded as due after the step that writes it."""
+    schedule = dumps.DumpSchedule(5, "oar_dump_every")
+    first = [(s, schedule.take(s, s != 10)) for s in range(1, 11)]
+    assert [w for w in first if w[1] is not None] == [(5, 5)]  # step 10 tied: its dump waits
+    again = [(s, schedule.take(s, True)) for s in range(5, 11)]
+    assert [w for w in again if w[1] is not None] == [(5, 5), (10, 10)]
 
 
 def test_a_dump_passed_on_records_its_due_step(tmp_path):

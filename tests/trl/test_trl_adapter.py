@@ -326,6 +326,9 @@ def test_a_generation_serving_two_optimizer_steps_still_dumps(tiny_assets, polic
     dumps = sorted((tmp_path / "oar_dumps").glob("step_*.jsonl"))
     assert [p.name for p in dumps] == ["step_3.jsonl"]
     assert {json.loads(line)["step"] for line in dumps[0].read_text().splitlines()} == {3}
+    dumps[0].unlink()  # train() again: a new launch from step 0 dumps afresh
+    trainer.train()
+    assert [p.name for p in sorted((tmp_path / "oar_dumps").glob("step_*.jsonl"))] == ["step_3.jsonl"]
 
 
 # ---- TRL's per-sequence metrics read TRL's own (B,) advantages

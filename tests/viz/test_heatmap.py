@@ -85,6 +85,13 @@ def test_render_fixture(tmp_path):
         records)
 
 
+def test_a_dump_passed_on_names_its_due_step():
+    records = heatmap.load_dump(FIXTURES)
+    assert '<h2 id="step-4">step 4</h2>' in heatmap.render_html(records)
+    passed_on = [{**r, "due_step": 2} for r in records]
+    assert '<h2 id="step-4">step 4 (the dump due at step 2)</h2>' in heatmap.render_html(passed_on)
+
+
 def test_mismatched_arrays_are_rejected(tmp_path):
     record = json.loads((FIXTURES / "step_4.jsonl").read_text().splitlines()[0])
     record["weight"] = record["weight"][:-1]
